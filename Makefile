@@ -1,0 +1,27 @@
+# Two commands do all set-up: `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv on first use and reinstall only when pyproject.toml changes.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-slow clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/attnzoo list
+	$(BIN)/attnzoo demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

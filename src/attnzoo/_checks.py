@@ -1,0 +1,97 @@
+"""Input validation shared by every mechanism and backend.
+
+Every check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong shape
+or value) with a message that names the argument, what was expected, and the fix, so a user
+never has to decode a shape error from inside an einsum.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(x: object, name: str, ndim: int, layout: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(
+            f"{name} must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}; "
+            f"use einops.rearrange to move heads into dimension 1"
+            if ndim == 4
+            else f"{name} must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}"
+        )
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+    return x
+
+
+def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True) -> None:
+    """Validate ``q (B, H, N_q, D)``, ``k (B, H, N_kv, D)``, ``v (B, H, N_kv, D_v)``."""
+    check_tensor(q, "q", 4, "(B, H, N_q, D)")
+    check_tensor(k, "k", 4, "(B, H, N_kv, D)")
+    check_tensor(v, "v", 4, "(B, H, N_kv, D_v)")
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    for dim, what in ((0, "batch size B"), (1, "number of heads H")):
+        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
+            raise ValueError(
+                f"q, k, v must agree on the {what} (dimension {dim}), got "
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dimension D, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same length N_kv, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[2] == 0:
+        raise ValueError("k and v must hold at least one position (N_kv >= 1)")
+    if not cross_attention and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"this mechanism is self-attention only: q and k must have the same length, got "
+            f"N_q={q.shape[2]} and N_kv={k.shape[2]}; use a mechanism whose capabilities list cross_attention"
+        )
+
+
+def check_causal(causal: object, n_q: int, n_kv: int) -> bool:
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal and n_q > n_kv:
+        raise ValueError(
+            f"causal=True needs N_q <= N_kv (queries are aligned to the end of the keys), got "
+            f"N_q={n_q} > N_kv={n_kv}; the first {n_q - n_kv} queries would see no key"
+        )
+    return causal
+
+
+def check_key_padding_mask(mask: object, batch: int, n_kv: int, device: torch.device) -> Tensor | None:
+    """``key_padding_mask`` is bool ``(B, N_kv)``, True = a real token (SDPA's convention)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"key_padding_mask must be a bool tensor (B, N_kv) or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"key_padding_mask must have dtype torch.bool (True = real token), got {mask.dtype}; "
+            f"for a 0/1 mask use mask.bool(), for an additive -inf mask use mask == 0"
+        )
+    if tuple(mask.shape) != (batch, n_kv):
+        raise ValueError(f"key_padding_mask must have shape (B, N_kv) = {(batch, n_kv)}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask is on {mask.device} but q, k, v are on {device}; move it with .to()")
+    return mask
+
+
+def check_choice(value: object, name: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def check_positive_int(value: object, name: str, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")

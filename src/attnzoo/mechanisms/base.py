@@ -1,0 +1,85 @@
+"""The base class of every ``(q, k, v)`` attention mechanism.
+
+``Attention.forward`` validates inputs against the mechanism's declared capabilities once, here,
+so each mechanism implements only ``_attend`` with inputs it knows it can honour. A request it
+cannot honour (causal, key padding, a score_mod, cross-attention, a decode step) raises a
+``ValueError`` that says so and names the registered mechanisms that can.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
+from attnzoo.registry import names, spec_of_config
+from attnzoo.spec import ScoreMod, Spec
+
+
+class Attention(nn.Module):
+    """Base class: ``forward(q, k, v, *, causal=False, key_padding_mask=None, score_mod=None)``.
+
+    Shapes:
+        q ``(B, H, N_q, D)``, k ``(B, H, N_kv, D)``, v ``(B, H, N_kv, D_v)`` -> ``(B, H, N_q, D_v)``.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+
+    @property
+    def spec(self) -> Spec:
+        return spec_of_config(self.config)
+
+    def extra_repr(self) -> str:
+        return repr(self.config)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        score_mod: ScoreMod | None = None,
+    ) -> Tensor:
+        caps = self.spec.capabilities
+        check_qkv(q, k, v, cross_attention=caps.cross_attention)
+        causal = check_causal(causal, q.shape[2], k.shape[2])
+        key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        if causal and not caps.causal:
+            self._refuse("causal=True", "causal")
+        if key_padding_mask is not None and not caps.key_padding:
+            self._refuse("key_padding_mask", "key_padding")
+        if score_mod is not None and not caps.score_mod:
+            self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
+        return self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement _attend")
+
+    def init_state(self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None) -> Any:
+        """Empty decode state for ``step``. Mechanisms with ``decode_step`` override this."""
+        self._refuse("a decode step", "decode_step")
+
+    def step(self, state: Any, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None) -> tuple[Tensor, Any]:
+        """Attend new queries ``q (B, H, T, D)`` (usually T = 1) to everything seen so far plus
+        the new ``k, v``; return ``(output (B, H, T, D_v), new_state)``."""
+        self._refuse("a decode step", "decode_step")
+
+    def _refuse(self, what: str, capability: str) -> None:
+        able = names(**{capability: True})
+        raise ValueError(
+            f"{self.spec.name!r} does not support {what}; mechanisms that do: {', '.join(able) or '(none yet)'}"
+        )

@@ -1,0 +1,134 @@
+"""Exact attention: ``O = softmax(s * Q K^T + mask) V`` (Vaswani et al. 2017).
+
+The fast path hands the plain case (softmax normaliser, no ``score_mod``) to
+``torch.nn.functional.scaled_dot_product_attention``; everything else runs
+``reference_attention``. Both compute the same function, tested against each other and against
+the double-loop oracle in ``tests/oracles.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnzoo.backends.reference import reference_attention, visible_pairs
+from attnzoo.mechanisms.base import Attention
+from attnzoo.registry import Config, register
+from attnzoo.spec import Capabilities, Complexity, ScoreMod
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftmaxConfig(Config):
+    """Config of ``softmax``.
+
+    Args:
+        normalizer: ``"softmax"`` (default) or ``"relu"``: ReLU scores divided by their row sum
+            over visible keys (rows whose ReLU scores sum to 0 give zeros).
+        scale: score scale; default None means ``1 / sqrt(D)``.
+    """
+
+    normalizer: Literal["softmax", "relu"] = "softmax"
+    scale: float | None = None
+
+    def validate(self) -> None:
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Decode state of exact attention: every key and value seen so far, ``(B, H, T, D)``."""
+
+    k: Tensor
+    v: Tensor
+
+    def append(self, k: Tensor, v: Tensor) -> KVCache:
+        # torch.cat copies the cache each step (O(T) per token); fine for the reference model.
+        return KVCache(torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2))
+
+
+@register(
+    "softmax",
+    config=SoftmaxConfig,
+    family="exact",
+    summary="Exact scaled dot-product attention (SDPA fast path, dense reference otherwise).",
+    paper="Vaswani et al. 2017, Attention Is All You Need, https://arxiv.org/abs/1706.03762",
+    capabilities=Capabilities(
+        causal=True, key_padding=True, decode_step=True, cross_attention=True, score_mod=True,
+        backends=("sdpa", "reference"),
+    ),
+    complexity=Complexity(time="O(N^2 D)", memory="O(N D) SDPA, O(N^2) reference"),
+    notes=(
+        "causal aligns queries to the end of the keys: query i sees keys j <= i + N_kv - N_q",
+        "a query with no visible key returns zeros and passes zero gradient",
+        "bf16/fp16 inputs are accumulated in float32",
+    ),
+)
+class SoftmaxAttention(Attention):
+    """Exact attention. The plain case runs SDPA; ``normalizer="relu"`` or a ``score_mod``
+    runs the dense reference. ``uses_fast_path(...)`` says which one a call takes."""
+
+    config: SoftmaxConfig
+
+    def uses_fast_path(self, *, score_mod: ScoreMod | None = None) -> bool:
+        return self.config.normalizer == "softmax" and score_mod is None
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+        key_padding_mask: Tensor | None, score_mod: ScoreMod | None,
+    ) -> Tensor:
+        if not self.uses_fast_path(score_mod=score_mod):
+            return self.forward_with_weights(
+                q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod
+            )[0]
+        return sdpa_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale)
+
+    def forward_with_weights(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+        key_padding_mask: Tensor | None = None, score_mod: ScoreMod | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The dense reference: ``(output, weights (B, H, N_q, N_kv))``, for pictures and for
+        position encodings that need the weights (Shaw relative values)."""
+        out, weights = reference_attention(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod,
+            scale=self.config.scale, normalizer=self.config.normalizer, return_weights=True,
+        )
+        return out, weights
+
+    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+        """The ``(B, H, N_q, N_kv)`` attention matrix this mechanism applies."""
+        v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
+        return self.forward_with_weights(q, k, v, causal=causal, key_padding_mask=key_padding_mask)[1]
+
+    def init_state(self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None) -> KVCache:
+        empty = torch.empty(batch, heads, 0, head_dim, device=device, dtype=dtype)
+        return KVCache(empty, torch.empty(batch, heads, 0, value_dim, device=device, dtype=dtype))
+
+    def step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None) -> tuple[Tensor, KVCache]:
+        state = state.append(k, v)
+        # The new queries are the last T positions of the cache: causal (end-aligned) lets each
+        # see the whole past and the new tokens up to itself.
+        return self(q, state.k, state.v, causal=True, score_mod=score_mod), state
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None, scale: float | None
+) -> Tensor:
+    """Exact softmax attention through ``F.scaled_dot_product_attention``.
+
+    SDPA's own ``is_causal`` aligns queries to the start of the keys; attnzoo aligns them to
+    the end, so for ``N_q != N_kv`` (and whenever padding is combined with causal) the mask is
+    passed explicitly. A row with no visible key comes back as zeros (checked by tests).
+    """
+    n_q, n_kv = q.shape[2], k.shape[2]
+    if key_padding_mask is None and (not causal or n_q == n_kv):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    mask = visible_pairs(
+        q.shape[0], q.shape[1], n_q, n_kv, causal=causal, key_padding_mask=key_padding_mask,
+        mask_mod=None, device=q.device,
+    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -1,0 +1,170 @@
+"""``MultiHeadAttention``: per-head q/k/v projections around any registered mechanism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from attnzoo._checks import check_positive_int, check_tensor
+from attnzoo.mechanisms.base import Attention
+from attnzoo.positional import PositionalEncoding, build_positional
+from attnzoo.registry import build
+
+
+@dataclass(frozen=True)
+class MHAState:
+    """Decode state of one attention layer: the mechanism's state and the next position."""
+
+    mechanism: Any
+    position: int
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (Vaswani et al. 2017, §3.2) over any registered mechanism.
+
+    ``y = W_o concat_h(mechanism(W_q^h x, W_k^h c, W_v^h c))`` with ``c = x`` (self-attention)
+    or ``c = context`` (cross-attention).
+
+    Args:
+        dim: model width of ``x``.
+        heads: number of heads.
+        mechanism: a registered name (``attnzoo.names()``) or a built ``Attention`` module.
+            Default ``"softmax"``.
+        kv_dim: width of ``context`` for cross-attention; default ``dim``.
+        head_dim: width per head; default ``dim // heads`` (then ``dim % heads`` must be 0).
+        positional: None, a name (``"sinusoidal"``, ``"rope"``, ``"alibi"``, ``"relative"``) or
+            a ``attnzoo.positional.PositionalEncoding``. Absolute encodings given here are added
+            to the query and key inputs (not the values).
+        dropout: dropout on the output projection. Default 0.
+        bias: whether the projections have biases. Default True.
+        **mechanism_config: the mechanism's config (only with a name); unknown keys raise.
+
+    Shapes:
+        ``x (B, N_q, dim)``, ``context (B, N_kv, kv_dim)``, ``key_padding_mask (B, N_kv)`` bool
+        (True = real token) -> ``(B, N_q, dim)``.
+    """
+
+    def __init__(
+        self, dim: int, heads: int, mechanism: str | Attention = "softmax", *, kv_dim: int | None = None,
+        head_dim: int | None = None, positional: str | PositionalEncoding | None = None,
+        dropout: float = 0.0, bias: bool = True, **mechanism_config: Any,
+    ) -> None:
+        super().__init__()
+        check_positive_int(dim, "dim")
+        check_positive_int(heads, "heads")
+        if head_dim is None and dim % heads:
+            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}), or pass head_dim explicitly")
+        self.dim, self.heads = dim, heads
+        self.head_dim = dim // heads if head_dim is None else head_dim
+        self.kv_dim = dim if kv_dim is None else kv_dim
+        check_positive_int(self.head_dim, "head_dim")
+        check_positive_int(self.kv_dim, "kv_dim")
+        self.attn = _resolve_mechanism(mechanism, mechanism_config)
+        self.positional = build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim)
+        _check_positional(self.positional, self.attn)
+        inner = heads * self.head_dim
+        self.q_proj = nn.Linear(dim, inner, bias=bias)
+        self.k_proj = nn.Linear(self.kv_dim, inner, bias=bias)
+        self.v_proj = nn.Linear(self.kv_dim, inner, bias=bias)
+        self.out_proj = nn.Linear(inner, dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self, x: Tensor, context: Tensor | None = None, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        check_tensor(x, "x", 3, f"(B, N, dim={self.dim})")
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
+        kv_in = x if context is None else context
+        if context is not None:
+            check_tensor(context, "context", 3, f"(B, N_kv, kv_dim={self.kv_dim})")
+            if context.shape[-1] != self.kv_dim or context.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"context must have shape (B={x.shape[0]}, N_kv, kv_dim={self.kv_dim}), got {tuple(context.shape)}"
+                )
+        q_pos = torch.arange(x.shape[1], device=x.device)
+        k_pos = torch.arange(kv_in.shape[1], device=x.device)
+        q, k, v = self._project(x, kv_in, q_pos, k_pos)
+        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        return self._merge(out)
+
+    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> MHAState:
+        """Empty decode state (self-attention only); see ``step``."""
+        state = self.attn.init_state(batch, self.heads, self.head_dim, self.head_dim, device=device, dtype=dtype)
+        return MHAState(state, 0)
+
+    def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
+        """Causal self-attention for the next ``T`` tokens ``x (B, T, dim)`` given everything
+        before them in ``state``; equals the matching rows of ``forward(..., causal=True)``."""
+        check_tensor(x, "x", 3, f"(B, T, dim={self.dim})")
+        pos = torch.arange(x.shape[1], device=x.device) + state.position
+        q, k, v = self._project(x, x, pos, pos)
+        if self.positional is not None and self.positional.needs_weights:
+            # Shaw value embeddings need the weights: keep the KV cache here and attend densely.
+            cache = state.mechanism.append(k, v)
+            out, mech_state = self._attend(q, cache.k, cache.v, causal=True, key_padding_mask=None), cache
+        else:
+            score_mod = self._score_mod(q, state.position + x.shape[1])
+            out, mech_state = self.attn.step(state.mechanism, q, k, v, score_mod=score_mod)
+        return self._merge(out), MHAState(mech_state, state.position + x.shape[1])
+
+    def _project(self, x: Tensor, kv_in: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        pe = self.positional
+        q_in = x if pe is None else pe.add_to_input(x, q_pos)
+        k_in = kv_in if pe is None else pe.add_to_input(kv_in, k_pos)
+        q, k, v = (
+            rearrange(proj(inp), "b n (h d) -> b h n d", h=self.heads)
+            for proj, inp in ((self.q_proj, q_in), (self.k_proj, k_in), (self.v_proj, kv_in))
+        )
+        if pe is not None:
+            q, k = pe.rotate(q, q_pos), pe.rotate(k, k_pos)
+        return q, k, v
+
+    def _score_mod(self, q: Tensor, n_kv: int) -> Any:
+        return None if self.positional is None else self.positional.score_mod(q, n_kv)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+        score_mod = self._score_mod(q, k.shape[2])
+        if self.positional is not None and self.positional.needs_weights:
+            out, weights = self.attn.forward_with_weights(
+                q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod
+            )
+            return out + self.positional.value_term(weights).to(out.dtype)
+        return self.attn(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+
+    def _merge(self, out: Tensor) -> Tensor:
+        return self.dropout(self.out_proj(rearrange(out, "b h n d -> b n (h d)")))
+
+
+def _resolve_mechanism(mechanism: str | Attention, config: dict[str, Any]) -> Attention:
+    if isinstance(mechanism, str):
+        attn = build(mechanism, **config)
+    elif isinstance(mechanism, Attention):
+        if config:
+            raise ValueError(f"mechanism is already built; pass its config to attnzoo.build instead of {sorted(config)}")
+        attn = mechanism
+    else:
+        raise TypeError(f"mechanism must be a registered name or an attnzoo Attention module, got {type(mechanism).__name__}")
+    if not isinstance(attn, Attention):
+        raise ValueError(
+            f"{mechanism!r} is a token mixer, not a (q, k, v) mechanism; use it through "
+            f"attnzoo.nn.TransformerEncoderLayer(mechanism={mechanism!r})"
+        )
+    return attn
+
+
+def _check_positional(pe: PositionalEncoding | None, attn: Attention) -> None:
+    if pe is None:
+        return
+    if pe.biases_scores and not attn.spec.capabilities.score_mod:
+        attn._refuse(f"{type(pe).__name__} (a score bias)", "score_mod")
+    if pe.needs_weights and not callable(getattr(attn, "forward_with_weights", None)):
+        raise ValueError(
+            f"{type(pe).__name__} with value embeddings needs the attention weights, which "
+            f"{attn.spec.name!r} does not expose; use mechanism='softmax', or "
+            f"RelativePositionalEncoding(head_dim, values=False) for the key term alone"
+        )

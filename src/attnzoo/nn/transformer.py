@@ -1,0 +1,165 @@
+"""Pre-norm Transformer blocks over any registered mechanism, and a causal language model with
+a decode-step path whose step-by-step outputs equal its full causal forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnzoo._checks import check_positive_int
+from attnzoo.mechanisms.base import Attention
+from attnzoo.nn.attention import MHAState, MultiHeadAttention
+from attnzoo.positional import PositionalEncoding, build_positional
+
+
+class TransformerEncoderLayer(nn.Module):
+    """Pre-norm block: ``x + MHA(LN(x))``, then ``x + FFN(LN(x))`` (Xiong et al. 2020).
+
+    Args:
+        dim, heads, mechanism, positional, **mechanism_config: as ``MultiHeadAttention``.
+        ff_mult: feed-forward hidden width is ``ff_mult * dim``. Default 4.
+        dropout: on the attention output and in the feed-forward block. Default 0.
+    """
+
+    def __init__(
+        self, dim: int, heads: int, mechanism: str | Attention = "softmax", *, ff_mult: int = 4,
+        dropout: float = 0.0, positional: str | PositionalEncoding | None = None, **mechanism_config: Any,
+    ) -> None:
+        super().__init__()
+        check_positive_int(ff_mult, "ff_mult")
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = MultiHeadAttention(dim, heads, mechanism, positional=positional, dropout=dropout, **mechanism_config)
+        self.norm2 = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(
+            nn.Linear(dim, ff_mult * dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(ff_mult * dim, dim), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask)
+        return x + self.ff(self.norm2(x))
+
+    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> MHAState:
+        return self.attn.init_state(batch, device=device, dtype=dtype)
+
+    def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
+        h, state = self.attn.step(self.norm1(x), state)
+        x = x + h
+        return x + self.ff(self.norm2(x)), state
+
+
+class TransformerEncoder(nn.Module):
+    """``depth`` pre-norm layers and a final LayerNorm. Arguments as ``TransformerEncoderLayer``;
+    a positional name builds one encoding per layer, an instance is shared by all layers."""
+
+    def __init__(
+        self, dim: int, depth: int, heads: int, mechanism: str | Attention = "softmax", *, ff_mult: int = 4,
+        dropout: float = 0.0, positional: str | PositionalEncoding | None = None, **mechanism_config: Any,
+    ) -> None:
+        super().__init__()
+        check_positive_int(depth, "depth")
+        if isinstance(mechanism, Attention) and depth > 1:
+            raise ValueError("pass mechanism by name for depth > 1, so each layer builds its own module")
+        self.layers = nn.ModuleList(
+            TransformerEncoderLayer(
+                dim, heads, mechanism, ff_mult=ff_mult, dropout=dropout, positional=positional, **mechanism_config
+            )
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, causal=causal, key_padding_mask=key_padding_mask)
+        return self.norm(x)
+
+
+@dataclass(frozen=True)
+class LMState:
+    """Decode state of ``CausalLM``: one state per layer and the next position."""
+
+    layers: tuple[MHAState, ...]
+    position: int
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model: embedding, causal ``TransformerEncoder`` layers, LM head.
+
+    ``forward(tokens)`` runs the whole sequence causally; ``init_state`` + ``step`` decode token
+    by token (a KV cache for ``softmax``, the recurrent state for mechanisms that have one), and
+    the logits of each step equal the matching row of ``forward``.
+
+    Args:
+        vocab_size, dim, depth, heads, mechanism, ff_mult, dropout, **mechanism_config: as
+            ``TransformerEncoder``; the mechanism must support ``causal`` (and ``decode_step``
+            for ``step``).
+        positional: default ``"rope"``. Absolute encodings are added to the token embeddings;
+            the others act inside every attention layer.
+    """
+
+    def __init__(
+        self, vocab_size: int, dim: int, depth: int, heads: int, mechanism: str = "softmax", *,
+        positional: str | PositionalEncoding | None = "rope", ff_mult: int = 4, dropout: float = 0.0,
+        **mechanism_config: Any,
+    ) -> None:
+        super().__init__()
+        check_positive_int(vocab_size, "vocab_size")
+        self.embed = nn.Embedding(vocab_size, dim)
+        pe = build_positional(positional, dim=dim, heads=heads, head_dim=dim // heads)
+        self.input_positional = pe if pe is not None and pe.absolute else None
+        layer_positional = None if self.input_positional is not None else positional
+        self.decoder = TransformerEncoder(
+            dim, depth, heads, mechanism, ff_mult=ff_mult, dropout=dropout, positional=layer_positional,
+            **mechanism_config,
+        )
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        attn = self.decoder.layers[0].attn.attn
+        if not attn.spec.capabilities.causal:
+            attn._refuse("causal=True (a language model is causal)", "causal")
+
+    def forward(self, tokens: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+        """``tokens (B, N)`` int64 -> logits ``(B, N, vocab_size)``."""
+        x = self._embed(tokens, 0)
+        return self.head(self.decoder(x, causal=True, key_padding_mask=key_padding_mask))
+
+    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> LMState:
+        dtype = self.embed.weight.dtype if dtype is None else dtype
+        device = self.embed.weight.device if device is None else device
+        layers = tuple(layer.init_state(batch, device=device, dtype=dtype) for layer in self.decoder.layers)
+        return LMState(layers, 0)
+
+    def step(self, tokens: Tensor, state: LMState) -> tuple[Tensor, LMState]:
+        """Next tokens ``(B, T)`` -> their logits ``(B, T, vocab_size)`` and the new state."""
+        x = self._embed(tokens, state.position)
+        new_states = []
+        for layer, layer_state in zip(self.decoder.layers, state.layers):
+            x, layer_state = layer.step(x, layer_state)
+            new_states.append(layer_state)
+        logits = self.head(self.decoder.norm(x))
+        return logits, LMState(tuple(new_states), state.position + tokens.shape[1])
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, max_new_tokens: int) -> Tensor:
+        """Greedy decoding: ``prompt (B, N)`` -> ``(B, N + max_new_tokens)``."""
+        check_positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
+        state = self.init_state(prompt.shape[0])
+        logits, state = self.step(prompt, state)
+        out = [prompt]
+        for _ in range(max_new_tokens):
+            token = logits[:, -1:].argmax(-1)
+            out.append(token)
+            logits, state = self.step(token, state)
+        return torch.cat(out, dim=1)
+
+    def _embed(self, tokens: Tensor, start: int) -> Tensor:
+        if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"tokens must be an integer tensor (B, N), got {getattr(tokens, 'shape', type(tokens))}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.embed.num_embeddings):
+            raise ValueError(f"tokens must lie in [0, vocab_size={self.embed.num_embeddings}), got range "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        x = self.embed(tokens)
+        if self.input_positional is not None:
+            x = self.input_positional.add_to_input(x, torch.arange(tokens.shape[1], device=x.device) + start)
+        return x

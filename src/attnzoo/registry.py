@@ -1,0 +1,181 @@
+"""The mechanism registry: ``register`` a module class with its config and spec, ``build`` one
+by name, list ``names``, ``describe`` one.
+
+Config classes subclass ``Config``: frozen, keyword-only dataclasses. ``build`` rejects unknown
+keys with the list of valid ones; constructing a config (through ``build`` or directly) checks
+every value against its annotation (``int``, ``float``, ``bool``, ``str``, ``Literal[...]``,
+``X | None``, ``tuple[...]``) and then runs the class's own ``validate()`` for ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Callable, Literal
+
+from torch import nn
+
+from attnzoo.spec import Capabilities, Complexity, Spec
+
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Base of every mechanism config: type-checks fields on construction, then ``validate``."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _matches(value, hints[f.name]):
+                # A value of the right type but outside a Literal's choices is a ValueError.
+                literal = typing.get_origin(hints[f.name]) is Literal
+                error = ValueError if literal else TypeError
+                raise error(f"{type(self).__name__}: {f.name!r} must be {_show(hints[f.name])}, got {value!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """Check value ranges; override in subclasses. Raise ValueError naming the field."""
+
+
+_SPECS: dict[str, Spec] = {}
+_BY_CONFIG: dict[type, Spec] = {}
+
+
+def register(
+    name: str,
+    *,
+    config: type,
+    family: str,
+    summary: str,
+    paper: str,
+    capabilities: Capabilities,
+    complexity: Complexity,
+    notes: tuple[str, ...] = (),
+) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    """Class decorator: register ``module`` under ``name``; ``build(name, **kw)`` then returns
+    ``module(config(**kw))``. Each name has its own config class."""
+    params = getattr(config, "__dataclass_params__", None)
+    frozen_kw = params is not None and params.frozen and all(f.kw_only for f in dataclasses.fields(config))
+    if not (isinstance(config, type) and issubclass(config, Config) and frozen_kw):
+        raise TypeError(f"config for {name!r} must be a frozen, keyword-only dataclass subclassing Config")
+    if name in _SPECS:
+        raise ValueError(f"a mechanism named {name!r} is already registered")
+    if config in _BY_CONFIG:
+        raise ValueError(f"{config.__name__} already configures {_BY_CONFIG[config].name!r}; give {name!r} its own")
+
+    def decorate(module: type[nn.Module]) -> type[nn.Module]:
+        spec = Spec(
+            name=name, family=family, summary=summary, paper=paper, config=config, module=module,
+            capabilities=capabilities, complexity=complexity, notes=notes,
+        )
+        _SPECS[name] = spec
+        _BY_CONFIG[config] = spec
+        return module
+
+    return decorate
+
+
+def names(*, family: str | None = None, kind: str | None = None, **capabilities: bool) -> list[str]:
+    """Registered names, sorted; optionally only a ``family``, a ``kind`` ("attention" or
+    "mixer"), or those with the given capability flags, e.g. ``names(causal=True)``."""
+    valid = {f.name for f in dataclasses.fields(Capabilities)} - {"backends", "kind"}
+    unknown = set(capabilities) - valid
+    if unknown:
+        raise ValueError(f"unknown capability {sorted(unknown)}; valid: {sorted(valid)}")
+    return sorted(
+        spec.name
+        for spec in _SPECS.values()
+        if (family is None or spec.family == family)
+        and (kind is None or spec.capabilities.kind == kind)
+        and all(getattr(spec.capabilities, key) == want for key, want in capabilities.items())
+    )
+
+
+def describe(name: str) -> Spec:
+    """The ``Spec`` of a registered mechanism: family, paper, complexity, capabilities, config."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if name not in _SPECS:
+        close = difflib.get_close_matches(name, list(_SPECS), n=3)
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise ValueError(f"no mechanism named {name!r}{hint}; registered: {', '.join(sorted(_SPECS))}")
+    return _SPECS[name]
+
+
+def spec_of_config(config: object) -> Spec:
+    """The spec whose config class ``config`` is an instance of."""
+    spec = _BY_CONFIG.get(type(config))
+    if spec is None:
+        raise TypeError(f"{type(config).__name__} is not the config of any registered mechanism")
+    return spec
+
+
+def make_config(name: str, **values: Any) -> Any:
+    """Validate ``values`` against ``name``'s config class and return the config."""
+    spec = describe(name)
+    fields = {f.name: f for f in dataclasses.fields(spec.config)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(map(repr, unknown))} for {name!r}; "
+            f"valid keys: {', '.join(fields) or '(none)'}"
+        )
+    return spec.config(**values)
+
+
+def build(name: str, **config: Any) -> nn.Module:
+    """Build the mechanism registered as ``name`` with the given config values.
+
+    >>> attn = build("softmax", normalizer="relu")
+    """
+    return describe(name).module(make_config(name, **config))
+
+
+def config_fields(name: str) -> dict[str, tuple[str, Any]]:
+    """``{key: (type as text, default)}`` for ``name``'s config (for ``attnzoo describe``)."""
+    spec = describe(name)
+    hints = typing.get_type_hints(spec.config)
+    out = {}
+    for f in dataclasses.fields(spec.config):
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        out[f.name] = (_show(hints[f.name]), default)
+    return out
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin is Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(x, args[0]) for x in value)
+        return len(args) == len(value) and all(_matches(x, a) for x, a in zip(value, args))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _show(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return " | ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_show(a) for a in args)
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))

@@ -1,0 +1,78 @@
+"""What a mechanism declares about itself, as data: capabilities, complexity, and the two
+callable signatures that carry pattern and score semantics.
+
+Index convention (used by ``causal``, ``MaskMod`` and ``ScoreMod`` everywhere in attnzoo):
+queries are aligned to the *end* of the key sequence. Query row ``i`` of ``N_q`` sits at
+position ``i + (N_kv - N_q)`` of the key sequence, and that aligned position is the ``q_idx``
+a mask or score function receives. For self-attention (``N_q == N_kv``) this is plain ``i``,
+exactly FlexAttention's convention; for a decode step (one query against a cache of ``t + 1``
+keys) it is ``t``, so causal masks and position biases need no special case when decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from torch import Tensor
+
+#: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``: True where the pair is computed.
+#: Arguments are broadcastable integer tensors (FlexAttention's signature, vectorised).
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+#: ``score_mod(score, b, h, q_idx, kv_idx) -> score``: edits the scaled score of each pair
+#: (e.g. adds an ALiBi or relative-position bias). Same broadcasting as ``MaskMod``.
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+Kind = Literal["attention", "mixer"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a mechanism can honour. Anything declared False raises when asked for.
+
+    Attributes:
+        causal: honours ``causal=True`` in the strong sense (output i depends on inputs <= i).
+        key_padding: honours ``key_padding_mask``.
+        decode_step: has ``init_state`` / ``step`` for O(state) autoregressive decoding.
+        cross_attention: accepts ``N_q != N_kv`` (keys/values from another sequence).
+        score_mod: accepts a ``score_mod`` (position biases such as ALiBi, Shaw relative).
+        backends: the attention backends it can run on (empty for mechanisms with their own
+            computation).
+        kind: ``"attention"`` mechanisms take ``(q, k, v)``; ``"mixer"`` token mixers take the
+            layer input ``x`` of shape ``(B, N, dim)``.
+    """
+
+    causal: bool
+    key_padding: bool
+    decode_step: bool = False
+    cross_attention: bool = False
+    score_mod: bool = False
+    backends: tuple[str, ...] = ()
+    kind: Kind = "attention"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Complexity:
+    """Asymptotic cost of the fast path in N (sequence), D (head dim) and the mechanism's own
+    parameters, as human-readable strings, e.g. ``time="O(N^2 D)"``, ``memory="O(N D)"``."""
+
+    time: str
+    memory: str
+    #: True when the fast path never materialises an N x N tensor (checked by tests).
+    subquadratic_memory: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """Everything ``attnzoo.describe(name)`` reports about one registered mechanism."""
+
+    name: str
+    family: str
+    summary: str
+    paper: str
+    config: type
+    module: type
+    capabilities: Capabilities
+    complexity: Complexity
+    notes: tuple[str, ...] = field(default_factory=tuple)

@@ -1,0 +1,354 @@
+"""Independent test oracles for attnzoo.
+
+Every function in this module is a deliberately slow, "obviously correct"
+reference implementation written straight from the published formulas, *not*
+from the library's source.  They exist so that the test-suite has something
+to compare the library against that does not share its bugs.
+
+Rules followed throughout:
+
+* All arithmetic is done in float64 (inputs are converted with ``.to(float64)``
+  first, which keeps the autograd graph, so gradients w.r.t. the original
+  inputs can be compared as well).
+* The loops over batch ``b``, head ``h``, query ``i`` and key ``j`` are explicit
+  Python loops, so each line reads like the formula it implements.  Only the
+  head dimension ``D`` inside a single (i, j) pair is vectorised (a dot product
+  or a scaled vector add).
+* Outputs are assembled with ``torch.stack`` of per-row results, never via
+  ``.item()``, so they stay differentiable.
+
+These oracles are meant for tiny shapes (a handful of tokens); they are far too
+slow for anything else.
+
+Conventions (shared by all attention oracles):
+
+* ``scale`` defaults to ``1 / sqrt(D)``.
+* Causal masking is aligned bottom-right: with ``Nq`` queries and ``Nk`` keys,
+  query ``i`` sits at absolute position ``i + (Nk - Nq)`` and sees key ``j``
+  iff ``j <= i + (Nk - Nq)``.  For ``Nq == Nk`` this is the usual ``j <= i``.
+* ``key_padding_mask`` is a bool tensor of shape ``(B, Nk)``; ``True`` marks a
+  real token, a ``False`` key is never visible.
+* A query row that sees no key at all outputs exactly zeros (and its weight row
+  is all zeros).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+F64 = torch.float64
+
+__all__ = [
+    "attention_oracle",
+    "attention_weights_oracle",
+    "sinusoidal_oracle",
+    "alibi_slopes_oracle",
+    "alibi_bias_oracle",
+    "shaw_relative_oracle",
+    "rope_oracle",
+]
+
+
+# --------------------------------------------------------------------------
+# Plain (softmax / relu-normalised) attention
+# --------------------------------------------------------------------------
+
+def _check_qk(q: Tensor, k: Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be (B, H, N, D); got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, H or D")
+
+
+def _is_visible(b: int, i: int, j: int, nq: int, nk: int, causal: bool,
+                key_padding_mask: Optional[Tensor]) -> bool:
+    """Whether query i may attend to key j (in batch element b)."""
+    if causal and j > i + (nk - nq):  # bottom-right aligned causal mask
+        return False
+    if key_padding_mask is not None and not bool(key_padding_mask[b, j]):
+        return False
+    return True
+
+
+def _weight_rows(q: Tensor, k: Tensor, *, causal: bool, key_padding_mask: Optional[Tensor],
+                 scale: Optional[float], normalizer: str,
+                 score_bias: Optional[Tensor]) -> List[List[List[List[Optional[Tensor]]]]]:
+    """weights[b][h][i][j] as 0-dim float64 tensors, or None where w_ij is exactly 0.
+
+    (None marks "not visible" or "row normalises to zero"; callers turn it into
+    an exact 0.0.)
+    """
+    _check_qk(q, k)
+    if normalizer not in ("softmax", "relu"):
+        raise ValueError(f"unknown normalizer {normalizer!r}")
+    q = q.to(F64)
+    k = k.to(F64)
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if score_bias is not None:
+        score_bias = torch.broadcast_to(score_bias.to(F64), (B, H, Nq, Nk))
+    if key_padding_mask is not None:
+        if tuple(key_padding_mask.shape) != (B, Nk):
+            raise ValueError(f"key_padding_mask must be (B, Nk) = {(B, Nk)}, got {tuple(key_padding_mask.shape)}")
+        key_padding_mask = key_padding_mask.to(torch.bool)
+
+    weights = []
+    for b in range(B):
+        per_b = []
+        for h in range(H):
+            per_h = []
+            for i in range(Nq):
+                # s_ij = scale * <q_i, k_j> (+ bias_ij), only for visible j
+                scores: List[Optional[Tensor]] = []
+                for j in range(Nk):
+                    if not _is_visible(b, i, j, Nq, Nk, causal, key_padding_mask):
+                        scores.append(None)
+                        continue
+                    s = scale * torch.dot(q[b, h, i], k[b, h, j])
+                    if score_bias is not None:
+                        s = s + score_bias[b, h, i, j]
+                    scores.append(s)
+
+                visible = [s for s in scores if s is not None]
+                row: List[Optional[Tensor]] = [None] * Nk
+                if not visible:
+                    per_h.append(row)  # no visible key -> all-zero weights
+                    continue
+
+                if normalizer == "softmax":
+                    # subtract the row max for stability; softmax is invariant to it
+                    m = max(float(s.detach()) for s in visible)
+                    numer = [None if s is None else torch.exp(s - m) for s in scores]
+                    denom = sum(n for n in numer if n is not None)
+                    row = [None if n is None else n / denom for n in numer]
+                else:  # "relu"
+                    numer = [None if s is None else torch.relu(s) for s in scores]
+                    denom = sum(n for n in numer if n is not None)
+                    if float(denom.detach()) == 0.0:
+                        row = [None] * Nk  # sum of relu scores is 0 -> all-zero weights
+                    else:
+                        row = [None if n is None else n / denom for n in numer]
+                per_h.append(row)
+            per_b.append(per_h)
+        weights.append(per_b)
+    return weights
+
+
+def attention_weights_oracle(q: Tensor, k: Tensor, *, causal: bool = False,
+                             key_padding_mask: Optional[Tensor] = None,
+                             scale: Optional[float] = None, normalizer: str = "softmax",
+                             score_bias: Optional[Tensor] = None) -> Tensor:
+    """The (B, H, Nq, Nk) float64 attention weight matrix w_ij (0 where not visible).
+
+    See :func:`attention_oracle` for the semantics.
+    """
+    rows = _weight_rows(q, k, causal=causal, key_padding_mask=key_padding_mask,
+                        scale=scale, normalizer=normalizer, score_bias=score_bias)
+    B, H, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if B * H * Nq * Nk == 0:
+        return torch.zeros(B, H, Nq, Nk, dtype=F64, device=q.device)
+    zero = torch.zeros((), dtype=F64, device=q.device)
+    return torch.stack([
+        torch.stack([
+            torch.stack([
+                torch.stack([zero if w is None else w for w in row])
+                for row in per_h])
+            for per_h in per_b])
+        for per_b in rows])
+
+
+def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                     key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None,
+                     normalizer: str = "softmax", score_bias: Optional[Tensor] = None) -> Tensor:
+    """Reference scaled dot-product attention, float64, double loop over (i, j).
+
+    q: (B, H, Nq, D), k: (B, H, Nk, D), v: (B, H, Nk, Dv) -> (B, H, Nq, Dv) float64.
+
+    * s_ij = scale * <q_i, k_j> (+ score_bias[b, h, i, j]); scale defaults to 1/sqrt(D);
+      score_bias must be broadcastable to (B, H, Nq, Nk).
+    * causal (bottom-right aligned): key j visible iff j <= i + (Nk - Nq).
+    * key_padding_mask (B, Nk) bool, True = real token; False keys are invisible.
+    * normalizer "softmax": w_ij = exp(s_ij - max) / sum_{visible j'} exp(s_ij' - max).
+      normalizer "relu":    w_ij = relu(s_ij) / sum_{visible j'} relu(s_ij'),
+      with an all-zero row when that sum is 0.
+    * A row with no visible key outputs exactly zeros.
+    * out_i = sum_j w_ij v_j.
+
+    Differentiable w.r.t. q, k, v (and score_bias).
+    """
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must be (B, H, Nk, Dv) matching k {tuple(k.shape)}; got {tuple(v.shape)}")
+    rows = _weight_rows(q, k, causal=causal, key_padding_mask=key_padding_mask,
+                        scale=scale, normalizer=normalizer, score_bias=score_bias)
+    v = v.to(F64)
+    B, H, Nk, Dv = v.shape
+    if B * H == 0:
+        return torch.zeros(B, H, q.shape[2], Dv, dtype=F64, device=v.device)
+    out_b = []
+    for b in range(B):
+        out_h = []
+        for h in range(H):
+            out_i = []
+            for i, row in enumerate(rows[b][h]):
+                acc = torch.zeros(Dv, dtype=F64, device=v.device)
+                for j in range(Nk):
+                    w = row[j]
+                    if w is None:  # invisible (or zero-normalised) key contributes nothing
+                        continue
+                    acc = acc + w * v[b, h, j]
+                out_i.append(acc)
+            out_h.append(torch.stack(out_i) if out_i else v.new_zeros((0, Dv)))
+        out_b.append(torch.stack(out_h))
+    return torch.stack(out_b)
+
+
+# --------------------------------------------------------------------------
+# Sinusoidal absolute position encoding (Vaswani et al., 2017)
+# --------------------------------------------------------------------------
+
+def sinusoidal_oracle(n: int, dim: int) -> Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/dim)), PE[pos, 2i+1] = cos(pos / 10000^(2i/dim)).
+
+    Returns an (n, dim) float64 tensor.  (An odd ``dim`` simply ends on a sin column.)
+    """
+    pe = torch.zeros(n, dim, dtype=F64)
+    for pos in range(n):
+        for c in range(dim):
+            i = c // 2
+            angle = pos / (10000.0 ** (2.0 * i / dim))
+            pe[pos, c] = math.sin(angle) if c % 2 == 0 else math.cos(angle)
+    return pe
+
+
+# --------------------------------------------------------------------------
+# ALiBi (Press, Smith & Lewis, 2022)
+# --------------------------------------------------------------------------
+
+def _alibi_slopes_power_of_2(n: int) -> List[float]:
+    # start = 2^(-8/n); slope_h = start^(h+1) = 2^(-8/n * (h+1))
+    return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+
+
+def alibi_slopes_oracle(heads: int) -> List[float]:
+    """ALiBi head slopes, as in the reference implementation's ``get_slopes``.
+
+    For ``heads`` a power of two n: slope_h = 2^(-8/n * (h+1)), h = 0..n-1.
+    Otherwise, with p the largest power of two below ``heads``: the p slopes of
+    the power-of-two case, followed by every other slope (indices 0, 2, 4, ...)
+    of the 2p sequence, until there are ``heads`` slopes.
+    """
+    if heads < 1:
+        raise ValueError("heads must be >= 1")
+    if heads & (heads - 1) == 0:
+        return _alibi_slopes_power_of_2(heads)
+    p = 1 << (heads.bit_length() - 1)  # closest power of two below heads
+    extra = _alibi_slopes_power_of_2(2 * p)[0::2][: heads - p]
+    return _alibi_slopes_power_of_2(p) + extra
+
+
+def alibi_bias_oracle(heads: int, n: int) -> Tensor:
+    """(heads, n, n) float64 with bias[h, i, j] = -slope_h * |i - j|."""
+    slopes = alibi_slopes_oracle(heads)
+    bias = torch.zeros(heads, n, n, dtype=F64)
+    for h in range(heads):
+        for i in range(n):
+            for j in range(n):
+                bias[h, i, j] = -slopes[h] * abs(i - j)
+    return bias
+
+
+# --------------------------------------------------------------------------
+# Shaw, Uszkoreit & Vaswani (2018) relative position self-attention
+# --------------------------------------------------------------------------
+
+def shaw_relative_oracle(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor, rel_v: Tensor,
+                         max_distance: int, *, causal: bool = False,
+                         scale: Optional[float] = None) -> Tensor:
+    """Relative-position self-attention of Shaw et al. (2018), float64.
+
+    q, k: (B, H, N, D), v: (B, H, N, Dv); rel_k: (2*max_distance+1, D),
+    rel_v: (2*max_distance+1, Dv), indexed by
+    idx(i, j) = clip(j - i, -max_distance, max_distance) + max_distance.
+
+    e_ij = scale * <q_i, k_j + rel_k[idx(i, j)]>        (scale defaults to 1/sqrt(D))
+    w_ij = softmax over visible j (causal: j <= i)
+    out_i = sum_j w_ij (v_j + rel_v[idx(i, j)])
+
+    Differentiable w.r.t. q, k, v, rel_k, rel_v.
+    """
+    _check_qk(q, k)
+    q, k, v = q.to(F64), k.to(F64), v.to(F64)
+    rel_k, rel_v = rel_k.to(F64), rel_v.to(F64)
+    B, H, N, D = q.shape
+    if k.shape[2] != N or v.shape[2] != N:
+        raise ValueError("shaw_relative_oracle is self-attention: Nq must equal Nk")
+    if rel_k.shape[0] != 2 * max_distance + 1 or rel_v.shape[0] != 2 * max_distance + 1:
+        raise ValueError("rel_k / rel_v must have 2*max_distance+1 rows")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+
+    def idx(i: int, j: int) -> int:
+        return max(-max_distance, min(max_distance, j - i)) + max_distance
+
+    out_b = []
+    for b in range(B):
+        out_h = []
+        for h in range(H):
+            out_i = []
+            for i in range(N):
+                visible = [j for j in range(N) if not (causal and j > i)]
+                e = [scale * torch.dot(q[b, h, i], k[b, h, j] + rel_k[idx(i, j)]) for j in visible]
+                m = max(float(x.detach()) for x in e)
+                numer = [torch.exp(x - m) for x in e]
+                denom = sum(numer)
+                acc = torch.zeros(v.shape[3], dtype=F64, device=v.device)
+                for n_ij, j in zip(numer, visible):
+                    acc = acc + (n_ij / denom) * (v[b, h, j] + rel_v[idx(i, j)])
+                out_i.append(acc)
+            out_h.append(torch.stack(out_i))
+        out_b.append(torch.stack(out_h))
+    return torch.stack(out_b)
+
+
+# --------------------------------------------------------------------------
+# Rotary position embedding (Su et al., 2021), "rotate half" convention
+# --------------------------------------------------------------------------
+
+def rope_oracle(x: Tensor, positions: Union[Tensor, Sequence[int]], base: float = 10000.0) -> Tensor:
+    """Apply RoPE to x (..., N, D), D even, at integer ``positions`` (N,), float64.
+
+    "Rotate half" convention (GPT-NeoX / HF Llama style), NOT interleaved pairs:
+    for i in 0..D/2-1, theta_i = base^(-2i/D), and the pair
+    (x[..., i], x[..., i + D/2]) is rotated by the angle pos * theta_i:
+
+        out[i]       = x[i] * cos - x[i + D/2] * sin
+        out[i + D/2] = x[i] * sin + x[i + D/2] * cos
+
+    Differentiable w.r.t. x.
+    """
+    x = x.to(F64)
+    N, D = x.shape[-2], x.shape[-1]
+    if D % 2 != 0:
+        raise ValueError("rope_oracle needs an even head dim")
+    positions = [int(p) for p in (positions.tolist() if isinstance(positions, Tensor) else positions)]
+    if len(positions) != N:
+        raise ValueError(f"expected {N} positions, got {len(positions)}")
+    half = D // 2
+    rows = []
+    for n in range(N):
+        pos = positions[n]
+        first, second = [], []
+        for i in range(half):
+            theta = base ** (-2.0 * i / D)
+            c, s = math.cos(pos * theta), math.sin(pos * theta)
+            a, bb = x[..., n, i], x[..., n, i + half]
+            first.append(a * c - bb * s)
+            second.append(a * s + bb * c)
+        rows.append(torch.stack(first + second, dim=-1))  # (..., D)
+    return torch.stack(rows, dim=-2)  # (..., N, D)
