@@ -49,8 +49,8 @@ class PositionalEncoding(nn.Module):
 
 def sinusoidal_table(positions: Tensor, dim: int) -> Tensor:
     """``PE[p, 2i] = sin(p / 10000^(2i/dim))``, ``PE[p, 2i+1] = cos(...)``; shape ``(N, dim)``."""
-    freqs = torch.exp(torch.arange(0, dim, 2, device=positions.device) * (-math.log(10000.0) / dim))
-    angles = positions.to(torch.float64)[:, None] * freqs[None, :].to(torch.float64)
+    exponents = torch.arange(0, dim, 2, device=positions.device, dtype=torch.float64) / dim
+    angles = positions.to(torch.float64)[:, None] * 10000.0 ** -exponents[None, :]
     table = torch.zeros(positions.shape[0], dim, dtype=torch.float64, device=positions.device)
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles[:, : dim // 2])

@@ -1,0 +1,37 @@
+"""Shared fixtures: fixed seeds, and a factory for (q, k, v) with awkward shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def make_qkv(b: int, h: int, n_q: int, n_kv: int, d: int = 8, d_v: int | None = None,
+             dtype: torch.dtype = torch.float64, requires_grad: bool = True) -> tuple[torch.Tensor, ...]:
+    """Random ``q (B, H, N_q, D)``, ``k (B, H, N_kv, D)``, ``v (B, H, N_kv, D_v)``."""
+    d_v = d if d_v is None else d_v
+    q = torch.randn(b, h, n_q, d, dtype=dtype)
+    k = torch.randn(b, h, n_kv, d, dtype=dtype)
+    v = torch.randn(b, h, n_kv, d_v, dtype=dtype)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def padding_mask(b: int, n: int, *, empty_row: bool = True) -> torch.Tensor:
+    """A key padding mask (True = real) with varied lengths; batch 0 is all padding when
+    ``empty_row`` (so its rows see no key), the last batch row is unpadded."""
+    lengths = torch.linspace(0 if empty_row else 1, n, b).round().long()
+    return torch.arange(n)[None, :] < lengths[:, None]
+
+
+def grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """Gradients of ``<out, g>`` for a fixed random ``g`` (so every output element matters)."""
+    if not out.requires_grad:  # e.g. an oracle whose every row sees no key: the gradient is 0
+        return tuple(torch.zeros_like(x) for x in inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    found = torch.autograd.grad(out, inputs, g, allow_unused=True)
+    return tuple(torch.zeros_like(x) if d is None else d for x, d in zip(inputs, found))

@@ -1,0 +1,53 @@
+"""The README's usage example runs as written; the CLI lists, describes and demos."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnzoo.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_usage_example_runs_as_written():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "the README must contain a python usage example"
+    example = blocks[0]
+    assert len(example.strip().splitlines()) <= 5
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["out"].shape == (2, 8, 1024, 64)
+    assert namespace["y"].shape == (2, 1024, 512)
+    assert torch.isfinite(namespace["y"]).all()
+
+
+def test_list_shows_softmax_with_capabilities(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "softmax" in line)
+    for word in ("exact", "causal", "key_padding", "decode_step", "cross_attention"):
+        assert word in row
+
+
+def test_describe_and_unknown_name(capsys):
+    assert main(["describe", "softmax"]) == 0
+    out = capsys.readouterr().out
+    assert "1706.03762" in out and "normalizer" in out
+    assert main(["describe", "softmx"]) == 2
+    assert "did you mean 'softmax'" in capsys.readouterr().out
+
+
+def test_demo_reports_agreement(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    diffs = [float(x) for x in re.findall(r"max \|diff\|\s*=\s*([0-9.e+-]+)", out)]
+    assert len(diffs) == 3 and max(diffs) < 1e-4
+
+
+def test_bad_subcommand_exits_with_usage():
+    with pytest.raises(SystemExit):
+        main(["frobnicate"])

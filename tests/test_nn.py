@@ -1,0 +1,86 @@
+"""Layers: MultiHeadAttention against a hand computation, masking invariances, the causal LM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from einops import rearrange
+
+import attnzoo
+from oracles import attention_oracle
+from tolerances import assert_same
+
+
+def test_mha_equals_hand_computation_with_cross_attention_and_padding():
+    mha = attnzoo.nn.MultiHeadAttention(12, 3, kv_dim=5).double()
+    x, ctx = torch.randn(2, 4, 12, dtype=torch.float64), torch.randn(2, 6, 5, dtype=torch.float64)
+    mask = torch.tensor([[True] * 6, [True, True, True, False, False, False]])
+    split = lambda t: rearrange(t, "b n (h d) -> b h n d", h=3)  # noqa: E731
+    q, k, v = split(mha.q_proj(x)), split(mha.k_proj(ctx)), split(mha.v_proj(ctx))
+    heads = attention_oracle(q, k, v, key_padding_mask=mask)
+    expected = mha.out_proj(rearrange(heads, "b h n d -> b n (h d)"))
+    assert_same(mha(x, ctx, key_padding_mask=mask), expected)
+
+
+def test_encoder_ignores_the_content_of_padded_tokens():
+    enc = attnzoo.nn.TransformerEncoder(16, depth=2, heads=2).eval()
+    x = torch.randn(2, 9, 16)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, 6:] = False
+    y = enc(x, key_padding_mask=mask)
+    x2 = x.clone()
+    x2[0, 6:] = torch.randn(3, 16) * 100
+    y2 = enc(x2, key_padding_mask=mask)
+    assert torch.allclose(y[0, :6], y2[0, :6], atol=1e-5) and torch.allclose(y[1], y2[1])
+    assert not torch.allclose(y[0, 6:], y2[0, 6:])
+
+
+@pytest.mark.parametrize("positional", [None, "rope", "alibi"])
+def test_causal_outputs_ignore_the_future(positional):
+    enc = attnzoo.nn.TransformerEncoder(16, depth=2, heads=2, positional=positional).eval()
+    x = torch.randn(1, 10, 16)
+    x2 = x.clone()
+    x2[:, 6:] = torch.randn(1, 4, 16)
+    y, y2 = enc(x, causal=True), enc(x2, causal=True)
+    assert torch.allclose(y[:, :6], y2[:, :6], atol=1e-6)
+    assert not torch.allclose(y[:, 6:], y2[:, 6:])
+
+
+def test_generate_is_greedy_over_the_full_forward():
+    lm = attnzoo.nn.CausalLM(vocab_size=30, dim=32, depth=2, heads=4).eval()
+    prompt = torch.randint(0, 30, (2, 5))
+    out = lm.generate(prompt, max_new_tokens=6)
+    assert out.shape == (2, 11) and torch.equal(out[:, :5], prompt)
+    with torch.no_grad():
+        logits = lm(out[:, :-1])
+    assert torch.equal(logits[:, 4:].argmax(-1), out[:, 5:])
+
+
+def test_layer_errors_are_clear():
+    with pytest.raises(ValueError, match="divisible by heads"):
+        attnzoo.nn.MultiHeadAttention(10, 3)
+    with pytest.raises(ValueError, match="unknown config key"):
+        attnzoo.nn.MultiHeadAttention(8, 2, windw=3)
+    with pytest.raises(ValueError, match="already built"):
+        attnzoo.nn.MultiHeadAttention(8, 2, attnzoo.build("softmax"), scale=1.0)
+    with pytest.raises(TypeError, match="registered name"):
+        attnzoo.nn.MultiHeadAttention(8, 2, mechanism=torch.nn.Linear(2, 2))
+    mha = attnzoo.nn.MultiHeadAttention(8, 2)
+    with pytest.raises(ValueError, match="dim=8"):
+        mha(torch.randn(1, 3, 7))
+    with pytest.raises(ValueError, match="3 dimensions"):
+        mha(torch.randn(3, 8))
+    with pytest.raises(ValueError, match="context must have shape"):
+        mha(torch.randn(1, 3, 8), torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match=r"\(B, N_kv\)"):
+        mha(torch.randn(1, 3, 8), key_padding_mask=torch.ones(1, 4, dtype=torch.bool))
+    lm = attnzoo.nn.CausalLM(vocab_size=10, dim=8, depth=1, heads=2)
+    with pytest.raises(ValueError, match="vocab_size=10"):
+        lm(torch.tensor([[1, 10]]))
+    with pytest.raises(TypeError, match="integer tensor"):
+        lm(torch.randn(1, 3))
+
+
+def test_head_dim_can_differ_from_dim_over_heads():
+    mha = attnzoo.nn.MultiHeadAttention(10, 3, head_dim=4)
+    assert mha(torch.randn(2, 5, 10)).shape == (2, 5, 10)
