@@ -50,6 +50,25 @@ __all__ = [
     "alibi_bias_oracle",
     "shaw_relative_oracle",
     "rope_oracle",
+    "full_oracle",
+    "causal_oracle",
+    "sliding_window_oracle",
+    "dilated_oracle",
+    "strided_oracle",
+    "global_tokens_oracle",
+    "random_oracle",
+    "random_blocks_oracle",
+    "block_local_oracle",
+    "longformer_oracle",
+    "bigbird_oracle",
+    "star_oracle",
+    "etc_oracle",
+    "sparse_transformer_strided_oracle",
+    "sparse_transformer_fixed_oracle",
+    "block2d_oracle",
+    "axial_oracle",
+    "graph_oracle",
+    "per_head_oracle",
 ]
 
 
@@ -352,3 +371,319 @@ def rope_oracle(x: Tensor, positions: Union[Tensor, Sequence[int]], base: float 
             second.append(a * s + bb * c)
         rows.append(torch.stack(first + second, dim=-1))  # (..., D)
     return torch.stack(rows, dim=-2)  # (..., N, D)
+
+
+# --------------------------------------------------------------------------
+# Sparse attention patterns
+# --------------------------------------------------------------------------
+#
+# Every pattern oracle returns a torch.bool mask M of shape (n_q, n_kv)
+# (or (heads, n_q, n_kv) where stated), True = "query i may attend key j".
+# Query row i is aligned to the *end* of the keys, like the causal mask above:
+# its position is p = i + (n_kv - n_q), and every condition is written in terms
+# of p and the key index j.  For n_q == n_kv, p == i.  A table of random
+# keys / blocks may contain -1 for "no entry"; since j >= 0 it never matches.
+
+def _aligned(i: int, n_q: int, n_kv: int) -> int:
+    """Aligned (bottom-right) position of query row i."""
+    return i + (n_kv - n_q)
+
+
+def _ints(x: Union[Tensor, Sequence[int]]) -> List[int]:
+    """A 1-D tensor or sequence of integers as a plain list of Python ints."""
+    return [int(v) for v in (x.reshape(-1).tolist() if isinstance(x, Tensor) else x)]
+
+
+def _new_mask(n_q: int, n_kv: int) -> Tensor:
+    if n_q < 0 or n_kv < 0:
+        raise ValueError(f"n_q and n_kv must be >= 0; got {n_q}, {n_kv}")
+    return torch.zeros(n_q, n_kv, dtype=torch.bool)
+
+
+def _n_blocks(n_kv: int, block: int) -> int:
+    return -(-n_kv // block)  # ceil(n_kv / block)
+
+
+def _check_block_table(table: Tensor, n_q: int, n_kv: int, block: int) -> None:
+    if block < 1:
+        raise ValueError("block must be >= 1")
+    if n_q > n_kv:
+        # rows with p < 0 would index the table with a negative block number
+        raise ValueError("block-table patterns need n_q <= n_kv")
+    if table.dim() != 2 or table.shape[0] != _n_blocks(n_kv, block):
+        raise ValueError(f"table must be (ceil(n_kv / block), r) = ({_n_blocks(n_kv, block)}, r); "
+                         f"got {tuple(table.shape)}")
+
+
+# --- atomic patterns -------------------------------------------------------
+
+def full_oracle(n_q: int, n_kv: int) -> Tensor:
+    """Every query sees every key."""
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        for j in range(n_kv):
+            M[i, j] = True
+    return M
+
+
+def causal_oracle(n_q: int, n_kv: int) -> Tensor:
+    """j <= p (bottom-right aligned)."""
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = j <= p
+    return M
+
+
+def sliding_window_oracle(n_q: int, n_kv: int, left: int, right: int) -> Tensor:
+    """p - left <= j <= p + right."""
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = p - left <= j <= p + right
+    return M
+
+
+def dilated_oracle(n_q: int, n_kv: int, left: int, right: int, dilation: int) -> Tensor:
+    """j - p == dilation * t for some integer t with -left <= t <= right."""
+    if dilation < 1:
+        raise ValueError("dilation must be >= 1")
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = any(j - p == dilation * t for t in range(-left, right + 1))
+    return M
+
+
+def strided_oracle(n_q: int, n_kv: int, stride: int) -> Tensor:
+    """(p - j) is a multiple of ``stride`` (either sign; no causal restriction)."""
+    if stride < 1:
+        raise ValueError("stride must be >= 1")
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = ((p - j) % stride) == 0  # Python %: non-negative for stride > 0
+    return M
+
+
+def global_tokens_oracle(n_q: int, n_kv: int, indices: Union[Tensor, Sequence[int]]) -> Tensor:
+    """p in G or j in G, G = set(indices) (positions in the key coordinate system)."""
+    G = set(_ints(indices))
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = p in G or j in G
+    return M
+
+
+def random_oracle(n_q: int, n_kv: int, table: Tensor) -> Tensor:
+    """table (n_q, r) of key indices: row i sees key j iff j appears in table[i] (-1 = none).
+
+    The table is indexed by the query *row* i (not by p).
+    """
+    if table.dim() != 2 or table.shape[0] != n_q:
+        raise ValueError(f"table must be (n_q, r) = ({n_q}, r); got {tuple(table.shape)}")
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        keys = set(_ints(table[i]))
+        for j in range(n_kv):
+            M[i, j] = j in keys
+    return M
+
+
+def random_blocks_oracle(n_q: int, n_kv: int, block: int, table: Tensor) -> Tensor:
+    """table (ceil(n_kv / block), r) of key blocks, indexed by query block p // block:
+    (i, j) iff j // block appears in table[p // block] (-1 = none).  Needs n_q <= n_kv."""
+    _check_block_table(table, n_q, n_kv, block)
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        key_blocks = set(_ints(table[p // block]))
+        for j in range(n_kv):
+            M[i, j] = (j // block) in key_blocks
+    return M
+
+
+def block_local_oracle(n_q: int, n_kv: int, size: int) -> Tensor:
+    """p // size == j // size (non-overlapping local blocks)."""
+    if size < 1:
+        raise ValueError("size must be >= 1")
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = p // size == j // size
+    return M
+
+
+# --- compound patterns (each written from its own definition) --------------
+
+def longformer_oracle(n_q: int, n_kv: int, window: int, global_indices: Union[Tensor, Sequence[int]],
+                      dilation: int = 1) -> Tensor:
+    """Longformer (Beltagy et al., 2020): (dilated) symmetric window plus global tokens.
+
+    (j - p == dilation * t for some integer t in [-window, window]) or p in G or j in G.
+    """
+    if dilation < 1:
+        raise ValueError("dilation must be >= 1")
+    G = set(_ints(global_indices))
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            in_window = any(j - p == dilation * t for t in range(-window, window + 1))
+            M[i, j] = in_window or p in G or j in G
+    return M
+
+
+def bigbird_oracle(n_q: int, n_kv: int, block: int, window_blocks: int, global_blocks: int,
+                   table: Tensor) -> Tensor:
+    """BigBird (Zaheer et al., 2020), block form.
+
+    qb = p // block, kb = j // block, n_blocks = ceil(n_kv / block);
+    GB = {0, .., ceil(g/2) - 1} U {n_blocks - floor(g/2), .., n_blocks - 1}, g = global_blocks.
+    (i, j) iff |qb - kb| <= window_blocks // 2, or qb in GB, or kb in GB,
+    or kb appears in table[qb] (table (n_blocks, r), -1 = none).  Needs n_q <= n_kv.
+    """
+    _check_block_table(table, n_q, n_kv, block)
+    n_blocks = _n_blocks(n_kv, block)
+    g = global_blocks
+    GB = set(range(0, (g + 1) // 2)) | set(range(n_blocks - g // 2, n_blocks))
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        qb = p // block
+        random_blocks = set(_ints(table[qb]))
+        for j in range(n_kv):
+            kb = j // block
+            M[i, j] = (abs(qb - kb) <= window_blocks // 2 or qb in GB or kb in GB
+                       or kb in random_blocks)
+    return M
+
+
+def star_oracle(n_q: int, n_kv: int, relay: int = 0) -> Tensor:
+    """Star-Transformer (Guo et al., 2019): |p - j| <= 1 or p == relay or j == relay."""
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = abs(p - j) <= 1 or p == relay or j == relay
+    return M
+
+
+def etc_oracle(n_q: int, n_kv: int, window: int, n_global: int) -> Tensor:
+    """ETC (Ainslie et al., 2020): |p - j| <= window or p < n_global or j < n_global."""
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = abs(p - j) <= window or p < n_global or j < n_global
+    return M
+
+
+def sparse_transformer_strided_oracle(n: int, l: int, heads: int) -> Tensor:
+    """Sparse Transformer strided pattern (Child et al., 2019), (heads, n, n).
+
+    Heads h < heads // 2 use A: p - l < j <= p; the others use B: (p - j) % l == 0 and j <= p.
+    (So with heads == 1 the single head uses B.)
+    """
+    if l < 1:
+        raise ValueError("l must be >= 1")
+    M = torch.zeros(heads, n, n, dtype=torch.bool)
+    for h in range(heads):
+        for i in range(n):
+            p = _aligned(i, n, n)
+            for j in range(n):
+                if h < heads // 2:
+                    M[h, i, j] = p - l < j <= p
+                else:
+                    M[h, i, j] = (p - j) % l == 0 and j <= p
+    return M
+
+
+def sparse_transformer_fixed_oracle(n: int, l: int, c: int, heads: int) -> Tensor:
+    """Sparse Transformer fixed pattern (Child et al., 2019), (heads, n, n).
+
+    Heads h < heads // 2 use A: j // l == p // l and j <= p;
+    the others use B: j % l >= l - c and j <= p.
+    """
+    if l < 1:
+        raise ValueError("l must be >= 1")
+    M = torch.zeros(heads, n, n, dtype=torch.bool)
+    for h in range(heads):
+        for i in range(n):
+            p = _aligned(i, n, n)
+            for j in range(n):
+                if h < heads // 2:
+                    M[h, i, j] = j // l == p // l and j <= p
+                else:
+                    M[h, i, j] = j % l >= l - c and j <= p
+    return M
+
+
+def block2d_oracle(h: int, w: int, query_block: Sequence[int], memory_margin: Sequence[int]) -> Tensor:
+    """Image Transformer 2-D local attention (Parmar et al., 2018), (h*w, h*w), row-major.
+
+    Position x -> (x // w, x % w).  The query at (r, c) lies in query block
+    (br, bc) = (r // qh, c // qw) and sees key (r2, c2) iff
+    br*qh - mh <= r2 <= (br+1)*qh - 1 + mh and bc*qw - mw <= c2 <= (bc+1)*qw - 1 + mw.
+    """
+    qh, qw = query_block
+    mh, mw = memory_margin
+    n = h * w
+    M = _new_mask(n, n)
+    for i in range(n):
+        r, c = i // w, i % w
+        br, bc = r // qh, c // qw
+        for j in range(n):
+            r2, c2 = j // w, j % w
+            M[i, j] = (br * qh - mh <= r2 <= (br + 1) * qh - 1 + mh
+                       and bc * qw - mw <= c2 <= (bc + 1) * qw - 1 + mw)
+    return M
+
+
+def axial_oracle(h: int, w: int) -> Tensor:
+    """Axial attention over an h x w row-major grid: same row or same column."""
+    n = h * w
+    M = _new_mask(n, n)
+    for i in range(n):
+        for j in range(n):
+            M[i, j] = i // w == j // w or i % w == j % w
+    return M
+
+
+def graph_oracle(n: int, edge_index: Tensor, self_loops: bool = True) -> Tensor:
+    """(n, n): (i, j) iff some edge e has edge_index[0, e] == i (query) and
+    edge_index[1, e] == j (key), or (self_loops and i == j)."""
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"edge_index must be (2, E); got {tuple(edge_index.shape)}")
+    edges = set(zip(_ints(edge_index[0]), _ints(edge_index[1])))
+    M = _new_mask(n, n)
+    for i in range(n):
+        for j in range(n):
+            M[i, j] = (i, j) in edges or (self_loops and i == j)
+    return M
+
+
+def per_head_oracle(masks: Sequence[Tensor], heads: int) -> Tensor:
+    """(heads, n_q, n_kv): head h uses masks[h // (heads // P)], P = len(masks)
+    (contiguous groups of heads // P heads each); heads must be a multiple of P."""
+    P = len(masks)
+    if P == 0 or heads % P != 0 or heads < P:
+        raise ValueError(f"heads ({heads}) must be a positive multiple of len(masks) ({P})")
+    n_q, n_kv = masks[0].shape
+    if any(tuple(m.shape) != (n_q, n_kv) for m in masks):
+        raise ValueError("all masks must have the same (n_q, n_kv) shape")
+    per_group = heads // P
+    M = torch.zeros(heads, n_q, n_kv, dtype=torch.bool)
+    for h in range(heads):
+        src = masks[h // per_group]
+        for i in range(n_q):
+            for j in range(n_kv):
+                M[h, i, j] = bool(src[i, j])
+    return M
