@@ -1,0 +1,310 @@
+"""The ``blocked`` backend: exact softmax attention over only the tiles a pattern lists, in
+eager PyTorch, with a FlashAttention-style backward. Trains on CPU; memory O(N * keys per row).
+
+How a call runs:
+
+1. ``make_plan`` turns ``Pattern.blocks()`` into *pieces*: query blocks that share a head group
+   and a number of listed key blocks, each piece either all-full tiles or all-partial tiles,
+   with at most ``max_kv_blocks`` key blocks (longer rows, e.g. global tokens, become several
+   pieces).
+2. Each piece gathers its query block rows and key/value blocks into ``(Q', B*Hg, rows, D)``
+   tensors and computes a partial softmax — full tiles through PyTorch's CPU flash kernel with
+   no mask, partial tiles with an additive mask built from ``mask_mod`` on those tiles only —
+   returning the output and the log-sum-exp of every row.
+3. Pieces are merged with the log-sum-exp (the online softmax: running max and running sum).
+4. Backward recomputes each piece's scores from q, k, v and the *total* output and
+   log-sum-exp, so the gradient of each piece is exact and nothing N x N is ever stored.
+
+A ``score_mod`` (ALiBi, ...) runs pieces through an einsum path instead of the flash kernel.
+Rows that see no key give zeros and zero gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnzoo.patterns.algebra import BlockList
+from attnzoo.spec import MaskMod, ScoreMod
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+#: Elements of one piece's score matrix above which its query blocks are split further.
+SCORE_BUDGET = 1 << 23
+
+
+@dataclass(frozen=True)
+class Piece:
+    heads: Tensor  # (Hg,) the heads this piece serves
+    qb: Tensor  # (Q',) query blocks
+    kb: Tensor  # (Q', c) key blocks of each query block
+    full: bool  # every in-range pair of these tiles is computed: no mask needed
+
+
+@dataclass(frozen=True)
+class Plan:
+    n_q: int
+    n_kv: int
+    block: int
+    heads: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def n_q_blocks(self) -> int:
+        return -(-self.n_q // self.block)
+
+    @property
+    def n_kv_blocks(self) -> int:
+        return -(-self.n_kv // self.block)
+
+    def computed_pairs(self) -> int:
+        """Pairs the kernel computes per batch and head (for 'useful GFLOP/s')."""
+        return sum(int(p.kb.numel()) * self.block * self.block * p.heads.numel() for p in self.pieces) // self.heads
+
+
+def make_plan(tiles: BlockList, head_groups: Tensor, *, mask_blocks: Tensor | None = None, max_kv_blocks: int = 32) -> Plan:
+    """Group tiles into pieces. ``head_groups (H,)`` maps heads to tile groups; ``mask_blocks``
+    (bool per key block) forces tiles of those key blocks to be treated as partial (the ragged
+    last block, or blocks with padded keys)."""
+    n_kb = tiles.n_kv_blocks
+    ragged = torch.zeros(n_kb, dtype=torch.bool)
+    if tiles.n_kv % tiles.block:
+        ragged[-1] = True
+    if mask_blocks is not None:
+        ragged |= mask_blocks
+    full = tiles.full & ~ragged[tiles.kb]
+    pieces = []
+    for group in range(tiles.n_groups):
+        heads = (head_groups == group).nonzero().flatten()
+        if heads.numel() == 0:
+            continue
+        for kind in (True, False):
+            keep = (tiles.group == group) & (full == kind)
+            pieces += _pieces_of(heads, tiles.qb[keep], tiles.kb[keep], kind, tiles.n_q_blocks, max_kv_blocks)
+    return Plan(tiles.n_q, tiles.n_kv, tiles.block, int(head_groups.numel()), tuple(pieces))
+
+
+def _pieces_of(heads: Tensor, qb: Tensor, kb: Tensor, full: bool, n_qb: int, max_kv: int) -> list[Piece]:
+    # Entries arrive sorted by (qb, kb). Query blocks with the same count form one piece.
+    counts = torch.bincount(qb, minlength=n_qb)
+    pieces = []
+    for c in torch.unique(counts[counts > 0]).tolist():
+        rows = (counts == c).nonzero().flatten()
+        cols = kb[(counts[qb] == c)].view(rows.numel(), c)
+        for start in range(0, c, max_kv):
+            pieces.append(Piece(heads, rows, cols[:, start : start + max_kv], full))
+    return pieces
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything a piece needs besides q, k, v."""
+
+    plan: Plan
+    scale: float
+    mask_mod: MaskMod
+    score_mod: ScoreMod | None
+    key_padding_mask: Tensor | None
+    batch: int
+
+
+def _positions(piece: Piece, ctx: Context, qx: Tensor) -> tuple[Tensor, ...]:
+    """Index tensors for ``mask_mod``/``score_mod``, broadcastable to ``(Q', B*Hg, rows, keys)``."""
+    block, device = ctx.plan.block, qx.device
+    arange = torch.arange(block, device=device)
+    q_pos = (piece.qb.to(device)[:, None] * block + arange + (ctx.plan.n_kv - ctx.plan.n_q))[:, None, :, None]
+    kv_pos = (piece.kb.to(device)[:, :, None] * block + arange).flatten(1)[:, None, None, :]
+    bh = torch.arange(qx.shape[1], device=device)
+    hg = piece.heads.numel()
+    b = (bh // hg).view(1, -1, 1, 1)
+    h = piece.heads.to(device)[bh % hg].view(1, -1, 1, 1)
+    return b, h, q_pos, kv_pos
+
+
+def _visible(piece: Piece, ctx: Context, qx: Tensor) -> Tensor:
+    b, h, q_pos, kv_pos = _positions(piece, ctx, qx)
+    ok = ctx.mask_mod(b, h, q_pos, kv_pos) & (kv_pos < ctx.plan.n_kv)
+    if ctx.key_padding_mask is not None:
+        ok = ok & ctx.key_padding_mask[b, kv_pos.clamp(max=ctx.plan.n_kv - 1)]
+    return ok
+
+
+def _take(x: Tensor, piece: Piece, blocks: Tensor, block: int) -> Tensor:
+    """``(B, H, Npad, D)`` -> the rows of ``blocks`` for this piece's heads, as the view
+    ``(Q', B*Hg, rows, D)`` (rows = block, or c * block for a ``(Q', c)`` index)."""
+    x = x[:, piece.heads] if piece.heads.numel() != x.shape[1] else x
+    xb = x.view(x.shape[0], x.shape[1], -1, block, x.shape[-1])[:, :, blocks]  # [B, Hg, Q', (c,) block, D]
+    xb = xb.flatten(3, -2) if blocks.ndim == 2 else xb
+    return xb.permute(2, 0, 1, 3, 4).flatten(1, 2)
+
+
+def _gather(piece: Piece, q: Tensor, k: Tensor, v: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _take(q, piece, piece.qb, block), _take(k, piece, piece.kb, block), _take(v, piece, piece.kb, block)
+
+
+def _additive(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if visible is None:
+        return None
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _uses_flash(piece: Piece, ctx: Context) -> bool:
+    # The flash kernel takes no score_mod, and its mask cannot depend on the batch row.
+    return ctx.score_mod is None and (piece.full or ctx.key_padding_mask is None)
+
+
+def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Output ``(Q', B*Hg, block, Dv)`` (float32/64) and log-sum-exp ``(Q', B*Hg, block)`` of one
+    piece; ``-inf`` where a row sees no key of this piece."""
+    qx, kx, vx = _gather(piece, q, k, v, ctx.plan.block)
+    visible = None if piece.full else _visible(piece, ctx, qx)
+    cd = _compute_dtype(q)
+    if _uses_flash(piece, ctx):
+        out, lse = _flash(qx, kx, vx, attn_mask=_additive(visible, q.dtype), scale=ctx.scale)
+        if visible is not None:
+            # The kernel reports lse = 0 for a row whose keys are all masked; make it -inf.
+            lse = lse.masked_fill(~visible.any(-1).expand_as(lse), float("-inf"))
+        return out.to(cd), lse.to(cd)
+    scores = torch.matmul(qx.to(cd), kx.to(cd).transpose(-1, -2)) * ctx.scale
+    if ctx.score_mod is not None:
+        scores = ctx.score_mod(scores, *_positions(piece, ctx, qx))
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.matmul(probs, vx.to(cd)), lse
+
+
+def piece_backward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor,
+                   lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """This piece's share of dq, dk, dv from the *total* ``out`` and ``lse`` (given per query
+    block as ``(QB, B*Hg, block)``; rows with no visible key carry lse = +inf, so their
+    recomputed probabilities are 0)."""
+    block = ctx.plan.block
+    qx, kx, vx = _gather(piece, q, k, v, block)
+    ox, dox = _take(out, piece, piece.qb, block), _take(grad_out, piece, piece.qb, block)
+    lse_x, delta_x = lse[piece.qb], delta[piece.qb]
+    visible = None if piece.full else _visible(piece, ctx, qx)
+    if _uses_flash(piece, ctx):
+        return _flash_backward(dox, qx, kx, vx, ox, lse_x, 0.0, False, attn_mask=_additive(visible, q.dtype), scale=ctx.scale)
+    cd = _compute_dtype(q)
+    qx, kx, vx, dox = qx.to(cd), kx.to(cd), vx.to(cd), dox.to(cd)
+    with torch.enable_grad():
+        raw = (torch.matmul(qx, kx.transpose(-1, -2)) * ctx.scale).detach().requires_grad_()
+        scores = raw if ctx.score_mod is None else ctx.score_mod(raw, *_positions(piece, ctx, qx))
+        probs = torch.exp(scores - lse_x[..., None])
+        if visible is not None:
+            probs = probs.masked_fill(~visible, 0.0)
+        d_scores = probs * (torch.matmul(dox, vx.transpose(-1, -2)) - delta_x[..., None])
+        (d_raw,) = torch.autograd.grad(scores, raw, d_scores) if ctx.score_mod is not None else (d_scores,)
+    d_raw = d_raw * ctx.scale
+    return torch.matmul(d_raw, kx), torch.matmul(d_raw.transpose(-1, -2), qx), torch.matmul(probs.detach().transpose(-1, -2), dox)
+
+
+def _pad(x: Tensor, n: int) -> Tensor:
+    return x if x.shape[2] == n else torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[2]))
+
+
+def _row_chunks(piece: Piece, ctx: Context, bh: int) -> list[Piece]:
+    """Split a piece's query blocks so one chunk's score matrix stays within SCORE_BUDGET."""
+    per_row = bh * ctx.plan.block * ctx.plan.block * piece.kb.shape[1]
+    step = max(1, SCORE_BUDGET // per_row)
+    return [Piece(piece.heads, piece.qb[s : s + step], piece.kb[s : s + step], piece.full)
+            for s in range(0, piece.qb.numel(), step)]
+
+
+def _chunks(ctx: Context, q: Tensor) -> list[Piece]:
+    return [c for p in ctx.plan.pieces for c in _row_chunks(p, ctx, q.shape[0] * p.heads.numel())]
+
+
+class BlockedAttention(torch.autograd.Function):
+    """Forward over pieces merged by log-sum-exp; backward recomputes each piece."""
+
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, v: Tensor, data: Context) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        plan, batch, heads = data.plan, q.shape[0], q.shape[1]
+        n_kv_pad = plan.n_kv_blocks * plan.block
+        qp, kp, vp = _pad(q, plan.n_q_blocks * plan.block), _pad(k, n_kv_pad), _pad(v, n_kv_pad)
+        cd = _compute_dtype(q)
+        # Running output and log-sum-exp per head and query block: [H, QB, B, block, (Dv)].
+        acc = torch.zeros(heads, plan.n_q_blocks, batch, plan.block, v.shape[-1], dtype=cd, device=q.device)
+        acc_lse = torch.full(acc.shape[:-1], float("-inf"), dtype=cd, device=q.device)
+        for piece in _chunks(data, q):
+            out, lse = piece_forward(piece, data, qp, kp, vp)
+            hg = piece.heads.numel()
+            out = out.view(-1, batch, hg, plan.block, out.shape[-1]).permute(2, 0, 1, 3, 4)  # [Hg, Q', B, block, Dv]
+            lse = lse.view(-1, batch, hg, plan.block).permute(2, 0, 1, 3)
+            idx = (piece.heads.to(q.device)[:, None], piece.qb.to(q.device)[None, :])
+            old, old_lse = acc[idx], acc_lse[idx]
+            new_lse = torch.logaddexp(old_lse, lse)
+            safe = torch.where(torch.isinf(new_lse), 0.0, new_lse)
+            acc[idx] = old * torch.exp(old_lse - safe)[..., None] + out * torch.exp(lse - safe)[..., None]
+            acc_lse[idx] = new_lse
+        out = acc.permute(2, 0, 1, 3, 4).reshape(batch, heads, -1, v.shape[-1])[:, :, : plan.n_q]
+        lse = acc_lse.permute(2, 0, 1, 3).reshape(batch, heads, -1)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, data = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.data = data
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        data: Context = ctx.data
+        plan, batch = data.plan, q.shape[0]
+        n_q_pad, n_kv_pad = plan.n_q_blocks * plan.block, plan.n_kv_blocks * plan.block
+        qp, kp, vp = _pad(q, n_q_pad), _pad(k, n_kv_pad), _pad(v, n_kv_pad)
+        op, gp = _pad(out, n_q_pad), _pad(grad_out.contiguous(), n_q_pad)
+        cd = _compute_dtype(q)
+        delta = (gp.to(cd) * op.to(cd)).sum(-1)  # [B, H, Nq_pad]
+        lse = torch.where(torch.isinf(lse), float("inf"), lse)  # rows that saw no key: probabilities 0
+        dq, dk, dv = (torch.zeros(x.shape, dtype=cd, device=q.device) for x in (qp, kp, vp))
+        for piece in _chunks(data, q):
+            dqx, dkx, dvx = piece_backward(piece, data, qp, kp, vp, op, gp, _block_rows(lse, piece, plan.block),
+                                           _block_rows(delta, piece, plan.block))
+            _scatter(dq, dqx, piece, piece.qb, plan.block, batch)
+            _scatter(dk, dkx, piece, piece.kb, plan.block, batch)
+            _scatter(dv, dvx, piece, piece.kb, plan.block, batch)
+        return dq[:, :, : plan.n_q].to(q.dtype), dk[:, :, : plan.n_kv].to(k.dtype), dv[:, :, : plan.n_kv].to(v.dtype), None
+
+
+def _block_rows(x: Tensor, piece: Piece, block: int) -> Tensor:
+    """``(B, H, Npad)`` -> ``(QB, B*Hg, block)`` indexed later by ``piece.qb``."""
+    x = x[:, piece.heads] if piece.heads.numel() != x.shape[1] else x
+    return x.reshape(x.shape[0], x.shape[1], -1, block).permute(2, 0, 1, 3).flatten(1, 2)
+
+
+def _scatter(target: Tensor, grad: Tensor, piece: Piece, blocks: Tensor, block: int, batch: int) -> None:
+    """Add ``(Q', B*Hg, rows, D)`` gradients into ``(B, H, Npad, D)`` at ``blocks``."""
+    hg, dim = piece.heads.numel(), grad.shape[-1]
+    grad = grad.reshape(grad.shape[0], batch, hg, -1, block, dim)  # [Q', B, Hg, c, block, D]
+    grad = grad.permute(1, 2, 0, 3, 4, 5).reshape(batch, hg, -1, block, dim)
+    view = target.view(batch, target.shape[1], -1, block, dim)
+    flat = blocks.flatten().to(target.device)
+    if hg == target.shape[1]:
+        view.index_add_(2, flat, grad.to(target.dtype))
+    else:
+        sub = torch.zeros(batch, hg, view.shape[2], block, dim, dtype=target.dtype, device=target.device)
+        sub.index_add_(2, flat, grad.to(target.dtype))
+        view[:, piece.heads] += sub
+
+
+def blocked_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, mask_mod: MaskMod, scale: float,
+                      score_mod: ScoreMod | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
+    """Exact attention over the pieces of ``plan`` (see module docstring). Differentiable."""
+    ctx = Context(plan, scale, mask_mod, score_mod, key_padding_mask, q.shape[0])
+    out, _ = BlockedAttention.apply(q, k, v, ctx)
+    return out
