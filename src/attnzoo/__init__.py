@@ -8,8 +8,9 @@ torch.Size([2, 4, 128, 32])
 """
 
 from attnzoo import mechanisms as _mechanisms  # noqa: F401  (registers every mechanism)
-from attnzoo import nn, positional
+from attnzoo import nn, patterns, positional
+from attnzoo.backends import attend, last_choice
 from attnzoo.registry import build, describe, names
 
-__all__ = ["build", "describe", "names", "nn", "positional"]
+__all__ = ["attend", "build", "describe", "last_choice", "names", "nn", "patterns", "positional"]
 __version__ = "0.1.0"

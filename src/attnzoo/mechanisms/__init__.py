@@ -1,6 +1,6 @@
 """One module per family; importing this package registers every mechanism."""
 
-from attnzoo.mechanisms import softmax  # noqa: F401
+from attnzoo.mechanisms import softmax, sparse  # noqa: F401
 from attnzoo.mechanisms.base import Attention
 
 __all__ = ["Attention"]

@@ -125,6 +125,15 @@ def strided(stride: int) -> Band:
     return Band(None, None, stride, name=f"strided({stride})")
 
 
+def row_contains(table: Tensor, row: Tensor, value: Tensor) -> Tensor:
+    """``value in table[row]``, as an OR unrolled over the table's width: FlexAttention's
+    compiler lowers only pointwise mask code, so no reduction (``.any``) may appear here."""
+    hit = table[row, 0] == value
+    for t in range(1, table.shape[1]):
+        hit = hit | (table[row, t] == value)
+    return hit
+
+
 def _index_table(indices: Tensor, size: int) -> Tensor:
     table = torch.zeros(size, dtype=torch.bool)
     table[indices] = True
@@ -245,8 +254,7 @@ class Random(Pattern):
         table, offset = self.table(n_q, n_kv), n_kv - n_q
 
         def random(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            row = table.to(q_idx.device)[(q_idx - offset).clamp(0, n_q - 1)]
-            return (row == kv_idx[..., None]).any(-1)
+            return row_contains(table.to(q_idx.device), (q_idx - offset).clamp(0, n_q - 1), kv_idx)
 
         return random
 
@@ -333,9 +341,8 @@ class RandomBlocks(Pattern):
         table, size = self.table(n_kv), self.block
 
         def random_blocks(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            qb = torch.div(q_idx, size, rounding_mode="floor")
-            row = table.to(q_idx.device)[qb.clamp(0, table.shape[0] - 1)]
-            hit = (row == torch.div(kv_idx, size, rounding_mode="floor")[..., None]).any(-1)
+            qb = torch.div(q_idx, size, rounding_mode="floor").clamp(0, table.shape[0] - 1)
+            hit = row_contains(table.to(q_idx.device), qb, torch.div(kv_idx, size, rounding_mode="floor"))
             return hit & (q_idx >= 0)
 
         return random_blocks
@@ -369,20 +376,25 @@ class Graph(Pattern):
             loops = torch.arange(n)
             edge_index = torch.cat([edge_index, torch.stack([loops, loops])], dim=1)
         self.n = n
-        self.edge_keys = torch.unique(edge_index[0] * n + edge_index[1])  # sorted
+        self.edge_keys = torch.unique(edge_index[0] * n + edge_index[1])  # sorted by (query, key)
         self.name = f"graph({n} nodes, {self.edge_keys.numel()} edges)"
+
+    def neighbours(self) -> Tensor:
+        """``(n, max degree)``: the keys each query attends, padded with -1."""
+        rows = self.edge_keys // self.n
+        degree = torch.bincount(rows, minlength=self.n)
+        table = torch.full((self.n, max(int(degree.max()) if rows.numel() else 0, 1)), -1, dtype=torch.long)
+        position = torch.arange(rows.numel()) - (torch.cumsum(degree, 0) - degree)[rows]
+        table[rows, position] = self.edge_keys % self.n
+        return table
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         if n_q not in (None, self.n) or n_kv not in (None, self.n):
             raise ValueError(f"{self.name} is defined on exactly {self.n} positions, got N_q={n_q}, N_kv={n_kv}")
-        edges, n = self.edge_keys, self.n
-        if edges.numel() == 0:
-            return lambda b, h, q_idx, kv_idx: (q_idx < 0) & (kv_idx < 0)
+        table = self.neighbours()
 
         def graph(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            key = q_idx * n + kv_idx
-            pos = torch.searchsorted(edges.to(key.device), key).clamp(max=edges.numel() - 1)
-            return edges.to(key.device)[pos] == key
+            return row_contains(table.to(q_idx.device), q_idx.clamp(0, self.n - 1), kv_idx)
 
         return graph
 

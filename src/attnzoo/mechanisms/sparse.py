@@ -1,0 +1,289 @@
+"""Position-based sparse attention (MECHANISMS.md §B): exact softmax attention restricted to a
+pattern from ``attnzoo.patterns``, computed by ``attnzoo.attend`` on the configured backend.
+
+Every mechanism here is one config class whose ``make_pattern()`` builds its pattern; the module is
+shared. ``backend`` picks how to compute it (``"auto"``, ``"blocked"``, ``"flex"``,
+``"reference"``); the reference is dense and exists to test the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import Tensor
+
+from attnzoo import patterns as P
+from attnzoo.backends.dispatch import attend
+from attnzoo.mechanisms.base import Attention
+from attnzoo.registry import Config, register
+from attnzoo.spec import Capabilities, Complexity, ScoreMod
+
+Backend = Literal["auto", "blocked", "flex", "reference"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseConfig(Config):
+    """Fields every sparse mechanism shares.
+
+    Args:
+        backend: how to compute (see ``attnzoo.attend``). Default ``"auto"``.
+        block: tile size of the blocked/flex backends. Default 128.
+        scale: score scale; default ``1 / sqrt(D)``.
+    """
+
+    backend: Backend = "auto"
+    block: int = 128
+    scale: float | None = None
+
+    def make_pattern(self) -> P.Pattern:
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}")
+        self.make_pattern()  # the pattern factory checks its own arguments
+
+
+class PatternAttention(Attention):
+    """Exact attention over ``config.pattern()``; see the module docstring."""
+
+    def __init__(self, config: SparseConfig) -> None:
+        super().__init__(config)
+        self.pattern = config.make_pattern()
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
+                score_mod: ScoreMod | None) -> Tensor:
+        cfg = self.config
+        return attend(q, k, v, pattern=self.pattern, causal=causal, key_padding_mask=key_padding_mask,
+                      score_mod=score_mod, scale=cfg.scale, backend=cfg.backend, block=cfg.block)
+
+    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+        """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies (small N: pictures)."""
+        from attnzoo.backends.reference import reference_attention
+
+        pattern = self.pattern.resolve_heads(q.shape[1])
+        pattern = pattern & P.causal() if causal else pattern
+        v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
+        return reference_attention(q, k, v, key_padding_mask=key_padding_mask, scale=self.config.scale,
+                                   mask_mod=pattern.mask_mod_for(q.shape[2], k.shape[2]), return_weights=True)[1]
+
+
+SELF_ONLY = "defined on a fixed number of positions: self-attention only"
+
+
+def _register(name: str, config: type, summary: str, paper: str, *, cross: bool = True, notes: tuple[str, ...] = ()) -> None:
+    register(
+        name, config=config, family="sparse", summary=summary, paper=paper,
+        capabilities=Capabilities(causal=True, key_padding=True, cross_attention=cross, score_mod=True,
+                                  backends=("blocked", "flex", "reference")),
+        complexity=Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True),
+        notes=notes or ("causal=True intersects the pattern with j <= i",),
+    )(PatternAttention)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalConfig(SparseConfig):
+    """``sliding_window(left, right)``: ``i - left <= j <= i + right``. Defaults 64, 64."""
+
+    left: int = 64
+    right: int = 64
+
+    def make_pattern(self) -> P.Pattern:
+        return P.sliding_window(self.left, self.right)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DilatedConfig(SparseConfig):
+    """``dilated(left, right, dilation)``: ``j = i + dilation * t``, ``t in [-left, right]``."""
+
+    left: int = 32
+    right: int = 32
+    dilation: int = 2
+
+    def make_pattern(self) -> P.Pattern:
+        return P.dilated(self.left, self.right, self.dilation)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StridedConfig(SparseConfig):
+    """``strided(stride)``: ``(i - j) mod stride == 0``."""
+
+    stride: int = 64
+
+    def make_pattern(self) -> P.Pattern:
+        return P.strided(self.stride)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GlobalConfig(SparseConfig):
+    """``global_tokens(indices)``: the tokens' rows and columns."""
+
+    indices: tuple[int, ...] = (0,)
+
+    def make_pattern(self) -> P.Pattern:
+        return P.global_tokens(self.indices)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomConfig(SparseConfig):
+    """``random(r, seed)``: ``r`` keys per query row, without replacement."""
+
+    r: int = 64
+    seed: int = 0
+
+    def make_pattern(self) -> P.Pattern:
+        return P.random(self.r, self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockLocalConfig(SparseConfig):
+    """``block_local(size)``: ``i // size == j // size``."""
+
+    size: int = 128
+
+    def make_pattern(self) -> P.Pattern:
+        return P.block_local(self.size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LongformerConfig(SparseConfig):
+    """``longformer(window, global_indices, dilation)``; a tuple of dilations gives one head
+    group per dilation."""
+
+    window: int = 64
+    global_indices: tuple[int, ...] = (0,)
+    dilation: int | tuple[int, ...] = 1
+
+    def make_pattern(self) -> P.Pattern:
+        return P.longformer(self.window, self.global_indices, self.dilation)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BigBirdConfig(SparseConfig):
+    """``bigbird(block, window_blocks, global_blocks, random_blocks, seed)``; the kernel tile is
+    the BigBird block, so every tile is full."""
+
+    block: int = 64
+    window_blocks: int = 3
+    global_blocks: int = 2
+    random_blocks: int = 3
+    seed: int = 0
+
+    def make_pattern(self) -> P.Pattern:
+        return P.bigbird(self.block, self.window_blocks, self.global_blocks, self.random_blocks, self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StarConfig(SparseConfig):
+    """``star(relay)``: neighbours within 1 and one relay token."""
+
+    relay: int = 0
+
+    def make_pattern(self) -> P.Pattern:
+        return P.star(self.relay)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ETCConfig(SparseConfig):
+    """``etc(window, n_global)``: the first ``n_global`` positions are global."""
+
+    window: int = 64
+    n_global: int = 1
+
+    def make_pattern(self) -> P.Pattern:
+        return P.etc(self.window, self.n_global)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseTransformerStridedConfig(SparseConfig):
+    """``sparse_transformer_strided(l)``: half the heads local, half strided (causal)."""
+
+    l: int = 128  # noqa: E741
+
+    def make_pattern(self) -> P.Pattern:
+        return P.sparse_transformer_strided(self.l)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseTransformerFixedConfig(SparseConfig):
+    """``sparse_transformer_fixed(l, c)``: half the heads block-local, half the summary columns."""
+
+    l: int = 128  # noqa: E741
+    c: int = 8
+
+    def make_pattern(self) -> P.Pattern:
+        return P.sparse_transformer_fixed(self.l, self.c)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block2DConfig(SparseConfig):
+    """``block2d(h, w, query_block, memory_margin)`` on a row-major ``h x w`` image."""
+
+    h: int = 32
+    w: int = 32
+    query_block: tuple[int, int] = (8, 8)
+    memory_margin: tuple[int, int] = (4, 4)
+
+    def make_pattern(self) -> P.Pattern:
+        return P.block2d(self.h, self.w, self.query_block, self.memory_margin)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AxialConfig(SparseConfig):
+    """``axial(h, w)``: same row or column of a row-major ``h x w`` grid."""
+
+    h: int = 32
+    w: int = 32
+
+    def make_pattern(self) -> P.Pattern:
+        return P.axial(self.h, self.w)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphConfig(SparseConfig):
+    """``graph(edges, n, self_loops)``: ``edges`` as (query, key) pairs on ``n`` nodes."""
+
+    edges: tuple[tuple[int, int], ...] = ((0, 1), (1, 0))
+    n: int = 2
+    self_loops: bool = True
+
+    def make_pattern(self) -> P.Pattern:
+        import torch
+
+        edge_index = torch.tensor(self.edges, dtype=torch.long).reshape(-1, 2).t()
+        return P.graph(edge_index, self.n, self.self_loops)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PatternConfig(SparseConfig):
+    """Any ``attnzoo.patterns.Pattern``, e.g. ``per_head([...])`` for different head groups."""
+
+    pattern: P.Pattern = P.full()
+
+    def make_pattern(self) -> P.Pattern:
+        return self.pattern
+
+
+ARXIV = "https://arxiv.org/abs/"
+_register("local", LocalConfig, "Sliding-window (local / truncated) attention.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150")
+_register("dilated", DilatedConfig, "Dilated sliding window.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150")
+_register("strided", StridedConfig, "Every stride-th position.", "Child et al. 2019 (Sparse Transformer), " + ARXIV + "1904.10509")
+_register("global", GlobalConfig, "Internal global tokens attend to and from all.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150")
+_register("random", RandomConfig, "Random keys per query (fixed per seed and length).", "Zaheer et al. 2020 (BigBird), " + ARXIV + "2007.14062")
+_register("block_local", BlockLocalConfig, "Attention inside non-overlapping blocks.", "Qiu et al. 2019 (BlockBERT), " + ARXIV + "1911.02972")
+_register("longformer", LongformerConfig, "Sliding window + global tokens (+ dilation per head).", "Beltagy et al. 2020, " + ARXIV + "2004.05150")
+_register("bigbird", BigBirdConfig, "Block window + global blocks + random blocks.", "Zaheer et al. 2020, " + ARXIV + "2007.14062")
+_register("star", StarConfig, "Ring of neighbours + one relay token.", "Guo et al. 2019 (Star-Transformer), " + ARXIV + "1902.09113")
+_register("etc", ETCConfig, "External global tokens + sliding window.", "Ainslie et al. 2020 (ETC), " + ARXIV + "2004.08483")
+_register("sparse_transformer_strided", SparseTransformerStridedConfig, "Local heads + strided heads.",
+          "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))
+_register("sparse_transformer_fixed", SparseTransformerFixedConfig, "Block-local heads + summary-column heads.",
+          "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))
+_register("block2d", Block2DConfig, "Image Transformer 2-D block-local attention.", "Parmar et al. 2018, " + ARXIV + "1802.05751",
+          cross=False, notes=(SELF_ONLY,))
+_register("axial", AxialConfig, "Same row or same column of a 2-D grid.", "Ho et al. 2019, " + ARXIV + "1912.12180",
+          cross=False, notes=(SELF_ONLY,))
+_register("graph", GraphConfig, "Attention along the edges of a graph.", "Velickovic et al. 2018 (GAT), " + ARXIV + "1710.10903",
+          cross=False, notes=(SELF_ONLY,))
+_register("pattern", PatternConfig, "Any attnzoo.patterns.Pattern (per_head for mixed heads).", "see attnzoo.patterns")

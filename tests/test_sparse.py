@@ -1,0 +1,165 @@
+"""Every registered sparse mechanism on every backend equals the dense reference backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo import patterns as P
+from conftest import grads, padding_mask
+from tolerances import assert_close_to_golden
+
+B, H, N, D = 2, 4, 75, 16  # N not a multiple of the 16-wide tiles
+RING = tuple((i, (i + d) % N) for i in range(N) for d in (1, -1, 7))
+SMALL = {
+    "local": dict(left=5, right=3), "dilated": dict(left=3, right=2, dilation=3), "strided": dict(stride=9),
+    "global": dict(indices=(0, 40)), "random": dict(r=6, seed=1), "block_local": dict(size=10),
+    "longformer": dict(window=4, global_indices=(0,), dilation=(1, 2)), "bigbird": dict(block=16, random_blocks=1),
+    "star": dict(), "etc": dict(window=3, n_global=2), "sparse_transformer_strided": dict(l=8),
+    "sparse_transformer_fixed": dict(l=8, c=2), "block2d": dict(h=5, w=15, query_block=(2, 4), memory_margin=(1, 2)),
+    "axial": dict(h=5, w=15), "graph": dict(edges=RING, n=N), "pattern": dict(pattern=P.per_head([P.local(2), P.strided(5)])),
+}
+SPARSE = attnzoo.names(family="sparse")
+
+
+def test_every_sparse_mechanism_is_covered_here():
+    assert set(SPARSE) == set(SMALL), "add a small config for each new sparse mechanism"
+
+
+def _inputs(dtype, requires_grad=True):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, N, D, generator=g, dtype=dtype).requires_grad_(requires_grad) for _ in range(3))
+
+
+def _build(name, backend):
+    cfg = dict(SMALL[name])
+    if name != "bigbird":
+        cfg["block"] = 16
+    return attnzoo.build(name, backend=backend, **cfg)
+
+
+@pytest.mark.parametrize("name", SPARSE)
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocked_equals_reference_forward_and_gradients(name, causal):
+    mask = padding_mask(B, N)  # batch 0 is all padding: fully masked rows
+    mask[1, 70:] = False
+    fast, ref = _build(name, "blocked"), _build(name, "reference")
+    q, k, v = _inputs(torch.float32)
+    golden_in = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+    golden = ref(*golden_in, causal=causal, key_padding_mask=mask)
+    reference = ref(q, k, v, causal=causal, key_padding_mask=mask)
+    actual = fast(q, k, v, causal=causal, key_padding_mask=mask)
+    assert attnzoo.last_choice().backend == "blocked"
+    assert torch.equal(actual[0], torch.zeros_like(actual[0]))
+    assert_close_to_golden(actual, reference, golden.detach(), what=f"{name} forward")
+    for a, r, g, w in zip(grads(actual, (q, k, v)), grads(reference, (q, k, v)), grads(golden, golden_in), "qkv"):
+        assert torch.isfinite(a).all()
+        assert_close_to_golden(a, r, g, what=f"{name} d{w}")
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_blocked_bf16_forward(name):
+    mask = padding_mask(B, N)
+    q, k, v = (t.detach().bfloat16() for t in _inputs(torch.float32))
+    golden = _build(name, "reference")(*(t.double() for t in (q, k, v)), causal=True, key_padding_mask=mask)
+    reference = _build(name, "reference")(q, k, v, causal=True, key_padding_mask=mask)
+    actual = _build(name, "blocked")(q, k, v, causal=True, key_padding_mask=mask)
+    assert actual.dtype == torch.bfloat16
+    assert_close_to_golden(actual, reference, golden, what=f"{name} bf16")
+
+
+FLEX_QUICK = ["local", "bigbird", "sparse_transformer_strided"]
+
+
+def _flex_case(name):
+    mask = padding_mask(B, N)
+    mask[1, 60:] = False
+    q, k, v = _inputs(torch.float32, requires_grad=False)
+    for causal in (False, True):
+        want = _build(name, "reference")(q, k, v, causal=causal, key_padding_mask=mask)
+        got = _build(name, "flex")(q, k, v, causal=causal, key_padding_mask=mask)
+        golden = _build(name, "reference")(q.double(), k.double(), v.double(), causal=causal, key_padding_mask=mask)
+        assert_close_to_golden(got, want, golden, what=f"{name} flex causal={causal}")
+
+
+@pytest.mark.parametrize("name", FLEX_QUICK)
+def test_flex_equals_reference(name):
+    _flex_case(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in SPARSE if n not in FLEX_QUICK])
+def test_flex_equals_reference_all(name):
+    _flex_case(name)
+
+
+def test_flex_refuses_grad_and_auto_records_why():
+    q, k, v = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="backend 'flex' cannot run this call: FlexAttention has no backward on CPU"):
+        attnzoo.attend(q, k, v, pattern=P.local(3), backend="flex")
+    attnzoo.attend(q, k, v, pattern=P.local(3))
+    assert attnzoo.last_choice().backend == "blocked"
+    small = torch.randn(1, 1, 8, 8)
+    with pytest.raises(ValueError, match="power-of-two head dimension"):
+        attnzoo.attend(small, small, small, pattern=P.local(1), backend="flex")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        attnzoo.attend(small, small, small, backend="triton")
+    with pytest.raises(TypeError, match="Pattern"):
+        attnzoo.attend(small, small, small, pattern="local")
+
+
+def test_window_covering_the_sequence_equals_full_attention():
+    q, k, v = _inputs(torch.float64, requires_grad=False)
+    out = attnzoo.build("local", left=N, right=N, block=16)(q, k, v, causal=True)
+    full = attnzoo.build("softmax")(q, k, v, causal=True)
+    torch.testing.assert_close(out, full)
+
+
+def test_heads_use_different_patterns_inside_multi_head_attention():
+    heads = P.per_head([P.local(1), P.global_tokens([0])])
+    mha = attnzoo.nn.MultiHeadAttention(32, 4, "pattern", pattern=heads, block=16)
+    x = torch.randn(2, 30, 32, requires_grad=True)
+    y = mha(x, causal=True)
+    y.sum().backward()
+    weights = mha.attn.implied_attention(torch.randn(1, 4, 30, 8), torch.randn(1, 4, 30, 8))
+    assert torch.equal(weights[0, 0] > 0, P.local(1).dense(30))
+    assert torch.equal(weights[0, 3] > 0, P.global_tokens([0]).dense(30))
+    with pytest.raises(ValueError, match="multiple of 2 heads"):
+        attnzoo.nn.MultiHeadAttention(30, 3, "pattern", pattern=heads)(torch.randn(1, 5, 30))
+
+
+def test_global_tokens_prepend_and_strip_for_etc():
+    tokens = attnzoo.nn.GlobalTokens(32, n=2)
+    layer = attnzoo.nn.MultiHeadAttention(32, 4, "etc", window=2, n_global=2, block=16)
+    x = torch.randn(2, 20, 32)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, 15:] = False
+    xg, mask_g = tokens(x, mask)
+    assert xg.shape == (2, 22, 32) and mask_g[:, :2].all() and torch.equal(mask_g[:, 2:], mask)
+    y = tokens.strip(layer(xg, key_padding_mask=mask_g))
+    assert y.shape == x.shape
+
+
+def test_no_n_by_n_allocation_on_the_blocked_path():
+    # N = 32768: one N x N float32 matrix is 4 GiB. Forward + backward of a sliding window must
+    # peak far below that (the whole process, torch included, under 1.5 GiB).
+    script = textwrap.dedent("""
+        import resource, torch, attnzoo
+        from attnzoo import patterns as P
+        torch.set_num_threads(2)
+        n = 32768
+        q, k, v = (torch.randn(1, 1, n, 32, requires_grad=True) for _ in range(3))
+        out = attnzoo.attend(q, k, v, pattern=P.local(256), causal=True, backend="blocked")
+        out.square().sum().backward()
+        assert q.grad.shape == q.shape and torch.isfinite(q.grad).all()
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    peak_gib = int(result.stdout.strip().splitlines()[-1]) / 2**20
+    assert peak_gib < 1.5, f"peak RSS {peak_gib:.2f} GiB: something N x N was allocated"
