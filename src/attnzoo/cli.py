@@ -1,10 +1,11 @@
-"""The ``attnzoo`` command: ``list``, ``describe NAME``, ``demo``."""
+"""The ``attnzoo`` command: ``list``, ``describe NAME``, ``demo``, ``bench speed``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -79,6 +80,54 @@ def cmd_demo(console: Console) -> None:
     console.print(f"CausalLM (softmax + RoPE, KV cache): 32 decode steps vs full forward, max |diff| = {diff:.2e}")
 
 
+def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
+    from attnzoo.bench import speed
+
+    mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or tuple(
+        (name, {}) for name in attnzoo.names(kind="attention"))
+    setting = speed.Setting(
+        mechanisms=mechanisms, backends=tuple(args.backend.split(",")), sizes=tuple(int(n) for n in args.n.split(",")),
+        batch=args.batch, heads=args.heads, dim=args.dim, causal=args.causal, repeats=args.repeats,
+        backward=not args.no_backward, sdpa_max_n=args.sdpa_max_n,
+        extra={"command": "attnzoo " + " ".join(sys.argv[1:] if args.argv is None else args.argv)},
+    )
+    table = Table(title="attnzoo bench speed (ratios are against dense SDPA in the same run)")
+    for column in ("mechanism", "backend", "N", "fwd ms", "fwd+bwd ms", "x SDPA fwd", "x SDPA f+b", "peak MiB", "GFLOP/s", "note"):
+        table.add_column(column)
+
+    def echo(row: dict) -> None:
+        if row["kind"] == "meta":
+            console.print(f"{row['processor']}, {row['cpus']} cpus, torch {row['torch']}, "
+                          f"2048^2 matmul {row['matmul_2048_gflops']:.0f} GFLOP/s")
+            return
+        name = "SDPA (dense)" if row["kind"] == "sdpa" else row["mechanism"]
+        table.add_row(name, row.get("backend_ran", row.get("backend", "-")), str(row["n"]), _ms(row.get("forward_s")),
+                      _ms(row.get("forward_backward_s")), _x(row.get("speedup_forward_vs_sdpa")),
+                      _x(row.get("speedup_forward_backward_vs_sdpa")), _mib(row.get("peak_forward_bytes")),
+                      _num(row.get("useful_gflops")), row.get("error", "" if row.get("correct", True) else "FAILED check"))
+
+    speed.write_lines(speed.run(setting), Path(args.out) if args.out else None, echo)
+    console.print(table)
+    if args.out:
+        console.print(f"results: {args.out}")
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}x"
+
+
+def _mib(x: int | None) -> str:
+    return "-" if x is None else f"{x / 2**20:.0f}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,7 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     describe = sub.add_parser("describe", help="show one mechanism: paper, complexity, capabilities, config")
     describe.add_argument("name")
     sub.add_parser("demo", help="run a small demonstration")
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    sp = bench.add_parser("speed", help="time and memory of mechanisms vs dense SDPA in the same run")
+    sp.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]",
+                    help="repeatable; default: every registered attention mechanism with its defaults")
+    sp.add_argument("--backend", default="auto", help="comma-separated: auto,blocked,flex,reference")
+    sp.add_argument("--n", default="1024,4096,16384", help="comma-separated sequence lengths")
+    sp.add_argument("--batch", type=int, default=1)
+    sp.add_argument("--heads", type=int, default=8)
+    sp.add_argument("--dim", type=int, default=64)
+    sp.add_argument("--causal", action="store_true")
+    sp.add_argument("--repeats", type=int, default=3)
+    sp.add_argument("--no-backward", action="store_true", help="time the forward only")
+    sp.add_argument("--sdpa-max-n", type=int, default=16384, help="skip the dense SDPA reference above this N")
+    sp.add_argument("--out", help="write JSON lines here")
     args = parser.parse_args(argv)
+    args.argv = argv
     # Piped output (CI logs, files) gets a wide console instead of rich's 80-column default.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
@@ -94,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd_list(console)
         elif args.command == "describe":
             cmd_describe(console, args.name)
+        elif args.command == "bench":
+            cmd_bench_speed(console, args)
         else:
             cmd_demo(console)
     except ValueError as error:

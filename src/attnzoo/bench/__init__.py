@@ -1,0 +1,1 @@
+"""Benchmarks: speed and memory sweeps (``attnzoo bench ...``)."""

@@ -1,0 +1,230 @@
+"""``attnzoo bench speed``: forward and forward+backward time, peak memory and useful GFLOP/s of
+registered mechanisms, each against dense ``scaled_dot_product_attention`` measured in the same
+run (this machine is shared and noisy, so only same-run ratios are meaningful).
+
+Before timing, each mechanism is checked against its reference at a small size; a mechanism
+that fails the check is reported as failed and gets no speed-up figure.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+import attnzoo
+from attnzoo.registry import config_fields
+
+CHECK_N = 300
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """One benchmark configuration (``attnzoo bench speed`` flags)."""
+
+    mechanisms: tuple[tuple[str, dict[str, Any]], ...]
+    backends: tuple[str, ...] = ("auto",)
+    sizes: tuple[int, ...] = (1024, 4096, 16384)
+    batch: int = 1
+    heads: int = 8
+    dim: int = 64
+    causal: bool = False
+    repeats: int = 3
+    backward: bool = True
+    sdpa_max_n: int = 16384
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_mechanism(text: str) -> tuple[str, dict[str, Any]]:
+    """``"local:left=256,right=256"`` -> ``("local", {"left": 256, "right": 256})``; values are
+    Python literals (numbers, tuples, strings)."""
+    name, _, rest = text.partition(":")
+    config: dict[str, Any] = {}
+    for item in filter(None, re.split(r",(?![^()]*\))", rest)):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"mechanism settings are key=value pairs, got {item!r} in {text!r}")
+        try:
+            config[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            config[key.strip()] = value.strip()
+    attnzoo.describe(name)
+    return name, config
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "machine": platform.machine(), "processor": platform.processor() or _cpu_model(), "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    match = re.search(r"model name\s*:\s*(.+)", text)
+    return match.group(1).strip() if match else "unknown"
+
+
+def _rss(field_name: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field_name}:\s+(\d+) kB", text).group(1)) * 1024
+
+
+def peak_memory(fn: Callable[[], Any]) -> int | None:
+    """Bytes the call adds to the process's peak resident set (Linux: resets VmHWM through
+    /proc/self/clear_refs); None where that is not available."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        base = _rss("VmRSS")
+    except OSError:
+        return None
+    result = fn()
+    del result
+    return max(_rss("VmHWM") - base, 0)
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up (and compilation, for flex)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 3) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / median_time(lambda: a @ b, repeats) / 1e9
+
+
+def _inputs(setting: Setting, n: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
+    shape = (setting.batch, setting.heads, n, setting.dim)
+    return tuple(torch.randn(shape).requires_grad_(requires_grad) for _ in range(3))
+
+
+def _build(name: str, config: dict[str, Any], backend: str) -> torch.nn.Module:
+    if backend != "auto" and "backend" in config_fields(name):
+        config = {**config, "backend": backend}
+    return attnzoo.build(name, **config)
+
+
+def _fwd_bwd(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    module(q, k, v, causal=causal).sum().backward()
+
+
+def check(name: str, config: dict[str, Any], backend: str, setting: Setting) -> float:
+    """Max abs difference of the mechanism against its reference backend at ``CHECK_N``."""
+    fast, ref = _build(name, config, backend), _build(name, config, "reference")
+    q, k, v = _inputs(Setting(mechanisms=(), batch=1, heads=setting.heads, dim=setting.dim), CHECK_N, False)
+    with torch.no_grad():
+        return float((fast(q, k, v, causal=setting.causal) - ref(q, k, v, causal=setting.causal)).abs().max())
+
+
+def useful_pairs(module: torch.nn.Module, n: int, causal: bool) -> float:
+    """Pairs per (batch, head) the mechanism attends: the pattern's pairs, or all for dense."""
+    pattern = getattr(module, "pattern", None)
+    if pattern is None:
+        return n * (n + 1) / 2 if causal else float(n * n)
+    if causal:
+        pattern = pattern & attnzoo.patterns.causal()
+    return pattern.density(n, block=128) * n * n
+
+
+def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Setting, sdpa: dict[int, dict]) -> dict[str, Any]:
+    row: dict[str, Any] = {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
+                           "batch": setting.batch, "heads": setting.heads, "dim": setting.dim, "causal": setting.causal}
+    module = _build(name, config, backend)
+    row["max_abs_error_vs_reference"] = check(name, config, backend, setting)
+    row["correct"] = row["max_abs_error_vs_reference"] < 1e-3
+    q, k, v = _inputs(setting, n, False)
+    with torch.no_grad():
+        row["forward_s"] = median_time(lambda: module(q, k, v, causal=setting.causal), setting.repeats)
+        row["peak_forward_bytes"] = peak_memory(lambda: module(q, k, v, causal=setting.causal))
+    row["backend_ran"] = getattr(attnzoo.last_choice(), "backend", None) if hasattr(module, "pattern") else name
+    flops = 4 * useful_pairs(module, n, setting.causal) * setting.dim * setting.batch * setting.heads
+    row["useful_gflops"] = flops / row["forward_s"] / 1e9
+    if setting.backward and backend != "flex":
+        qg, kg, vg = _inputs(setting, n, True)
+        row["forward_backward_s"] = median_time(lambda: _fwd_bwd(module, qg, kg, vg, setting.causal), setting.repeats)
+    if n in sdpa and row["correct"]:
+        row["speedup_forward_vs_sdpa"] = sdpa[n]["forward_s"] / row["forward_s"]
+        if "forward_backward_s" in row and "forward_backward_s" in sdpa[n]:
+            row["speedup_forward_backward_vs_sdpa"] = sdpa[n]["forward_backward_s"] / row["forward_backward_s"]
+    blocks_ms = _blocks_ms(module, n)
+    if blocks_ms is not None:
+        row["blocks_ms"] = blocks_ms
+    return row
+
+
+def _blocks_ms(module: torch.nn.Module, n: int) -> float | None:
+    pattern, block = getattr(module, "pattern", None), getattr(getattr(module, "config", None), "block", None)
+    if pattern is None or block is None:
+        return None
+    from attnzoo.patterns.atomic import sample_without_replacement
+
+    sample_without_replacement.cache_clear()  # time a cold call, random tables included
+    start = time.perf_counter()
+    pattern.resolve_heads(2 * getattr(pattern, "n_groups", 1)).blocks(n, n, block)
+    return (time.perf_counter() - start) * 1e3
+
+
+def sdpa_row(n: int, setting: Setting) -> dict[str, Any]:
+    q, k, v = _inputs(setting, n, False)
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=setting.causal)  # noqa: E731
+    row = {"kind": "sdpa", "n": n, "causal": setting.causal, "forward_s": median_time(sdpa, setting.repeats),
+           "peak_forward_bytes": peak_memory(sdpa)}
+    if setting.backward:
+        qg, kg, vg = _inputs(setting, n, True)
+        row["forward_backward_s"] = median_time(
+            lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=setting.causal).sum().backward(), setting.repeats)
+    return row
+
+
+def run(setting: Setting) -> Iterator[dict[str, Any]]:
+    """Yield the meta line, then one SDPA line per size and one line per mechanism, backend and
+    size. Failures are reported as lines with an ``error`` field, not raised."""
+    yield {"kind": "meta", **machine(), "matmul_2048_gflops": matmul_gflops(), **setting.extra}
+    sdpa: dict[int, dict] = {}
+    for n in setting.sizes:
+        if n <= setting.sdpa_max_n:
+            sdpa[n] = sdpa_row(n, setting)
+            yield sdpa[n]
+        for name, config in setting.mechanisms:
+            for backend in setting.backends:
+                try:
+                    yield run_one(name, config, backend, n, setting, sdpa)
+                except (ValueError, TypeError, RuntimeError) as error:
+                    yield {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
+                           "error": f"{type(error).__name__}: {error}"}
+
+
+def write_lines(rows: Iterator[dict[str, Any]], out: Path | None, echo: Callable[[dict], None]) -> list[dict]:
+    collected = []
+    handle = out.open("w") if out else None
+    try:
+        for row in rows:
+            collected.append(row)
+            echo(row)
+            if handle:
+                handle.write(json.dumps(row, default=str) + "\n")
+                handle.flush()
+    finally:
+        if handle:
+            handle.close()
+    return collected

@@ -1,0 +1,47 @@
+"""``attnzoo bench speed`` structure (timings themselves are never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnzoo.bench import speed
+from attnzoo.cli import main
+
+
+def test_parse_mechanism_reads_literals():
+    assert speed.parse_mechanism("local:left=256,right=3") == ("local", {"left": 256, "right": 3})
+    assert speed.parse_mechanism("global:indices=(0, 5)") == ("global", {"indices": (0, 5)})
+    assert speed.parse_mechanism("softmax") == ("softmax", {})
+    with pytest.raises(ValueError, match="key=value"):
+        speed.parse_mechanism("local:left")
+    with pytest.raises(ValueError, match="no mechanism named"):
+        speed.parse_mechanism("locl")
+
+
+def test_run_reports_ratios_checks_and_errors():
+    setting = speed.Setting(mechanisms=(("local", {"left": 8, "right": 8, "block": 64}), ("block2d", {})),
+                            backends=("blocked",), sizes=(256,), heads=2, dim=16, repeats=1)
+    rows = list(speed.run(setting))
+    kinds = [r["kind"] for r in rows]
+    assert kinds == ["meta", "sdpa", "speed", "speed"]
+    meta, sdpa, local, block2d = rows
+    assert meta["torch"] and meta["matmul_2048_gflops"] > 0
+    assert local["correct"] and local["max_abs_error_vs_reference"] < 1e-4
+    assert local["backend_ran"] == "blocked"
+    assert local["speedup_forward_vs_sdpa"] == pytest.approx(sdpa["forward_s"] / local["forward_s"])
+    assert local["forward_backward_s"] > 0 and local["blocks_ms"] >= 0
+    # block2d's default image (32 x 32) does not fit N = 256: reported, not raised.
+    assert "exactly h*w" in block2d["error"]
+
+
+def test_cli_writes_json_lines(tmp_path, capsys):
+    out = tmp_path / "speed.jsonl"
+    code = main(["bench", "speed", "--mechanism", "local:left=4,right=4,block=32", "--n", "128", "--heads", "2",
+                 "--dim", "16", "--repeats", "1", "--no-backward", "--out", str(out)])
+    assert code == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["kind"] == "meta" and "bench speed" in rows[0]["command"]
+    assert rows[-1]["mechanism"] == "local" and "forward_backward_s" not in rows[-1]
+    assert "local" in capsys.readouterr().out
