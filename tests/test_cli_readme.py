@@ -51,3 +51,12 @@ def test_demo_reports_agreement(capsys):
 def test_bad_subcommand_exits_with_usage():
     with pytest.raises(SystemExit):
         main(["frobnicate"])
+
+
+def test_show_draws_a_pattern_and_the_gallery(tmp_path, capsys):
+    assert main(["show", "local", "--set", "left=3", "--grid", "8", "--out", str(tmp_path / "local.png")]) == 0
+    assert (tmp_path / "local.png").stat().st_size > 0
+    assert main(["show", "softmax", "--n", "16", "--out", str(tmp_path / "softmax.png")]) == 0
+    assert main(["show", "--all", "--out", str(tmp_path / "gallery")]) == 0
+    assert (tmp_path / "gallery" / "index.html").exists()
+    assert main(["show"]) == 2 and "--all" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The ``attnzoo`` command: ``list``, ``describe NAME``, ``demo``, ``bench speed``."""
+"""The ``attnzoo`` command: ``list``, ``describe NAME``, ``demo``, ``show``, ``bench speed``."""
 
 from __future__ import annotations
 
@@ -80,6 +80,34 @@ def cmd_demo(console: Console) -> None:
     console.print(f"CausalLM (softmax + RoPE, KV cache): 32 decode steps vs full forward, max |diff| = {diff:.2e}")
 
 
+def cmd_show(console: Console, args: argparse.Namespace) -> None:
+    from attnzoo import viz
+    from attnzoo.bench.speed import parse_mechanism
+
+    if args.all:
+        paths = viz.gallery(args.out or "gallery", n=args.n, block=args.grid or 8)
+        console.print(f"wrote {len(paths) - 1} pictures and {paths[-1]}")
+        return
+    if not args.name:
+        raise ValueError("name a mechanism to draw (attnzoo list), or pass --all for the gallery")
+    name, config = parse_mechanism(args.name + (":" + ",".join(args.set) if args.set else ""))
+    config = {**viz.GALLERY_CONFIGS.get(name, {}), **config}
+    out = Path(args.out or f"{name}.png")
+    module = attnzoo.build(name, **config)
+    if getattr(module, "pattern", None) is not None:
+        viz.draw_pattern(module.pattern.resolve_heads(2 * getattr(module.pattern, "n_groups", 1)), args.n, out,
+                         block=args.grid, causal=args.causal)
+    elif callable(getattr(module, "implied_attention", None)):
+        # Content-based mechanisms: what a real forward pass on random inputs attended to.
+        torch.manual_seed(0)
+        q, k = torch.randn(2, 1, 4, args.n, 32).unbind(0)
+        weights = module.implied_attention(q, k, causal=args.causal)
+        viz.draw_weights(weights, out, title=f"{name}: implied attention (random q, k; N={args.n})")
+    else:
+        raise ValueError(f"{name!r} has neither a pattern nor implied_attention to draw")
+    console.print(f"wrote {out}")
+
+
 def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
     from attnzoo.bench import speed
 
@@ -135,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     describe = sub.add_parser("describe", help="show one mechanism: paper, complexity, capabilities, config")
     describe.add_argument("name")
     sub.add_parser("demo", help="run a small demonstration")
+    show = sub.add_parser("show", help="draw a mechanism's attention pattern (or --all for a gallery)")
+    show.add_argument("name", nargs="?", help="a registered mechanism")
+    show.add_argument("--n", type=int, default=64, help="sequence length drawn (default 64)")
+    show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config values (repeatable)")
+    show.add_argument("--grid", type=int, help="overlay the kernel's tile grid of this block size")
+    show.add_argument("--causal", action="store_true")
+    show.add_argument("--all", action="store_true", help="write a gallery of every sparse mechanism and index.html")
+    show.add_argument("--out", help="output PNG (or folder with --all)")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     sp = bench.add_parser("speed", help="time and memory of mechanisms vs dense SDPA in the same run")
     sp.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]",
@@ -158,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd_list(console)
         elif args.command == "describe":
             cmd_describe(console, args.name)
+        elif args.command == "show":
+            cmd_show(console, args)
         elif args.command == "bench":
             cmd_bench_speed(console, args)
         else:
