@@ -21,7 +21,7 @@ _FLAGS = ("causal", "key_padding", "decode_step", "cross_attention", "score_mod"
 def cmd_list(console: Console) -> None:
     table = Table(title=f"attnzoo {attnzoo.__version__}: registered mechanisms")
     for column in ("name", "family", "kind", "time", "memory", "supports"):
-        table.add_column(column, no_wrap=column == "name")
+        table.add_column(column, no_wrap=column in ("name", "supports"))
     for name in attnzoo.names():
         spec = attnzoo.describe(name)
         caps = spec.capabilities
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     # Piped output (CI logs, files) gets a wide console instead of rich's 80-column default.
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     try:
         if args.command == "list":
             cmd_list(console)
