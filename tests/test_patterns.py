@@ -180,3 +180,11 @@ def test_names_and_argument_errors():
         P.random(2).mask_mod(torch.zeros(()), torch.zeros(()), torch.zeros(()), torch.zeros(()))
     with pytest.raises(TypeError, match="patterns combine"):
         P.local(1) | 3
+
+
+def test_resolved_per_head_patterns_evaluate_each_group_with_its_own_heads():
+    pattern = P.sparse_transformer_strided(4)
+    resolved = pattern.resolve_heads(6)
+    assert resolved.group_heads().tolist() == [0, 3]
+    assert resolved.density(40, 8) == pytest.approx(pattern.dense(40).float().mean().item())
+    check_blocks(resolved & P.local(6), 40, 40, 8, (pattern & P.local(6)).dense(40), exact_full=True)

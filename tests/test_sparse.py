@@ -163,3 +163,41 @@ def test_no_n_by_n_allocation_on_the_blocked_path():
     assert result.returncode == 0, result.stderr
     peak_gib = int(result.stdout.strip().splitlines()[-1]) / 2**20
     assert peak_gib < 1.5, f"peak RSS {peak_gib:.2f} GiB: something N x N was allocated"
+
+
+def test_alibi_score_mod_through_a_sparse_layer_equals_softmax_with_the_same_bias():
+    torch.manual_seed(0)
+    local = attnzoo.nn.MultiHeadAttention(32, 4, "local", left=N, right=N, block=16, positional="alibi")
+    torch.manual_seed(0)
+    dense = attnzoo.nn.MultiHeadAttention(32, 4, "softmax", positional="alibi")
+    x = torch.randn(2, N, 32, dtype=torch.float64)
+    local, dense = local.double(), dense.double()
+    torch.testing.assert_close(local(x, causal=True), dense(x, causal=True))
+    with pytest.raises(ValueError, match="needs the attention weights"):
+        attnzoo.nn.MultiHeadAttention(32, 4, "local", positional="relative")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triangular_tiles_run_unmasked_and_stay_exact(causal, dtype):
+    # Windows that are multiples of the tile make the edge tiles (and the causal diagonal)
+    # exact triangles: the plan must run them with is_causal, and stay equal to the reference.
+    from attnzoo.backends.dispatch import Call, plan_for
+
+    pattern = P.sliding_window(32, 16)
+    q, k, v = (t.detach().to(dtype).requires_grad_(dtype == torch.float32) for t in _inputs(torch.float32))
+    mask = padding_mask(B, N)
+    mask[1, 64:] = False
+    call_pattern = pattern & P.causal() if causal else pattern
+    # Without padding: window edges are triangles (and so is the causal diagonal); the ragged
+    # last key block keeps a mask. With padding, tiles holding a padded key keep a mask.
+    kinds = {p.kind for p in plan_for(Call(q, k, v, call_pattern, None, None, 0.25, 16)).pieces}
+    assert kinds == {"full", "tril", "triu", "mask"}
+    golden_in = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+    golden = attnzoo.attend(*golden_in, pattern=pattern, causal=causal, key_padding_mask=mask, backend="reference", block=16)
+    reference = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=mask, backend="reference", block=16)
+    actual = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=mask, backend="blocked", block=16)
+    assert_close_to_golden(actual, reference, golden.detach(), what="triangles forward")
+    if dtype == torch.float32:
+        for a, r, g, w in zip(grads(actual, (q, k, v)), grads(reference, (q, k, v)), grads(golden, golden_in), "qkv"):
+            assert_close_to_golden(a, r, g, what=f"triangles d{w}")

@@ -165,7 +165,7 @@ def plan_for(call: Call) -> blocked_backend.Plan:
         _PLANS.move_to_end(key)
         return _PLANS[key]
     tiles = call.pattern.blocks(n_q, n_kv, call.block)
-    plan = blocked_backend.make_plan(tiles, call.head_groups, mask_blocks=mask_blocks)
+    plan = blocked_backend.make_plan(tiles, call.head_groups, pattern=call.pattern, mask_blocks=mask_blocks)
     _PLANS[key] = plan
     if len(_PLANS) > 64:
         _PLANS.popitem(last=False)

@@ -141,6 +141,10 @@ class Pattern:
         """The pattern for a layer with ``heads`` heads (only ``per_head`` patterns change)."""
         return self
 
+    def group_heads(self) -> Tensor:
+        """``(groups,)``: a head index that ``mask_mod`` maps to each tile group."""
+        return torch.arange(getattr(self, "n_groups", 1))
+
     def dense(self, n_q: int, n_kv: int | None = None) -> Tensor:
         """The bool matrix ``(n_q, n_kv)`` — ``(groups, n_q, n_kv)`` for per-head patterns.
         O(N^2): for tests and pictures only."""
@@ -186,7 +190,7 @@ def evaluate_tiles(pattern: Pattern, tiles: BlockList, chunk: int = 4096) -> Ten
     rows = tiles.qb[:, None] * tiles.block + arange  # [T, block]
     cols = tiles.kb[:, None] * tiles.block + arange
     inside = (rows < tiles.n_q)[:, :, None] & (cols < tiles.n_kv)[:, None, :]
-    heads = tiles.group.view(-1, 1, 1)
+    heads = pattern.group_heads()[tiles.group].view(-1, 1, 1)
     return mask_mod(torch.zeros((), dtype=torch.long), heads, (rows + offset)[:, :, None], cols[:, None, :]) & inside
 
 
@@ -272,6 +276,12 @@ class PerHead(Pattern):
 
     def resolve_heads(self, heads: int) -> PerHead:
         return PerHead(self.patterns, heads)
+
+    def group_heads(self) -> Tensor:
+        # Once resolved, mask_mod reads h as a head: use the first head of each group.
+        if self.heads is None:
+            return torch.arange(self.n_groups)
+        return torch.arange(self.n_groups) * (self.heads // self.n_groups)
 
     def head_groups(self) -> Tensor:
         """``(H,)``: the pattern index of every head."""
