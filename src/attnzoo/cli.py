@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--heads", type=int, default=8)
     sp.add_argument("--dim", type=int, default=64)
     sp.add_argument("--causal", action="store_true")
-    sp.add_argument("--repeats", type=int, default=3)
+    sp.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median), after one warm-up")
     sp.add_argument("--no-backward", action="store_true", help="time the forward only")
     sp.add_argument("--sdpa-max-n", type=int, default=16384, help="skip the dense SDPA reference above this N")
     sp.add_argument("--out", help="write JSON lines here")

@@ -40,7 +40,7 @@ class Setting:
     heads: int = 8
     dim: int = 64
     causal: bool = False
-    repeats: int = 3
+    repeats: int = 5
     backward: bool = True
     sdpa_max_n: int = 16384
     extra: dict[str, Any] = field(default_factory=dict)
