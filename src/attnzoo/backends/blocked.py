@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.patterns.algebra import BlockList, Pattern, evaluate_tiles
+from attnzoo.patterns.algebra import BlockList, Pattern, TileGrid, evaluate_tiles
 from attnzoo.spec import MaskMod, ScoreMod
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -53,24 +53,13 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(TileGrid):
     n_q: int
     n_kv: int
     block: int
     heads: int
     pieces: tuple[Piece, ...]
 
-    @property
-    def n_q_blocks(self) -> int:
-        return -(-self.n_q // self.block)
-
-    @property
-    def n_kv_blocks(self) -> int:
-        return -(-self.n_kv // self.block)
-
-    def computed_pairs(self) -> int:
-        """Pairs the kernel computes per batch and head (for 'useful GFLOP/s')."""
-        return sum(int(p.kb.numel()) * self.block * self.block * p.heads.numel() for p in self.pieces) // self.heads
 
 
 def make_plan(tiles: BlockList, head_groups: Tensor, *, pattern: Pattern | None = None,

@@ -29,8 +29,25 @@ from attnzoo._checks import check_positive_int
 from attnzoo.spec import MaskMod
 
 
+class TileGrid:
+    """Tile counts of an ``n_q x n_kv`` grid of ``block x block`` tiles (a mixin for the
+    dataclasses that carry ``n_q``, ``n_kv`` and ``block``)."""
+
+    n_q: int
+    n_kv: int
+    block: int
+
+    @property
+    def n_q_blocks(self) -> int:
+        return -(-self.n_q // self.block)
+
+    @property
+    def n_kv_blocks(self) -> int:
+        return -(-self.n_kv // self.block)
+
+
 @dataclass(frozen=True)
-class BlockList:
+class BlockList(TileGrid):
     """The tiles of a ``(n_q, n_kv)`` pattern on a ``block x block`` grid, as sorted, unique
     COO entries ``(group, qb, kb, full)``. ``group`` indexes ``head_group``'s values: head ``h``
     uses the entries of group ``head_group[h]`` (one group, 0, for head-independent patterns).
@@ -44,14 +61,6 @@ class BlockList:
     kb: Tensor
     full: Tensor
     n_groups: int = 1
-
-    @property
-    def n_q_blocks(self) -> int:
-        return -(-self.n_q // self.block)
-
-    @property
-    def n_kv_blocks(self) -> int:
-        return -(-self.n_kv // self.block)
 
     def __len__(self) -> int:
         return int(self.qb.numel())

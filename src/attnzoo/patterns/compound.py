@@ -132,7 +132,18 @@ def sparse_transformer_fixed(l: int, c: int) -> PerHead:  # noqa: E741
     return per_head([BlockLocal(l) & causal(), PeriodicColumns(l, l - c, l - 1) & causal()])
 
 
-class Block2D(Pattern):
+class GridPattern(Pattern):
+    """A pattern on the positions of a row-major ``h x w`` grid: defined for N = h * w only."""
+
+    h: int
+    w: int
+
+    def _check(self, n_q: int | None, n_kv: int | None) -> None:
+        if n_q not in (None, self.h * self.w) or n_kv not in (None, self.h * self.w):
+            raise ValueError(f"{self.name} is defined on exactly h*w = {self.h * self.w} positions, got {n_q}, {n_kv}")
+
+
+class Block2D(GridPattern):
     """Image Transformer 2-D local attention (Parmar et al. 2018,
     https://arxiv.org/abs/1802.05751) on a row-major ``h x w`` image: the query block
     ``(r // qh, c // qw)`` attends to its own block extended by ``memory_margin = (mh, mw)``
@@ -145,10 +156,6 @@ class Block2D(Pattern):
             check_positive_int(value, name, allow_zero=True)
         self.h, self.w, self.query_block, self.margin = h, w, tuple(query_block), tuple(memory_margin)
         self.name = f"block2d({h}x{w}, query_block={self.query_block}, margin={self.margin})"
-
-    def _check(self, n_q: int | None, n_kv: int | None) -> None:
-        if n_q not in (None, self.h * self.w) or n_kv not in (None, self.h * self.w):
-            raise ValueError(f"{self.name} is defined on exactly h*w = {self.h * self.w} positions, got {n_q}, {n_kv}")
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         self._check(n_q, n_kv)
@@ -183,7 +190,7 @@ def block2d(h: int, w: int, query_block: tuple[int, int] = (8, 8), memory_margin
     return Block2D(h, w, query_block, memory_margin)
 
 
-class Axial(Pattern):
+class Axial(GridPattern):
     """Same row or same column of a row-major ``h x w`` grid (Ho et al. 2019,
     https://arxiv.org/abs/1912.12180): ``block_local(w) | strided(w)`` on exactly ``h * w``
     positions."""
@@ -194,10 +201,6 @@ class Axial(Pattern):
         self.h, self.w = h, w
         self.inner = BlockLocal(w) | strided(w)
         self.name = f"axial({h}x{w})"
-
-    def _check(self, n_q: int | None, n_kv: int | None) -> None:
-        if n_q not in (None, self.h * self.w) or n_kv not in (None, self.h * self.w):
-            raise ValueError(f"{self.name} is defined on exactly h*w = {self.h * self.w} positions, got {n_q}, {n_kv}")
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         self._check(n_q, n_kv)
