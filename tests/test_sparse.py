@@ -201,3 +201,13 @@ def test_triangular_tiles_run_unmasked_and_stay_exact(causal, dtype):
     if dtype == torch.float32:
         for a, r, g, w in zip(grads(actual, (q, k, v)), grads(reference, (q, k, v)), grads(golden, golden_in), "qkv"):
             assert_close_to_golden(a, r, g, what=f"triangles d{w}")
+
+
+def test_value_head_size_may_differ():
+    q, k = torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 16)
+    v = torch.randn(2, 2, 50, 8, requires_grad=True)
+    for pattern in (P.local(20), P.sliding_window(16, 0)):
+        out = attnzoo.attend(q, k, v, pattern=pattern, causal=True, block=16, backend="blocked")
+        ref = attnzoo.attend(q, k, v, pattern=pattern, causal=True, block=16, backend="reference")
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(*(torch.autograd.grad(o.sum(), v)[0] for o in (out, ref)))

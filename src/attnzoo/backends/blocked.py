@@ -124,6 +124,8 @@ class Context:
     score_mod: ScoreMod | None
     key_padding_mask: Tensor | None
     batch: int
+    #: PyTorch's CPU flash kernel needs one head size for q, k and v.
+    same_head_dims: bool = True
 
 
 def _positions(piece: Piece, ctx: Context, qx: Tensor) -> tuple[Tensor, ...]:
@@ -173,7 +175,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 def _uses_flash(piece: Piece, ctx: Context) -> bool:
     # The flash kernel takes no score_mod, and its mask cannot depend on the batch row (tiles
     # with padded keys are always of kind "mask").
-    return ctx.score_mod is None and (piece.kind != "mask" or ctx.key_padding_mask is None)
+    return ctx.same_head_dims and ctx.score_mod is None and (piece.kind != "mask" or ctx.key_padding_mask is None)
 
 
 def _needs_mask(piece: Piece, ctx: Context) -> bool:
@@ -213,16 +215,18 @@ def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -
 
 
 def piece_backward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor,
-                   lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                   lse: Tensor, delta: Tensor, *, flash_ok: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """This piece's share of dq, dk, dv from the *total* ``out`` and ``lse`` (given per query
     block as ``(QB, B*Hg, block)``; rows with no visible key carry lse = +inf, so their
-    recomputed probabilities are 0)."""
+    recomputed probabilities are 0). ``delta`` is ``rowsum(dO * O) - dL/dlse``; the flash
+    kernel computes its own delta, so a gradient on the lse needs ``flash_ok=False``."""
     block = ctx.plan.block
     qx, kx, vx = _gather(piece, q, k, v, block)
     ox, dox = _take(out, piece, piece.qb, block), _take(grad_out, piece, piece.qb, block)
     lse_x, delta_x = lse[piece.qb], delta[piece.qb]
-    visible = _visible(piece, ctx, qx) if _needs_mask(piece, ctx) else None
-    if _uses_flash(piece, ctx):
+    use_flash = flash_ok and _uses_flash(piece, ctx)
+    visible = _visible(piece, ctx, qx) if piece.kind != "full" and (piece.kind == "mask" or not use_flash) else None
+    if use_flash:
         if piece.kind in ("tril", "triu"):
             flip = piece.kind == "triu"
             args = _flip_rows(dox, qx, kx, vx, ox, lse_x) if flip else (dox, qx, kx, vx, ox, lse_x)
@@ -292,10 +296,9 @@ class BlockedAttention(torch.autograd.Function):
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.data = data
-        ctx.mark_non_differentiable(lse)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         data: Context = ctx.data
         plan, batch = data.plan, q.shape[0]
@@ -304,11 +307,15 @@ class BlockedAttention(torch.autograd.Function):
         op, gp = _pad(out, n_q_pad), _pad(grad_out.contiguous(), n_q_pad)
         cd = _compute_dtype(q)
         delta = (gp.to(cd) * op.to(cd)).sum(-1)  # [B, H, Nq_pad]
+        # d lse_i / d s_ij = p_ij, so a gradient on the lse enters exactly like -delta.
+        lse_grad = grad_lse is not None and bool((grad_lse != 0).any())
+        if lse_grad:
+            delta = delta - torch.nan_to_num(grad_lse.to(cd), nan=0.0)
         lse = torch.where(torch.isinf(lse), float("inf"), lse)  # rows that saw no key: probabilities 0
         dq, dk, dv = (torch.zeros(x.shape, dtype=cd, device=q.device) for x in (qp, kp, vp))
         for piece in _chunks(data, q):
             dqx, dkx, dvx = piece_backward(piece, data, qp, kp, vp, op, gp, _block_rows(lse, piece, plan.block),
-                                           _block_rows(delta, piece, plan.block))
+                                           _block_rows(delta, piece, plan.block), flash_ok=not lse_grad)
             _scatter(dq, dqx, piece, piece.qb, plan.block, batch)
             _scatter(dk, dkx, piece, piece.kb, plan.block, batch)
             _scatter(dv, dvx, piece, piece.kb, plan.block, batch)
@@ -337,8 +344,10 @@ def _scatter(target: Tensor, grad: Tensor, piece: Piece, blocks: Tensor, block: 
 
 
 def blocked_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, mask_mod: MaskMod, scale: float,
-                      score_mod: ScoreMod | None = None, key_padding_mask: Tensor | None = None) -> Tensor:
-    """Exact attention over the pieces of ``plan`` (see module docstring). Differentiable."""
-    ctx = Context(plan, scale, mask_mod, score_mod, key_padding_mask, q.shape[0])
-    out, _ = BlockedAttention.apply(q, k, v, ctx)
-    return out
+                      score_mod: ScoreMod | None = None, key_padding_mask: Tensor | None = None,
+                      return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Exact attention over the pieces of ``plan`` (see module docstring). Differentiable, the
+    log-sum-exp ``(B, H, N_q)`` too (``-inf`` for rows that see no key) when ``return_lse``."""
+    ctx = Context(plan, scale, mask_mod, score_mod, key_padding_mask, q.shape[0], q.shape[-1] == v.shape[-1])
+    out, lse = BlockedAttention.apply(q, k, v, ctx)
+    return (out, lse[:, :, : plan.n_q]) if return_lse else out

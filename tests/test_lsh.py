@@ -1,0 +1,103 @@
+"""Reformer LSH attention: fast path == dense reference; limit laws; causality; quality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms.lsh import reference_lsh
+from conftest import grads, make_qkv, padding_mask
+from tolerances import assert_close_to_golden, assert_same
+
+CONFIG = dict(n_hashes=3, n_buckets=4, chunk=8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fast_path_equals_reference_float64(causal, padded):
+    q, k, v = make_qkv(2, 3, 45, 45, d=8, d_v=6)
+    mask = padding_mask(2, 45) if padded else None
+    lsh = attnzoo.build("lsh", **CONFIG)
+    out = lsh(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = reference_lsh(q, v, lsh.config, causal=causal, key_padding_mask=mask)
+    assert_same(out, ref)
+    if padded:
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+    for got, want, name in zip(grads(out, (q, v)), grads(ref, (q, v)), "qv"):
+        assert_same(got, want, what=f"d{name}")
+
+
+def test_fp32_within_policy():
+    q, k, v = make_qkv(2, 2, 70, 70, d=16, dtype=torch.float32)
+    lsh = attnzoo.build("lsh", **CONFIG)
+    golden = reference_lsh(q.double(), v.double(), lsh.config, causal=True)
+    assert_close_to_golden(lsh(q, k, v, causal=True), reference_lsh(q, v, lsh.config, causal=True), golden.detach())
+
+
+def test_one_bucket_and_one_chunk_is_full_attention_without_self():
+    q, k, v = make_qkv(2, 2, 30, 30, requires_grad=False)
+    lsh = attnzoo.build("lsh", n_hashes=2, n_buckets=1, chunk=64)
+    keys = torch.nn.functional.normalize(q, dim=-1)
+    not_self = lambda b, h, i, j: i != j  # noqa: E731
+    assert_same(lsh(q, k, v), reference_attention(q, keys, v, mask_mod=not_self))
+    causal = lsh(q, k, v, causal=True)
+    assert_same(causal[:, :, 1:], reference_attention(q, keys, v, mask_mod=not_self, causal=True)[:, :, 1:])
+    assert_same(causal[:, :, 0], v[:, :, 0])  # nothing else visible: the token attends to itself
+
+
+def test_deterministic_per_seed_and_causal_in_the_strong_sense():
+    q, k, v = make_qkv(1, 2, 64, 64, requires_grad=False)
+    a = attnzoo.build("lsh", **CONFIG)
+    assert torch.equal(a(q, k, v), a(q, k, v))
+    assert not torch.equal(a(q, k, v), attnzoo.build("lsh", **CONFIG, seed=1)(q, k, v))
+    q2, v2 = q.clone(), v.clone()
+    q2[:, :, 40:] = torch.randn_like(q2[:, :, 40:]) * 3  # moves future tokens between buckets
+    v2[:, :, 40:] = torch.randn_like(v2[:, :, 40:])
+    before, after = a(q, k, v, causal=True), a(q2, k, v2, causal=True)
+    assert_same(after[:, :, :40], before[:, :, :40])
+    assert not torch.allclose(after[:, :, 40:], before[:, :, 40:])
+
+
+def test_padded_tokens_change_nothing_real():
+    q, k, v = make_qkv(2, 2, 40, 40, requires_grad=False)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[:, 30:] = False
+    lsh = attnzoo.build("lsh", **CONFIG)
+    q2, v2 = q.clone(), v.clone()
+    q2[:, :, 30:], v2[:, :, 30:] = torch.randn(2, 2, 10, 8, dtype=q.dtype), 100.0
+    for causal in (False, True):
+        assert_same(lsh(q2, k, v2, causal=causal, key_padding_mask=mask)[:, :, :30],
+                    lsh(q, k, v, causal=causal, key_padding_mask=mask)[:, :, :30])
+
+
+def test_error_shrinks_as_hashing_rounds_grow():
+    # Planted clusters: tokens near one of 8 directions. Full attention (the 1-bucket limit)
+    # concentrates on a token's cluster; more hashing rounds find more of it.
+    g = torch.Generator().manual_seed(0)
+    centres = torch.nn.functional.normalize(torch.randn(8, 16, generator=g, dtype=torch.float64), dim=-1)
+    q = (centres[torch.randint(0, 8, (256,), generator=g)] * 4 + 0.3 * torch.randn(256, 16, generator=g, dtype=torch.float64))
+    q, v = q.view(1, 1, 256, 16), torch.randn(1, 1, 256, 16, generator=g, dtype=torch.float64)
+    full = attnzoo.build("lsh", n_buckets=1, chunk=256)(q, q, v)
+    errors = [float((attnzoo.build("lsh", n_hashes=h, n_buckets=16, chunk=32)(q, q, v) - full).norm() / full.norm())
+              for h in (1, 2, 4, 8)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 0.5 * errors[0], errors
+
+
+def test_implied_attention_matches_the_forward():
+    q, k, v = make_qkv(1, 2, 24, 24, requires_grad=False)
+    lsh = attnzoo.build("lsh", n_hashes=2, n_buckets=4, chunk=4)
+    weights = lsh.implied_attention(q, k, causal=True)
+    assert weights.shape == (1, 2, 24, 24)
+    assert_same(weights.to(v.dtype) @ v, lsh(q, k, v, causal=True))
+    assert torch.equal(weights.triu(1), torch.zeros_like(weights))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="n_buckets must be 1 or even"):
+        attnzoo.build("lsh", n_buckets=3)
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        attnzoo.build("lsh", chunk=0)
+    with pytest.raises(ValueError, match="self-attention only"):
+        attnzoo.build("lsh")(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))
