@@ -100,7 +100,7 @@ def cmd_show(console: Console, args: argparse.Namespace) -> None:
     elif callable(getattr(module, "implied_attention", None)):
         # Content-based mechanisms: what a real forward pass on random inputs attended to.
         torch.manual_seed(0)
-        q, k = torch.randn(2, 1, 4, args.n, 32).unbind(0)
+        q, k = torch.randn(2, 1, 4, args.n, 64).unbind(0)  # (B, H, N, D); D=64 matches config defaults
         weights = module.implied_attention(q, k, causal=args.causal)
         viz.draw_weights(weights, out, title=f"{name}: implied attention (random q, k; N={args.n})")
     else:
