@@ -1,0 +1,225 @@
+"""Sparse Sinkhorn attention: fast path == reference for the same permutation, limit laws,
+causality in the strong sense, padding, Gumbel noise, SortCut, config errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.mechanisms.sinkhorn import real_blocks, reference_sinkhorn, sinkhorn_attention
+from conftest import grads, make_qkv, padding_mask
+from tolerances import assert_close_to_golden, assert_same
+
+B, H, N, D, BLOCK = 2, 3, 45, 8, 8  # 6 blocks, the last one 5/8 real
+NB = -(-N // BLOCK)
+
+
+def _build(**cfg):
+    return attnzoo.build("sinkhorn", block=BLOCK, head_dim=D, **cfg).eval()
+
+
+def _mask(padded):
+    if not padded:
+        return None
+    mask = padding_mask(B, N)  # batch 0 all padding
+    mask[1, 10:13] = False  # a hole inside a block of the unpadded row
+    return mask
+
+
+def _reference(module, q, k, v, causal, mask):
+    cfg = module.config
+    P = module.permutation(k, mask, causal)
+    return reference_sinkhorn(q, k, v, P, block=cfg.block, causal=causal, key_padding_mask=mask,
+                              scale=cfg.scale, sortcut=cfg.sortcut)
+
+
+# SortCut refuses causal (tested below).
+CASES = [(False, None), (True, None), (False, 2)]
+
+
+@pytest.mark.parametrize("causal, sortcut", CASES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_fast_equals_reference_float64_forward_and_gradients(causal, padded, sortcut):
+    module, mask = _build(sortcut=sortcut), _mask(padded)
+    q, k, v = make_qkv(B, H, N, N, D, d_v=5)
+    inputs = (q, k, v, module.sort_weight)
+    fast = module(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = _reference(module, q, k, v, causal, mask)
+    assert_same(fast, ref)
+    if padded:
+        assert torch.equal(fast[0], torch.zeros_like(fast[0]))
+    for a, r, name in zip(grads(fast, inputs), grads(ref, inputs), ("q", "k", "v", "sort_weight")):
+        assert torch.isfinite(a).all() and a.abs().sum() > 0, name
+        assert_same(a, r, what=f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_within_policy_of_float64_golden(causal):
+    module, mask = _build(), _mask(True)
+    q, k, v = make_qkv(B, H, N, N, D, dtype=torch.float32)
+    g_in = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+    golden = _reference(module, *g_in, causal, mask)
+    reference = _reference(module, q, k, v, causal, mask)
+    actual = module(q, k, v, causal=causal, key_padding_mask=mask)
+    assert actual.dtype == torch.float32
+    assert_close_to_golden(actual, reference, golden.detach())
+    for a, r, g, name in zip(grads(actual, (q, k, v)), grads(reference, (q, k, v)), grads(golden, g_in), "qkv"):
+        assert_close_to_golden(a, r, g, what=f"d{name}")
+
+
+@pytest.mark.parametrize("sortcut", [None, 3])
+def test_zero_values_give_exactly_zero(sortcut):
+    # The sorted values are mixed from the value blocks, not the key blocks.
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    out = _build(sortcut=sortcut)(q, k, torch.zeros_like(v))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_identity_permutation_is_block_local(causal, padded):
+    # P = I: block i attends to [K_i, K_i]; every key is doubled in numerator and denominator,
+    # so the softmax equals block-local attention. Causal mode ignores P[i, j >= i]: I -> 0.
+    mask = _mask(padded)
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    identity = torch.eye(NB, dtype=q.dtype).expand(B, H, NB, NB)
+    local = attnzoo.build("block_local", size=BLOCK, backend="reference")(q, k, v, causal=causal, key_padding_mask=mask)
+    for fn in (sinkhorn_attention, reference_sinkhorn):
+        assert_same(fn(q, k, v, identity, block=BLOCK, causal=causal, key_padding_mask=mask), local)
+
+
+def test_gumbel_noise_only_in_training():
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    module = _build(seed=3)
+    assert torch.equal(module(q, k, v), module(q, k, v))
+    evaluated = module(q, k, v)
+    module.train()
+    trained = module(q, k, v)
+    assert not torch.allclose(trained, evaluated)
+    assert not torch.allclose(module(q, k, v), trained)  # fresh noise per call
+    assert torch.equal(_build(seed=3).train()(q, k, v), trained)  # reproducible per seed
+    assert torch.equal(_build(seed=3).sort_weight, module.sort_weight)
+    assert not torch.equal(_build(seed=4).sort_weight, module.sort_weight)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_in_the_strong_sense(padded):
+    mask, t = _mask(padded), 20  # position 20 is inside block 2
+    module = _build()
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    changed = [x.clone() for x in (q, k, v)]
+    for x in changed:
+        x[:, :, t + 1:] = torch.randn_like(x[:, :, t + 1:]) * 3
+    before = module(q, k, v, causal=True, key_padding_mask=mask)
+    after = module(*changed, causal=True, key_padding_mask=mask)
+    assert torch.equal(before[:, :, : t + 1], after[:, :, : t + 1])
+    assert not torch.allclose(before[1, :, t + 1:], after[1, :, t + 1:])
+    # Without causal the sort (and so earlier outputs) sees the future.
+    assert not torch.allclose(module(q, k, v)[1, :, : t + 1], module(*changed)[1, :, : t + 1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_key_content_changes_nothing(causal):
+    mask, module = _mask(True), _build()
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    k2, v2 = k.clone(), v.clone()
+    k2[~mask[:, None, :].expand(-1, H, -1)] = 100.0
+    v2[~mask[:, None, :].expand(-1, H, -1)] = float("nan")
+    before = module(q, k, v, causal=causal, key_padding_mask=mask)
+    assert torch.equal(before, module(q, k2, v2, causal=causal, key_padding_mask=mask))
+    assert torch.equal(module.permutation(k, mask, causal), module.permutation(k2, mask, causal))
+
+
+def test_permutation_is_doubly_stochastic_and_moves_with_temperature_and_iterations():
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    module = _build(n_iters=200)
+    module.sort_weight.data.mul_(4)
+    P = module.permutation(k)
+    assert P.shape == (B, H, NB, NB)
+    ones = torch.ones(B, H, NB, dtype=P.dtype)
+    assert_same(P.sum(-1), ones, dtype=torch.float32)
+    assert_same(P.sum(-2), ones, dtype=torch.float32)
+    for other in (_build(n_iters=1), _build(temperature=0.1)):
+        other.sort_weight.data.mul_(4)
+        assert not torch.allclose(other.permutation(k), P, atol=1e-3)
+
+
+def test_causal_permutation_sorts_only_past_blocks():
+    mask = _mask(True)
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    P = _build().permutation(k, mask, causal=True)
+    assert torch.equal(P, P.tril(-1))
+    assert torch.equal(P[0], torch.zeros_like(P[0]))  # all padding: nothing to sort
+    assert_same(P[1, :, 1:].sum(-1), torch.ones(H, NB - 1, dtype=P.dtype))
+    assert P[1].sum(-1)[:, 0].eq(0).all()
+
+
+def _max_saved_numel(fn):
+    sizes = [0]
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return max(sizes)
+
+
+@pytest.mark.parametrize("sortcut", [None, 2])
+def test_fast_path_memory_is_linear_in_n(sortcut):
+    # Nothing N x N is kept for backward: the biggest saved tensor is the block scores.
+    b, h, n, block = 1, 2, 512, 16
+    module = attnzoo.build("sinkhorn", block=block, head_dim=D, sortcut=sortcut)
+    q, k, v = make_qkv(b, h, n, n, D, dtype=torch.float32)
+    slots = 2 * block if sortcut is None else sortcut * block
+    assert _max_saved_numel(lambda: module(q, k, v)) <= b * h * n * max(slots, D)
+    _, weights = sinkhorn_attention(q, k, v, module.permutation(k), block=block, sortcut=sortcut, return_weights=True)
+    assert weights.shape == (b, h, n // block, block, slots)
+
+
+def test_sortcut_refuses_causal_and_clips_to_the_blocks():
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    with pytest.raises(ValueError, match="sortcut does not support causal=True"):
+        _build(sortcut=2)(q, k, v, causal=True)
+    assert_same(_build(sortcut=NB + 5)(q, k, v), _build(sortcut=NB)(q, k, v))
+
+
+@pytest.mark.parametrize("causal, sortcut", CASES)
+def test_implied_attention_reproduces_the_output(causal, sortcut):
+    mask, module = _mask(True), _build(sortcut=sortcut)
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    weights = module.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+    assert weights.shape == (B, H, N, N)
+    assert_same(weights @ v, module(q, k, v, causal=causal, key_padding_mask=mask))
+    assert not weights[:, :, :, ~mask[1]][1].any()  # padded keys get no weight
+    if causal:
+        assert torch.equal(weights, weights.tril())
+
+
+def test_real_blocks_pads_the_tail():
+    real = real_blocks(None, 1, N, BLOCK, torch.device("cpu"))
+    assert real.shape == (1, NB, BLOCK) and int(real.sum()) == N and not real[0, -1, N % BLOCK:].any()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block", 0), ("n_iters", 0), ("temperature", 0.0), ("max_blocks", 0), ("head_dim", 0),
+    ("sortcut", 0), ("sortcut", 300), ("scale", -1.0),
+])
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        attnzoo.build("sinkhorn", **{field: value})
+
+
+def test_length_and_head_dim_limits():
+    module = attnzoo.build("sinkhorn", block=4, max_blocks=3, head_dim=D)
+    q, k, v = make_qkv(1, 1, 13, 13, D, requires_grad=False)
+    with pytest.raises(ValueError, match=r"N=13 exceeds block \* max_blocks = 4 \* 3 = 12"):
+        module(q, k, v)
+    assert module(q[:, :, :12], k[:, :, :12], v[:, :, :12]).shape == (1, 1, 12, D)
+    with pytest.raises(ValueError, match="head_dim=64 .* D=8"):
+        attnzoo.build("sinkhorn")(q, k, v)
+    spec = attnzoo.describe("sinkhorn")
+    assert spec.family == "content" and spec.capabilities.causal and spec.capabilities.key_padding
+    assert spec.complexity.subquadratic_memory and not spec.capabilities.cross_attention
