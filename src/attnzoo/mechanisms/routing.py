@@ -1,0 +1,397 @@
+"""Routing Transformer attention (Roy et al. 2020, https://arxiv.org/abs/2003.05997).
+
+Per head, k-means centroids (a buffer shared by queries and keys) route the unit-normalised
+queries and keys to clusters; attention runs inside clusters only.
+
+* Non-causal (the paper's balanced routing): each cluster picks its top-w most cosine-similar
+  queries and keys; a picked query attends to its cluster's picked keys, averaged over the
+  clusters that picked it; a real query picked by none attends to the picked keys of its
+  nearest centroid (never silently zeroed).
+* Causal: top-w picks over the sequence let the future change who is picked, so routing is per
+  token: query i and key j go to their nearest centroids, and query i attends to the w most
+  recent keys j <= i of its centroid (alone: to its own key). Position i reads positions <= i only.
+
+Fast paths gather clusters into fixed-size tiles (O(N w) memory, never N x N); ``reference_routing``
+recomputes membership independently and runs dense attention under the implied mask (the oracle).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from einops import einsum, rearrange
+from torch import Tensor
+
+from attnzoo._checks import check_key_padding_mask, check_qkv
+from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms.base import Attention
+from attnzoo.registry import Config, register
+from attnzoo.spec import Capabilities, Complexity, ScoreMod
+
+#: (queries, keys): similarities ``(B, H, C, N)`` or unit vectors ``(B, H, N, D)``.
+Pair = tuple[Tensor, Tensor]
+#: ``grouped_attention``: queries per tile, and (query, key) pairs per pass (bounds working memory).
+TILE, PAIRS = 128, 2**24
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingConfig(Config):
+    """Config of ``routing``.
+
+    Args:
+        n_clusters: k-means clusters per head. Default 4 (the paper uses about sqrt(N)).
+        window: w, queries and keys per cluster (causal: keys per query); default None means
+            ``ceil(N / n_clusters)``; clipped to N.
+        decay: EMA decay lambda of the centroid update in training mode, in [0, 1] (1 freezes
+            the centroids). Default 0.999.
+        scale: score scale; default None means ``1 / sqrt(D)``.
+        seed: seed of the random unit centroids drawn on the first forward. Default 0.
+    """
+
+    n_clusters: int = 4
+    window: int | None = None
+    decay: float = 0.999
+    scale: float | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.n_clusters < 1:
+            raise ValueError(f"n_clusters must be >= 1, got {self.n_clusters}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1 or None (for ceil(N / n_clusters)), got {self.window}")
+        if not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"decay must be in [0, 1], got {self.decay}")
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
+
+
+def similarities(q: Tensor, k: Tensor, centroids: Tensor, real: Tensor) -> Pair:
+    """Cosine similarities ``(B, H, C, N)`` of the queries and of the keys to the unit centroids
+    ``(H, C, D)``; padded positions get -inf (picked last, never before a real token). Detached:
+    routing is discrete and passes no gradient."""
+    mu = F.normalize(centroids.to(q.dtype), dim=-1)
+    padded = ~real[:, None, None, :]
+    units = [F.normalize(x.detach(), dim=-1) for x in (q, k)]
+    return tuple(einsum(x, mu, "b h n d, h c d -> b h c n").masked_fill(padded, -math.inf) for x in units)
+
+
+def top_w(sims: Tensor, w: int) -> Tensor:
+    """``(B, H, C, w)`` positions of the w largest similarities of each cluster, in position
+    order; ties at the w-th value go to the lower positions (topk alone leaves ties open)."""
+    threshold = sims.topk(w, dim=-1).values[..., -1:]
+    above, tied = sims > threshold, sims == threshold
+    room = w - above.sum(-1, keepdim=True)
+    crowded = (tied.sum(-1, keepdim=True) > room)[..., 0]  # rows with more ties than room
+    if crowded.any():
+        tied[crowded] &= tied[crowded].cumsum(-1) <= room[crowded]
+    return (above | tied).nonzero()[:, -1].reshape(*sims.shape[:-1], w)  # w per row
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """Softmax attention of ``q (..., M, D)`` over the ``visible`` (bool, broadcasting to ``(..., M, L)``)
+    keys of ``k, v (..., L, D)``, fused by SDPA; a row with no visible key gives 0 and zero gradient."""
+    has_key = visible.any(-1, keepdim=True)  # rows without: shown every key (finite), then times 0
+    mask = None if bool(visible.all()) else (visible | ~has_key).expand(*q.shape[:-2], -1, -1)
+    # SDPA's fused CPU kernel takes 4-D inputs [(...), 1, M, D]; 5-D ones fall back to M x L scores.
+    flat = [None if x is None else rearrange(x, "... m d -> (...) 1 m d") for x in (q, k, v, mask)]
+    out = F.scaled_dot_product_attention(*flat[:3], attn_mask=flat[3], scale=scale)
+    return out.reshape(*q.shape[:-1], v.shape[-1]) * has_key
+
+
+def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M, D)``; index M reads a zero row."""
+    x = F.pad(x, (0, 0, 0, 1))
+    rows = x.gather(2, rearrange(index, "b h ... -> b h (...) 1").expand(-1, -1, -1, x.shape[-1]))
+    return rows.reshape(*index.shape, x.shape[-1])
+
+
+def _bincount(index: Tensor, bins: int) -> Tensor:
+    """``(B, H, bins)`` counts of the values of ``index (B, H, N)``."""
+    return index.new_zeros(index.shape[:2] + (bins,)).scatter_add_(-1, index, torch.ones_like(index))
+
+
+def _take(x: Tensor, index: Tensor) -> Tensor:
+    """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M)``; index M reads 0 (False)."""
+    return _gather_rows(x[..., None], index)[..., 0]
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, group: Tensor, n_groups: int,
+                      keys_of: Callable[[Tensor], Tensor], width: int, scale: float,
+                      visible: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """Each query attends to the keys of its group, in fixed-size tiles.
+
+    Args:
+        group: ``(B, H, N)``, each query's group in ``[0, n_groups)``, or -1 (its row is 0).
+        keys_of: group ids ``(B, H, S)`` (-1: unused tile) -> key indices ``(B, H, S, L)``
+            (-1: empty slot).
+        width: queries per tile; a group's queries fill ``ceil(size / width)`` tiles.
+        visible: ``(query index, key index)`` -> bool broadcastable to a tile's pairs, the
+            pairs that count (index N: an empty slot; empty key slots never count).
+
+    Notes:
+        At most ``N / width + n_groups`` tiles (one host sync counts them), attended ``PAIRS``
+        (query, key) pairs at a time: the working memory is bounded, never N x N.
+    """
+    b, h, n, _ = q.shape
+    g = torch.where(group < 0, n_groups, group)
+    g_sorted, order = torch.sort(g, dim=-1, stable=True)  # [B, H, N] queries by (group, position)
+    size = _bincount(g, n_groups + 1)
+    size[..., -1] = 0
+    tiles = (size + width - 1) // width
+    n_tiles = int(tiles.sum(-1).max())
+    if n_tiles == 0:
+        return v.new_zeros(b, h, n, v.shape[-1])
+    first_query, first_tile = size.cumsum(-1) - size, tiles.cumsum(-1) - tiles
+    rank = torch.arange(n, device=q.device) - first_query.gather(-1, g_sorted)
+    slot = (first_tile.gather(-1, g_sorted) + rank // width) * width + rank % width
+    slot = torch.where(g_sorted < n_groups, slot, n_tiles * width)  # non-members: a dump slot
+    query_slot = torch.empty_like(slot).scatter_(-1, order, slot)
+    slot_query = torch.full((b, h, n_tiles * width + 1), n, device=q.device).scatter_(-1, slot, order)
+    slot_query = rearrange(slot_query[..., :-1], "b h (s w) -> b h s w", w=width)
+    first = slot_query[..., 0]  # [B, H, S]: a tile's first slot is filled when the tile is used
+    tile_group = torch.where(first < n, group.gather(-1, first.clamp(max=n - 1)), -1)
+    key_index = keys_of(tile_group) % (n + 1)  # [B, H, S, L]; -1 (an empty slot) -> n
+    step, parts = max(1, PAIRS // (b * h * width * key_index.shape[-1])), []  # tiles per pass
+    for s in range(0, n_tiles, step):
+        queries, keys = slot_query[:, :, s : s + step], key_index[:, :, s : s + step]
+        pairs = (keys < n)[..., None, :] & visible(queries[..., :, None], keys[..., None, :])
+        parts.append(_attention(_gather_rows(q, queries), _gather_rows(k, keys), _gather_rows(v, keys), pairs, scale))
+    return _gather_rows(rearrange(torch.cat(parts, dim=2), "b h s w e -> b h (s w) e"), query_slot)
+
+
+def balanced_attention(q: Tensor, k: Tensor, v: Tensor, sims: Pair, w: int, real: Tensor, scale: float) -> Tensor:
+    """Non-causal fast path: each cluster's top-w queries attend to its top-w keys.
+
+    Args:
+        sims: query and key similarities ``(B, H, C, N)`` from ``similarities``.
+        real: ``(B, H, N)`` bool, True = a real token.
+
+    Notes:
+        Top-w ties go to the lower position. Outputs are summed over the clusters that picked a
+        query and divided by their count; a real query no cluster picked attends to the picked
+        keys of its nearest centroid (``grouped_attention``). Padded rows are 0.
+    """
+    (sim_q, sim_k), n_clusters = sims, sims[0].shape[2]
+    pick_q, pick_k = top_w(sim_q, w), top_w(sim_k, w)  # [B, H, C, w]
+    q_c, k_c, v_c = _gather_rows(q, pick_q), _gather_rows(k, pick_k), _gather_rows(v, pick_k)  # [B, H, C, w, D]
+    per_cluster = _attention(q_c, k_c, v_c, _take(real, pick_k)[..., None, :], scale)  # [B, H, C, w, Dv]
+    flat = rearrange(pick_q, "b h c w -> b h (c w)")
+    per_query = rearrange(per_cluster, "b h c w e -> b h (c w) e")
+    out = v.new_zeros(v.shape).scatter_add(2, flat[..., None].expand(-1, -1, -1, v.shape[-1]), per_query)
+    picks = torch.zeros_like(real, dtype=v.dtype).scatter_add(-1, flat, torch.ones_like(flat, dtype=v.dtype))
+    group = torch.where((picks == 0) & real, sim_q.argmax(2), -1)  # unpicked: nearest centroid
+
+    def keys_of(tile_group: Tensor) -> Tensor:
+        keys = pick_k.gather(2, tile_group.clamp(min=0)[..., None].expand(-1, -1, -1, w))  # [B, H, S, w]
+        return torch.where(tile_group[..., None] >= 0, keys, -1)
+
+    fallback = grouped_attention(q, k, v, group, n_clusters, keys_of, min(w, TILE), scale, lambda i, j: _take(real, j))
+    return out / picks.clamp(min=1)[..., None] * real[..., None] + fallback
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, sims: Pair, w: int, real: Tensor, scale: float) -> Tensor:
+    """Causal fast path: query i attends to the w most recent keys j <= i of its nearest cluster.
+
+    Notes:
+        Key j's rank r_j counts the earlier keys of its cluster; m_i counts the keys of query i's
+        cluster at positions <= i; query i sees its cluster's keys with ``m_i - w <= r_j < m_i``.
+        Queries sharing (cluster, t = (m_i - 1) // w) share the 2w candidate keys of ranks
+        ``[(t - 1) w, (t + 1) w)``: one group of ``grouped_attention``. A real query with m_i = 0
+        gets its own value (its own key alone). Padded keys join no cluster.
+    """
+    (sim_q, sim_k), n = sims, q.shape[2]
+    n_clusters, n_chunks = sim_q.shape[2], math.ceil(n / w)
+    position = torch.arange(n, device=q.device)
+    a_q, a_k = sim_q.argmax(2), torch.where(real, sim_k.argmax(2), n_clusters)  # [B, H, N]; padded: none
+    a_sorted, key_order = torch.sort(a_k, dim=-1, stable=True)  # keys by (cluster, position)
+    n_keys = _bincount(a_k, n_clusters + 1)
+    first_key = n_keys.cumsum(-1) - n_keys
+    rank = torch.empty_like(a_k).scatter_(-1, key_order, position - first_key.gather(-1, a_sorted))
+    sorted_code = (a_sorted * n + key_order).contiguous()  # increasing: (cluster, position)
+    m = torch.searchsorted(sorted_code, (a_q * n + position).contiguous(), right=True) - first_key.gather(-1, a_q)
+    group = torch.where((m > 0) & real, a_q * n_chunks + (m - 1).clamp(min=0) // w, -1)  # (cluster, chunk)
+
+    def keys_of(tile_group: Tensor) -> Tensor:
+        cluster, t = tile_group.clamp(min=0) // n_chunks, tile_group.clamp(min=0) % n_chunks
+        r = (t[..., None] - 1) * w + torch.arange(2 * w, device=q.device)  # [B, H, S, 2w] ranks
+        ok = (tile_group[..., None] >= 0) & (r >= 0) & (r < n_keys.gather(-1, cluster)[..., None])
+        sorted_index = (first_key.gather(-1, cluster)[..., None] + r).clamp(0, n - 1)
+        return torch.where(ok, _take(key_order, sorted_index), -1)
+
+    def visible(i: Tensor, j: Tensor) -> Tensor:
+        m_i, r_j = _take(m, i), _take(rank, j)
+        return (r_j >= m_i - w) & (r_j < m_i)
+
+    out = grouped_attention(q, k, v, group, n_clusters * n_chunks, keys_of, min(w, TILE), scale, visible)
+    return out + ((m == 0) & real)[..., None] * v  # nothing of its cluster visible: its own key
+
+
+def _ranked_first(sims: Tensor, w: int) -> Tensor:
+    """``(B, H, C, N)`` bool: position i is among the w most similar of its cluster, ties going
+    to the lower position (i.e. fewer than w positions rank ahead of it)."""
+    s_i, s_j = sims[..., :, None], sims[..., None, :]
+    position = torch.arange(sims.shape[-1], device=sims.device)
+    ahead = (s_j > s_i) | ((s_j == s_i) & (position[None, :] < position[:, None]))
+    return ahead.sum(-1) < w
+
+
+def _dense_weights(q: Tensor, k: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """Softmax weights ``(B, H, N, N)`` of dense attention restricted to ``mask``."""
+    lookup = lambda b, h, i, j: mask[b, h, i, j]  # noqa: E731
+    return reference_attention(q, k, q[..., :1], mask_mod=lookup, scale=scale, return_weights=True)[1]
+
+
+def _reference_balanced(q: Tensor, k: Tensor, sims: Pair, w: int, real: Tensor, scale: float | None) -> Tensor:
+    """Averaged per-cluster attention weights of balanced routing, ``(B, H, N, N)``."""
+    (sim_q, sim_k), n = sims, q.shape[2]
+    picked_q, picked_k = _ranked_first(sim_q, w), _ranked_first(sim_k, w)  # [B, H, C, N]
+    count = picked_q.sum(2).clamp(min=1).to(q.dtype)[..., None]  # [B, H, N, 1] clusters per query
+    pair_real = real[..., :, None] & real[..., None, :]
+    weights = 0
+    for c in range(sim_q.shape[2]):
+        member = picked_q[:, :, c, :, None]
+        mask = member & picked_k[:, :, c, None, :] & pair_real
+        weights = weights + _dense_weights(q, k, mask, scale) * member / count
+    # A real query no cluster picked: the picked keys of its nearest centroid.
+    nearest_keys = picked_k.gather(2, sim_q.argmax(2)[..., None].expand(-1, -1, -1, n))  # [i, j]
+    fallback = (~picked_q.any(2) & real)[..., None] & nearest_keys & pair_real
+    return weights + _dense_weights(q, k, fallback, scale)
+
+
+def _reference_causal(sims: Pair, w: int, real: Tensor) -> Tensor:
+    """Causal routing mask ``(B, H, N, N)``: query i sees key j <= i routed to i's nearest
+    centroid when fewer than w keys of that centroid lie in (j, i]; itself if none is visible."""
+    (sim_q, sim_k), n, n_clusters = sims, real.shape[-1], sims[0].shape[2]
+    a_q, a_k = sim_q.argmax(2), torch.where(real, sim_k.argmax(2), n_clusters)
+    upto = F.one_hot(a_k, n_clusters + 1).cumsum(2)  # [B, H, N, C + 1]: keys per cluster at <= j
+    upto = rearrange(upto, "b h n c -> b h c n").gather(2, a_q[..., None].expand(-1, -1, -1, n))  # [i, j]
+    m = upto.diagonal(dim1=-2, dim2=-1)  # [B, H, N]: keys of i's cluster at positions <= i
+    earlier = torch.ones(n, n, dtype=torch.bool, device=real.device).tril()  # j <= i
+    same = a_q[..., :, None] == a_k[..., None, :]
+    visible = same & earlier & (m[..., :, None] - upto < w) & real[..., :, None] & real[..., None, :]
+    alone = (m == 0) & real  # nothing of its cluster visible: the query sees its own key
+    return visible | (torch.eye(n, dtype=torch.bool, device=real.device) & alone[..., None])
+
+
+def reference_routing(
+    q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, *, window: int | None = None, causal: bool = False,
+    key_padding_mask: Tensor | None = None, scale: float | None = None, return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Routing attention as dense attention under the masks the routing implies (the oracle):
+    ``(B, H, N, D_v)`` in the dtype of ``q``, and the weights when asked.
+
+    Args:
+        q, k, v: ``(B, H, N, D)``, ``(B, H, N, D)``, ``(B, H, N, D_v)`` (self-attention).
+        centroids: ``(H, C, D)``, normalised here.
+        window: w; default None means ``ceil(N / C)``; clipped to N.
+        causal: per-token routing with a window of w recent same-cluster keys (module docstring).
+        key_padding_mask: bool ``(B, N)``, True = real; it marks padded queries too.
+        scale: score scale; default ``1 / sqrt(D)``.
+        return_weights: also return the ``(B, H, N, N)`` effective weights.
+
+    Notes:
+        Cluster c picks the queries (keys) of which fewer than w rank ahead in cosine similarity
+        to centroid c, ties to the lower position. Padded rows are 0; low precision runs in float32.
+    """
+    check_qkv(q, k, v, cross_attention=False)
+    b, _, n, _ = q.shape
+    real = check_key_padding_mask(key_padding_mask, b, n, q.device)
+    real = torch.ones(b, n, dtype=torch.bool, device=q.device) if real is None else real
+    real = real[:, None, :].expand(-1, q.shape[1], -1)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc, kc = q.to(compute), k.to(compute)
+    sims = similarities(qc, kc, centroids, real[:, 0])
+    w = min(math.ceil(n / centroids.shape[1]) if window is None else window, n)
+    weights = (_dense_weights(qc, kc, _reference_causal(sims, w, real), scale) if causal
+               else _reference_balanced(qc, kc, sims, w, real, scale))
+    out = einsum(weights, v.to(compute), "b h i j, b h j e -> b h i e").to(q.dtype)
+    return (out, weights) if return_weights else out
+
+
+@torch.no_grad()
+def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, decay: float) -> Tensor:
+    """New ``(H, C, D)`` centroids after one EMA k-means step: ``mu_c <- unit(decay mu_c + (1 - decay)
+    unit(sum of the real unit q and k nearest to c, over the batch))``; unassigned ones stay."""
+    mu = F.normalize(centroids.to(units[0].dtype), dim=-1)
+    total, count = torch.zeros_like(mu), mu.new_zeros(mu.shape[:2])
+    for sim, unit in zip(sims, units):
+        assigned = F.one_hot(sim.argmax(2), mu.shape[1]).to(unit.dtype) * real[..., None]  # [B, H, N, C]
+        total = total + einsum(assigned, unit, "b h n c, b h n d -> h c d")
+        count = count + assigned.sum((0, 2))
+    moved = F.normalize(decay * mu + (1 - decay) * F.normalize(total, dim=-1), dim=-1)
+    return torch.where(count[..., None] > 0, moved, mu).to(centroids.dtype)
+
+
+@register(
+    "routing",
+    config=RoutingConfig,
+    family="content",
+    summary="Routing Transformer: online k-means clusters of q and k, attention inside clusters.",
+    paper="Roy et al. 2020, Efficient Content-Based Sparse Attention with Routing Transformers, "
+          "https://arxiv.org/abs/2003.05997",
+    capabilities=Capabilities(causal=True, key_padding=True),
+    complexity=Complexity(time="O(N (w + C) D), w = N / C", memory="O(N (w + C))", subquadratic_memory=True),
+    notes=(
+        "centroids (H, C, D): a buffer made on the first forward; EMA updates in training mode only",
+        "non-causal: balanced top-w queries and keys per cluster; an unpicked query uses its nearest cluster's keys",
+        "causal: per-token nearest-centroid routing; query i sees the w most recent keys j <= i of its cluster",
+        "padded query rows are 0; padded keys are never attended and never move centroids",
+    ),
+)
+class RoutingAttention(Attention):
+    """Routing attention (module docstring); config in ``RoutingConfig``.
+
+    Shapes:
+        q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``; self-attention only.
+
+    Notes:
+        The ``centroids`` buffer ``(H, n_clusters, D)`` is made on the first forward (random unit
+        vectors from ``seed``; H and D are known only then), or by ``load_state_dict``.
+    """
+
+    config: RoutingConfig
+
+    def __init__(self, config: RoutingConfig) -> None:
+        super().__init__(config)
+        self.register_buffer("centroids", None)
+
+    def centroids_for(self, q: Tensor) -> Tensor:
+        """The centroid buffer for inputs shaped like ``q``, created on the first call."""
+        shape = (q.shape[1], self.config.n_clusters, q.shape[3])
+        if self.centroids is None:
+            g = torch.Generator().manual_seed(self.config.seed)
+            self.centroids = F.normalize(torch.randn(shape, generator=g), dim=-1).to(q.device)
+        elif tuple(self.centroids.shape) != shape:
+            raise ValueError(f"routing centroids (H, n_clusters, D) = {tuple(self.centroids.shape)} come from earlier "
+                             f"inputs; q {tuple(q.shape)} needs {shape}: build a new module for another H or D")
+        return self.centroids
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if self.centroids is None and prefix + "centroids" in state_dict:  # made before loading into it
+            self.centroids = torch.empty_like(state_dict[prefix + "centroids"])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
+                score_mod: ScoreMod | None) -> Tensor:
+        b, h, n, d = q.shape
+        qc, kc, vc = (x.to(torch.float64 if q.dtype == torch.float64 else torch.float32) for x in (q, k, v))
+        real = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+        sims = similarities(qc, kc, self.centroids_for(q), real)
+        real = real[:, None, :].expand(-1, h, -1)
+        w = min(math.ceil(n / self.config.n_clusters) if self.config.window is None else self.config.window, n)
+        scale = d**-0.5 if self.config.scale is None else self.config.scale
+        out = (causal_attention if causal else balanced_attention)(qc, kc, vc, sims, w, real, scale)
+        if self.training:
+            units = tuple(F.normalize(x.detach(), dim=-1) for x in (qc, kc))
+            self.centroids.copy_(ema_centroids(self.centroids, sims, units, real, self.config.decay))
+        return out.to(q.dtype)
+
+    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False,
+                          key_padding_mask: Tensor | None = None) -> Tensor:
+        """The ``(B, H, N, N)`` effective attention matrix (small N: pictures); no EMA update."""
+        return reference_routing(q, k, q[..., :1], self.centroids_for(q), window=self.config.window, causal=causal,
+                                 key_padding_mask=key_padding_mask, scale=self.config.scale, return_weights=True)[1]

@@ -1,0 +1,267 @@
+"""The ``routing`` mechanism (Routing Transformer): fast paths equal ``reference_routing``, limit
+laws, no silently dropped queries, strong causality, padding, EMA centroids, approximation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnzoo
+from attnzoo.mechanisms.routing import reference_routing
+from conftest import grads, make_qkv, padding_mask
+from tolerances import assert_close_to_golden, assert_same
+
+B, H, N, D, DV = 3, 2, 37, 8, 5
+
+
+def routing(**config):
+    return attnzoo.build("routing", **{"n_clusters": 3, **config}).eval()
+
+
+def set_centroids(module, centroids):
+    module.centroids_for(torch.empty(1, centroids.shape[0], 1, centroids.shape[2]))
+    module.centroids.copy_(centroids)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("window", [None, 5, 25])  # 25 > 18 real tokens of batch 1: padded queries get picked
+def test_fast_path_equals_reference_float64(causal, padded, window):
+    attn = routing(window=window)
+    q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
+    mask = padding_mask(B, N) if padded else None
+    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = reference_routing(q, k, v, attn.centroids, window=window, causal=causal, key_padding_mask=mask)
+    assert_same(fast, ref, what="forward")
+    fast_grads = grads(fast, (q, k, v))
+    for got, want, name in zip(fast_grads, grads(ref, (q, k, v)), "qkv"):
+        assert_same(got, want, what=f"d{name}")
+    if padded:  # batch 0 is all padding; padded rows of the others are 0 too
+        assert torch.equal(fast[~mask[:, None, :].expand(-1, H, -1)], torch.zeros(int((~mask).sum()) * H, DV).double())
+        assert torch.equal(fast_grads[0][0], torch.zeros_like(q[0]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
+    # Groups of unpicked (or causal) queries are cut into tiles of TILE queries, attended PAIRS
+    # pairs at a time; make tiles of 3 (a group spans several, window 9), one tile per pass.
+    import attnzoo.mechanisms.routing as module
+
+    q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
+    mask = padding_mask(B, N)
+    attn = routing(n_clusters=2, window=9)
+    wide = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    monkeypatch.setattr(module, "TILE", 3)
+    monkeypatch.setattr(module, "PAIRS", 1)
+    narrow = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = reference_routing(q, k, v, attn.centroids, window=9, causal=causal, key_padding_mask=mask)
+    assert_same(narrow, ref)
+    assert_same(wide, ref)
+    for got, want in zip(grads(narrow, (q, k, v)), grads(ref, (q, k, v))):
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 1, 2), (1, 3, 6)])
+def test_tiny_shapes_and_exact_ties_match_the_reference(causal, shape):
+    b, h, n = shape
+    attn = routing(n_clusters=4)
+    q, k, v = (t.detach() for t in make_qkv(b, h, 2 * n, 2 * n, d=D))
+    q, k = (torch.cat([x[:, :, :n], x[:, :, :n]], dim=2).requires_grad_() for x in (q, k))  # duplicate tokens tie
+    v.requires_grad_()
+    fast = attn(q, k, v, causal=causal)
+    ref = reference_routing(q, k, v, attn.centroids, causal=causal)
+    assert_same(fast, ref)
+    for got, want in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v))):
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_within_golden_policy(dtype, causal):
+    attn = routing(window=9)
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    mask = padding_mask(B, N)
+    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = reference_routing(q, k, v, attn.centroids, window=9, causal=causal, key_padding_mask=mask)
+    golden = reference_routing(q64, k64, v64, attn.centroids, window=9, causal=causal, key_padding_mask=mask)
+    assert fast.dtype == dtype
+    assert_close_to_golden(fast, ref, golden, what="forward")
+    triples = zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), grads(golden, (q64, k64, v64)))
+    for (got, want, gold), name in zip(triples, "qkv"):
+        assert_close_to_golden(got, want, gold, what=f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_cluster_equals_full_softmax(causal, padded):
+    q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
+    mask = padding_mask(B, N, empty_row=False) if padded else None
+    out = attnzoo.build("routing", n_clusters=1)(q, k, v, causal=causal, key_padding_mask=mask)
+    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_padding_mask=mask)
+    real = slice(None) if mask is None else mask[:, None, :].expand(-1, H, -1)
+    assert_same(out[real], full[real])
+
+
+def expected_unpicked_rows(q, k, v, centroids, w):
+    """Independent: top-w picks by torch.topk; unpicked queries attend to the keys their
+    nearest centroid picked. Returns (unpicked (B, H, N) bool, expected outputs there)."""
+    mu = F.normalize(centroids.double(), dim=-1)
+    sim_q = torch.einsum("bhnd,hcd->bhcn", F.normalize(q, dim=-1), mu)
+    sim_k = torch.einsum("bhnd,hcd->bhcn", F.normalize(k, dim=-1), mu)
+    picked = torch.zeros_like(sim_q, dtype=torch.bool).scatter(-1, sim_q.topk(w, dim=-1).indices, True)
+    unpicked = ~picked.any(2)
+    keys_of = sim_k.topk(w, dim=-1).indices  # [B, H, C, w]
+    expected = torch.zeros(q.shape[:3] + (v.shape[-1],), dtype=q.dtype)
+    for b, h, i in unpicked.nonzero().tolist():
+        js = keys_of[b, h, sim_q[b, h, :, i].argmax()]
+        weights = torch.softmax(k[b, h, js] @ q[b, h, i] / q.shape[-1] ** 0.5, dim=0)
+        expected[b, h, i] = weights @ v[b, h, js]
+    return unpicked, expected
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_no_real_query_is_dropped(window):
+    # window 3 with 4 clusters covers at most 12 of 37 queries: most are picked by no cluster.
+    attn = routing(n_clusters=4, window=window)
+    q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
+    out = attn(q, k, v)
+    unpicked, expected = expected_unpicked_rows(q, k, v, attn.centroids, window or 10)
+    assert unpicked.sum() > 0, "the inputs must leave some query unpicked"
+    assert (out.abs().sum(-1) > 0).all()
+    assert_same(out[unpicked], expected[unpicked])
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_causal_output_ignores_the_future(window):
+    attn = routing(window=window)
+    q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
+    t = 20
+    q2, k2, v2 = (torch.cat([x[:, :, : t + 1], torch.randn_like(x[:, :, t + 1 :]) * 3], dim=2) for x in (q, k, v))
+    before, after = attn(q, k, v, causal=True), attn(q2, k2, v2, causal=True)
+    assert_same(after[:, :, : t + 1], before[:, :, : t + 1])
+    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :])  # the change is seen later
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_content_changes_neither_real_outputs_nor_centroids(causal):
+    q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
+    mask = padding_mask(B, N)
+    pad = ~mask[:, None, :, None]
+    noisy = tuple(torch.where(pad, torch.randn_like(x) * 5, x) for x in (q, k, v))
+    a, b = routing(window=5).train(), routing(window=5).train()
+    out_a = a(q, k, v, causal=causal, key_padding_mask=mask)
+    out_b = b(*noisy, causal=causal, key_padding_mask=mask)
+    assert_same(out_a, out_b)
+    assert_same(a.centroids, b.centroids)
+
+
+def test_centroids_move_by_ema_in_training_only_and_are_saved():
+    q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
+    attn = routing(decay=0.9)
+    first = attn(q, k, v)
+    start = attn.centroids.clone()
+    assert torch.equal(attn(q, k, v), first) and torch.equal(attn.centroids, start)  # eval: deterministic
+    attn.train()(q, k, v)
+    # Expected EMA step, written out: each centroid moves towards the unit mean direction of
+    # the unit q and k nearest to it, summed over the batch.
+    unit = [F.normalize(x, dim=-1) for x in (q, k)]
+    mu = F.normalize(start.double(), dim=-1)
+    nearest = [F.one_hot(torch.einsum("bhnd,hcd->bhnc", x, mu).argmax(-1), 3).double() for x in unit]
+    total = sum(torch.einsum("bhnc,bhnd->hcd", a, x) for a, x in zip(nearest, unit))
+    expected = F.normalize(0.9 * mu + 0.1 * F.normalize(total, dim=-1), dim=-1)
+    assert_same(attn.centroids, expected.float(), dtype=torch.float32)
+    state = attn.state_dict()
+    assert torch.equal(state["centroids"], attn.centroids)
+    fresh = routing(decay=0.9).eval()
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh(q, k, v), attn.eval()(q, k, v))
+
+
+def test_centroids_refuse_another_head_shape():
+    attn = routing()
+    attn(*make_qkv(1, 2, 5, 5, d=4))
+    with pytest.raises(ValueError, match="build a new module"):
+        attn(*make_qkv(1, 3, 5, 5, d=4))
+
+
+def test_implied_attention_is_what_the_output_applies():
+    attn = routing(window=6)
+    q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
+    mask = padding_mask(B, N)
+    for causal in (False, True):
+        weights = attn.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+        assert weights.shape == (B, H, N, N)
+        assert_same(torch.einsum("bhij,bhjd->bhid", weights, v), attn(q, k, v, causal=causal, key_padding_mask=mask))
+        real = mask[:, None, :].expand(-1, H, -1)
+        assert_same(weights.sum(-1)[real], torch.ones(int(real.sum()), dtype=weights.dtype))
+        assert (weights[..., ~mask[1]][1] == 0).all()
+        if causal:
+            assert (weights.triu(1) == 0).all()
+
+
+def planted(n_true=4, n=64, d=16, noise=0.3):
+    """q = k = one of ``n_true`` orthogonal centres (norm 4) + noise; the centres' directions."""
+    g = torch.Generator().manual_seed(3)
+    centres = torch.eye(d, dtype=torch.float64)[:n_true] * 4
+    member = torch.arange(n) % n_true
+    x = centres[member] + noise * torch.randn(2, 2, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, n, d, generator=g, dtype=torch.float64)
+    return x, v, F.normalize(centres, dim=-1).expand(2, -1, -1)
+
+
+def test_error_against_full_attention_shrinks_as_windows_cover_the_planted_clusters():
+    x, v, centres = planted()
+    full = attnzoo.build("softmax")(x, x, v)
+    errors = []
+    for window in (4, 8, 16):  # 16 = each planted cluster whole
+        attn = attnzoo.build("routing", n_clusters=4, window=window).eval()
+        set_centroids(attn, centres.float())
+        errors.append(float((attn(x, x, v) - full).abs().mean()))
+    assert errors[0] > errors[1] > errors[2], errors
+    assert errors[2] < 0.05 * errors[0], errors
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [({"n_clusters": 0}, "n_clusters"), ({"window": 0}, "window"), ({"decay": 1.5}, "decay"),
+     ({"decay": -0.1}, "decay"), ({"scale": 0.0}, "scale")],
+)
+def test_bad_config_values_name_the_field(config, field):
+    with pytest.raises(ValueError, match=field):
+        attnzoo.build("routing", **config)
+
+
+def test_declares_capabilities_and_refuses_cross_attention():
+    spec = attnzoo.describe("routing")
+    caps = spec.capabilities
+    assert spec.family == "content" and "2003.05997" in spec.paper and spec.complexity.subquadratic_memory
+    assert caps.causal and caps.key_padding and not (caps.cross_attention or caps.score_mod or caps.decode_step)
+    with pytest.raises(ValueError, match="self-attention only"):
+        routing()(*make_qkv(1, 1, 5, 7))
+
+
+def test_no_n_by_n_allocation():
+    # N = 32768: one N x N float32 matrix is 4 GiB. Forward + backward, balanced and causal,
+    # must peak far below that (the whole process, torch included, under 1.5 GiB).
+    script = textwrap.dedent("""
+        import resource, torch, attnzoo
+        torch.set_num_threads(2)
+        n = 32768
+        attn = attnzoo.build("routing", n_clusters=256)
+        q, k, v = (torch.randn(1, 1, n, 16, requires_grad=True) for _ in range(3))
+        for causal in (False, True):
+            attn(q, k, v, causal=causal).square().sum().backward()
+        assert torch.isfinite(q.grad).all()
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    peak_gib = int(result.stdout.strip().splitlines()[-1]) / 2**20
+    assert peak_gib < 1.5, f"peak RSS {peak_gib:.2f} GiB: something N x N was allocated"
