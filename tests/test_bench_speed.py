@@ -29,6 +29,7 @@ def test_run_reports_ratios_checks_and_errors():
     meta, sdpa, local, block2d = rows
     assert meta["torch"] and meta["matmul_2048_gflops"] > 0
     assert local["correct"] and local["max_abs_error_vs_reference"] < 1e-4
+    assert local["checked_by"] == "reference backend"
     assert local["backend_ran"] == "blocked"
     assert local["speedup_forward_vs_sdpa"] == pytest.approx(sdpa["forward_s"] / local["forward_s"])
     assert local["forward_backward_s"] > 0 and local["blocks_ms"] >= 0
@@ -45,3 +46,10 @@ def test_cli_writes_json_lines(tmp_path, capsys):
     assert rows[0]["kind"] == "meta" and "bench speed" in rows[0]["command"]
     assert rows[-1]["mechanism"] == "local" and "forward_backward_s" not in rows[-1]
     assert "local" in capsys.readouterr().out
+
+
+def test_mechanisms_without_a_backend_switch_are_checked_against_implied_attention():
+    setting = speed.Setting(mechanisms=(("topk", {"topk": 8}),), sizes=(128,), heads=2, dim=16, repeats=1,
+                            backward=False)
+    row = list(speed.run(setting))[-1]
+    assert row["checked_by"] == "implied_attention @ v" and row["correct"]

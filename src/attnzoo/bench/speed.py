@@ -128,18 +128,30 @@ def _fwd_bwd(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
     module(q, k, v, causal=causal).sum().backward()
 
 
-def check(name: str, config: dict[str, Any], backend: str, setting: Setting) -> float:
-    """Max abs difference of the mechanism against its reference backend at ``CHECK_N``."""
-    fast, ref = _build(name, config, backend), _build(name, config, "reference")
+def check(name: str, config: dict[str, Any], backend: str, setting: Setting) -> tuple[float, str]:
+    """Max abs difference at ``CHECK_N`` against the mechanism's reference, and how it was
+    checked: the ``reference`` backend where the mechanism has a backend switch, else its
+    ``implied_attention(q, k) @ v`` (the matrix its reference computes)."""
+    fast = _build(name, config, backend).eval()
     q, k, v = _inputs(Setting(mechanisms=(), batch=1, heads=setting.heads, dim=setting.dim), CHECK_N, False)
     with torch.no_grad():
-        return float((fast(q, k, v, causal=setting.causal) - ref(q, k, v, causal=setting.causal)).abs().max())
+        out = fast(q, k, v, causal=setting.causal)
+        if "backend" in config_fields(name):
+            want, how = _build(name, config, "reference")(q, k, v, causal=setting.causal), "reference backend"
+        elif callable(getattr(fast, "implied_attention", None)):
+            want, how = fast.implied_attention(q, k, causal=setting.causal) @ v, "implied_attention @ v"
+        else:
+            return float("nan"), "unchecked"
+    return float((out - want).abs().max()), how
 
 
-def useful_pairs(module: torch.nn.Module, n: int, causal: bool) -> float:
-    """Pairs per (batch, head) the mechanism attends: the pattern's pairs, or all for dense."""
+def useful_pairs(module: torch.nn.Module, n: int, causal: bool) -> float | None:
+    """Pairs per (batch, head) the mechanism attends: the pattern's pairs, all pairs for exact
+    attention, None where the pairs depend on the data (no GFLOP/s is reported then)."""
     pattern = getattr(module, "pattern", None)
     if pattern is None:
+        if module.spec.family != "exact":
+            return None
         return n * (n + 1) / 2 if causal else float(n * n)
     if causal:
         pattern = pattern & attnzoo.patterns.causal()
@@ -149,16 +161,17 @@ def useful_pairs(module: torch.nn.Module, n: int, causal: bool) -> float:
 def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Setting, sdpa: dict[int, dict]) -> dict[str, Any]:
     row: dict[str, Any] = {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
                            "batch": setting.batch, "heads": setting.heads, "dim": setting.dim, "causal": setting.causal}
-    module = _build(name, config, backend)
-    row["max_abs_error_vs_reference"] = check(name, config, backend, setting)
+    module = _build(name, config, backend).eval()
+    row["max_abs_error_vs_reference"], row["checked_by"] = check(name, config, backend, setting)
     row["correct"] = row["max_abs_error_vs_reference"] < 1e-3
     q, k, v = _inputs(setting, n, False)
     with torch.no_grad():
         row["forward_s"] = median_time(lambda: module(q, k, v, causal=setting.causal), setting.repeats)
         row["peak_forward_bytes"] = peak_memory(lambda: module(q, k, v, causal=setting.causal))
     row["backend_ran"] = getattr(attnzoo.last_choice(), "backend", None) if hasattr(module, "pattern") else name
-    flops = 4 * useful_pairs(module, n, setting.causal) * setting.dim * setting.batch * setting.heads
-    row["useful_gflops"] = flops / row["forward_s"] / 1e9
+    pairs = useful_pairs(module, n, setting.causal)
+    if pairs is not None:
+        row["useful_gflops"] = 4 * pairs * setting.dim * setting.batch * setting.heads / row["forward_s"] / 1e9
     if setting.backward and backend != "flex":
         qg, kg, vg = _inputs(setting, n, True)
         row["forward_backward_s"] = median_time(lambda: _fwd_bwd(module, qg, kg, vg, setting.causal), setting.repeats)

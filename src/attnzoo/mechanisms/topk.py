@@ -63,6 +63,22 @@ def kept_indices(keep: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return idx, valid
 
 
+def select_topk(scores: Tensor, visible: Tensor | None, k: int) -> tuple[Tensor, Tensor]:
+    """``kept_indices(topk_mask(scores, visible, k), k)``, fast: ``torch.topk`` picks the same set
+    whenever a row's k-th score is not tied with an entry it left out; only rows with such a tie
+    (rare, except rows with fewer than k visible keys) go through the exact rule."""
+    s = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
+    values, idx = s.topk(k, dim=-1, sorted=False)
+    tau = values.min(-1, keepdim=True).values
+    ambiguous = ((s == tau).sum(-1) > (values == tau).sum(-1))  # (...,) rows with a tie at the cut
+    valid = values > float("-inf")
+    if ambiguous.device.type != "meta" and bool(ambiguous.any()):  # meta tensors hold no values
+        rows = ambiguous.nonzero(as_tuple=True)
+        keep = topk_mask(scores[rows], None if visible is None else visible.expand_as(scores)[rows], k)
+        idx[rows], valid[rows] = kept_indices(keep, k)
+    return idx, valid
+
+
 def _gather_rows(x: Tensor, idx: Tensor) -> Tensor:
     """``x (B, H, N, D)``, ``idx (B, H, M, K)`` -> ``x[b, h, idx] (B, H, M, K, D)``."""
     m, kk = idx.shape[2], idx.shape[3]
@@ -145,8 +161,8 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, *, topk: int, chunk: int, ca
         q_c = qc[:, :, start:stop]  # (B, H, c, D)
         visible = _chunk_visible(start, stop, n_q, n_kv, causal, key_padding_mask, q.device)
         with torch.no_grad():
-            scores = torch.einsum("bhid,bhjd->bhij", q_c, kc) * scale  # (B, H, c, N_kv)
-            idx, valid = kept_indices(topk_mask(scores, visible, kk), kk)  # (B, H, c, kk)
+            scores = torch.matmul(q_c * scale, kc.transpose(-1, -2))  # (B, H, c, N_kv)
+            idx, valid = select_topk(scores, visible, kk)  # (B, H, c, kk)
             del scores
         outs.append(_sparse_softmax(q_c, _gather_rows(kc, idx), _gather_rows(vc, idx), valid, scale))
     return torch.cat(outs, dim=2).to(q.dtype)
