@@ -57,6 +57,7 @@ def test_show_draws_a_pattern_and_the_gallery(tmp_path, capsys):
     assert main(["show", "local", "--set", "left=3", "--grid", "8", "--out", str(tmp_path / "local.png")]) == 0
     assert (tmp_path / "local.png").stat().st_size > 0
     assert main(["show", "softmax", "--n", "16", "--out", str(tmp_path / "softmax.png")]) == 0
+    assert main(["show", "lsh", "--n", "32", "--out", str(tmp_path / "lsh.png")]) == 0  # a real forward's weights
     assert main(["show", "--all", "--out", str(tmp_path / "gallery")]) == 0
     assert (tmp_path / "gallery" / "index.html").exists()
     assert main(["show"]) == 2 and "--all" in capsys.readouterr().out
