@@ -53,3 +53,23 @@ def test_mechanisms_without_a_backend_switch_are_checked_against_implied_attenti
                             backward=False)
     row = list(speed.run(setting))[-1]
     assert row["checked_by"] == "implied_attention @ v" and row["correct"]
+
+
+def test_fitted_exponents():
+    assert speed.fitted_exponent([1000, 2000, 4000], [1.0, 4.0, 16.0]) == pytest.approx(2.0)
+    assert speed.fitted_exponent([1000, 2000], [3.0, 6.0]) == pytest.approx(1.0)
+    assert speed.fitted_exponent([1000], [3.0]) is None
+    assert speed.fitted_exponent([1000, 2000], [0, 5.0]) is None  # unmeasured memory is skipped
+    setting = speed.Setting(mechanisms=(("local", {"left": 4, "right": 4, "block": 32}),), sizes=(64, 128),
+                            heads=1, dim=16, repeats=1, backward=False)
+    fit = list(speed.run(setting))[-1]
+    assert fit["kind"] == "fit" and fit["sizes"] == [64, 128] and fit["time_exponent"] is not None
+
+
+def test_decode_bench_times_steps_and_refuses_mechanisms_without_one():
+    from attnzoo.bench import decode
+
+    rows = list(decode.run((("softmax", {}), ("local", {})), (16, 64), "test", heads=1, dim=8))
+    assert rows[0]["kind"] == "meta"
+    assert [r["position"] for r in rows[1:3]] == [16, 64] and all(r["steps_per_s"] > 0 for r in rows[1:3])
+    assert "no decode step" in rows[3]["error"]

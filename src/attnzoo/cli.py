@@ -1,4 +1,4 @@
-"""The ``attnzoo`` command: ``list``, ``describe NAME``, ``demo``, ``show``, ``bench speed``."""
+"""The ``attnzoo`` command: ``list``, ``describe NAME``, ``demo``, ``show``, ``bench speed|decode``."""
 
 from __future__ import annotations
 
@@ -128,16 +128,42 @@ def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
             console.print(f"{row['processor']}, {row['cpus']} cpus, torch {row['torch']}, "
                           f"2048^2 matmul {row['matmul_2048_gflops']:.0f} GFLOP/s")
             return
+        if row["kind"] == "fit":
+            fits.append(row)
+            return
         name = "SDPA (dense)" if row["kind"] == "sdpa" else row["mechanism"]
         table.add_row(name, row.get("backend_ran", row.get("backend", "-")), str(row["n"]), _ms(row.get("forward_s")),
                       _ms(row.get("forward_backward_s")), _x(row.get("speedup_forward_vs_sdpa")),
                       _x(row.get("speedup_forward_backward_vs_sdpa")), _mib(row.get("peak_forward_bytes")),
                       _num(row.get("useful_gflops")), row.get("error", "" if row.get("correct", True) else "FAILED check"))
 
+    fits: list[dict] = []
     speed.write_lines(speed.run(setting), Path(args.out) if args.out else None, echo)
     console.print(table)
+    for fit in fits:
+        console.print(f"{fit['mechanism']} ({fit['backend']}) over N={fit['sizes']}: time ~ N^{_num2(fit['time_exponent'])}, "
+                      f"peak memory ~ N^{_num2(fit['memory_exponent'])}")
     if args.out:
         console.print(f"results: {args.out}")
+
+
+def cmd_bench_decode(console: Console, args: argparse.Namespace) -> None:
+    from attnzoo.bench import decode, speed
+
+    mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or (("softmax", {}),)
+    command = "attnzoo " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
+    rows = decode.run(mechanisms, tuple(int(p) for p in args.positions.split(",")), command, args.heads, args.dim)
+    table = Table(title="attnzoo bench decode: one token per step (B=1)")
+    for column in ("mechanism", "position", "ms / step", "steps / s", "note"):
+        table.add_column(column)
+
+    def echo(row: dict) -> None:
+        if row["kind"] == "decode":
+            table.add_row(row["mechanism"], str(row.get("position", "-")), _ms(row.get("step_s")),
+                          _num(row.get("steps_per_s")), row.get("error", ""))
+
+    speed.write_lines(rows, Path(args.out) if args.out else None, echo)
+    console.print(table)
 
 
 def _ms(x: float | None) -> str:
@@ -150,6 +176,10 @@ def _x(x: float | None) -> str:
 
 def _mib(x: int | None) -> str:
     return "-" if x is None else f"{x / 2**20:.0f}"
+
+
+def _num2(x: float | None) -> str:
+    return "?" if x is None else f"{x:.2f}"
 
 
 def _num(x: float | None) -> str:
@@ -185,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--no-backward", action="store_true", help="time the forward only")
     sp.add_argument("--sdpa-max-n", type=int, default=16384, help="skip the dense SDPA reference above this N")
     sp.add_argument("--out", help="write JSON lines here")
+    dp = bench.add_parser("decode", help="time of one decoding step at given positions")
+    dp.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]")
+    dp.add_argument("--positions", default="1024,16384", help="comma-separated positions (tokens already seen)")
+    dp.add_argument("--heads", type=int, default=8)
+    dp.add_argument("--dim", type=int, default=64)
+    dp.add_argument("--out", help="write JSON lines here")
     args = parser.parse_args(argv)
     args.argv = argv
     # Piped output (CI logs, files) gets a wide console instead of rich's 80-column default.
@@ -196,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd_describe(console, args.name)
         elif args.command == "show":
             cmd_show(console, args)
+        elif args.command == "bench" and args.bench == "decode":
+            cmd_bench_decode(console, args)
         elif args.command == "bench":
             cmd_bench_speed(console, args)
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -214,6 +215,7 @@ def run(setting: Setting) -> Iterator[dict[str, Any]]:
     size. Failures are reported as lines with an ``error`` field, not raised."""
     yield {"kind": "meta", **machine(), "matmul_2048_gflops": matmul_gflops(), **setting.extra}
     sdpa: dict[int, dict] = {}
+    done: list[dict[str, Any]] = []
     for n in setting.sizes:
         if n <= setting.sdpa_max_n:
             sdpa[n] = sdpa_row(n, setting)
@@ -221,10 +223,37 @@ def run(setting: Setting) -> Iterator[dict[str, Any]]:
         for name, config in setting.mechanisms:
             for backend in setting.backends:
                 try:
-                    yield run_one(name, config, backend, n, setting, sdpa)
+                    done.append(run_one(name, config, backend, n, setting, sdpa))
+                    yield done[-1]
                 except (ValueError, TypeError, RuntimeError) as error:
                     yield {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
                            "error": f"{type(error).__name__}: {error}"}
+    yield from fits(done)
+
+
+def fitted_exponent(sizes: list[int], values: list[float]) -> float | None:
+    """Slope of log(value) against log(N): 1 is linear, 2 quadratic. None with < 2 points."""
+    points = [(math.log(n), math.log(v)) for n, v in zip(sizes, values) if v and v > 0]
+    if len(points) < 2:
+        return None
+    xs, ys = zip(*points)
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+
+
+def fits(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """One line per (mechanism, config, backend) measured at two or more sizes."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(json.dumps([row["mechanism"], row["config"], row["backend"]], default=str), []).append(row)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        sizes = [r["n"] for r in group]
+        yield {"kind": "fit", "mechanism": group[0]["mechanism"], "config": group[0]["config"],
+               "backend": group[0]["backend"], "sizes": sizes,
+               "time_exponent": fitted_exponent(sizes, [r["forward_s"] for r in group]),
+               "memory_exponent": fitted_exponent(sizes, [r.get("peak_forward_bytes") for r in group])}
 
 
 def write_lines(rows: Iterator[dict[str, Any]], out: Path | None, echo: Callable[[dict], None]) -> list[dict]:
