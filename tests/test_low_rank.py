@@ -1,0 +1,322 @@
+"""Low rank and compression (linformer, compressed, nystrom, LAMAPooling): fast == reference,
+limit laws, the compressed causal rule, padding, the pseudo-inverse, and config checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import attnzoo
+from attnzoo.backends.reference import reference_attention
+from attnzoo.nn import LAMAPooling
+from attnzoo.mechanisms.low_rank import (iterative_pinv, landmark_segments, reference_compressed,
+                                         reference_linformer, reference_nystrom)
+from conftest import grads, make_qkv, padding_mask
+from tolerances import assert_close_to_golden, assert_same
+
+B, H, N, D = 2, 3, 37, 8
+LOW_RANK = attnzoo.names(family="low_rank")
+# (name, config): odd sizes, uneven segments, overlapping / gapped / tiling compression windows.
+CASES = [
+    ("linformer", dict(k=16, max_len=64)),
+    ("linformer", dict(k=5, max_len=40, sharing="none", heads=H)),
+    ("compressed", dict(kernel=3, stride=2, chunk=10)),
+    ("compressed", dict(kernel=4, stride=4, per_head=True, heads=H, chunk=16)),
+    ("compressed", dict(kernel=2, stride=3, chunk=8)),
+    ("nystrom", dict(landmarks=8, pinv_iters=6)),
+]
+
+
+def _mask(padded: bool, n: int = N) -> torch.Tensor | None:
+    if not padded:
+        return None
+    mask = padding_mask(B, n)  # batch 0 is all padding: its rows see no key
+    mask[1, -3:] = False
+    return mask
+
+
+def _build(name: str, config: dict) -> torch.nn.Module:
+    module = attnzoo.build(name, **config).double()
+    if name == "compressed":  # taps that are not all equal, so that the reference check means something
+        with torch.no_grad():
+            module.taps.copy_(torch.rand_like(module.taps) + 0.1)
+    return module
+
+
+def _reference(module: torch.nn.Module, causal: bool, mask: torch.Tensor | None):
+    cfg = module.config
+    if module.spec.name == "linformer":
+        return lambda q, k, v: reference_linformer(q, k, v, module.proj[0], module.proj[-1], key_padding_mask=mask)
+    if module.spec.name == "compressed":
+        return lambda q, k, v: reference_compressed(q, k, v, module.taps, kernel=cfg.kernel, stride=cfg.stride,
+                                                    causal=causal, key_padding_mask=mask)
+    return lambda q, k, v: reference_nystrom(q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters,
+                                             key_padding_mask=mask)
+
+
+def _settings(name: str) -> list[tuple[bool, int]]:
+    caps = attnzoo.describe(name).capabilities
+    return [(c, n_q) for c in ((False, True) if caps.causal else (False,)) for n_q in
+            ((N, 23) if caps.cross_attention else (N,))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'-'.join(map(str, c[1].values()))}")
+@pytest.mark.parametrize("padded", [False, True])
+def test_fast_equals_reference_float64(case, padded):
+    name, config = case
+    module, mask = _build(name, config), _mask(padded)
+    for causal, n_q in _settings(name):
+        q, k, v = make_qkv(B, H, n_q, N, D, d_v=5)
+        fast = module(q, k, v, causal=causal, key_padding_mask=mask)
+        ref = _reference(module, causal, mask)(q, k, v)
+        assert_same(fast, ref, what=f"{name} causal={causal} n_q={n_q}")
+        fast_grads = grads(fast, (q, k, v))
+        for a, r, w in zip(fast_grads, grads(ref, (q, k, v)), "qkv"):
+            assert_same(a, r, what=f"{name} causal={causal} n_q={n_q} grad {w}")
+        weights = module.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+        assert_same(weights @ v, fast, what=f"{name}: implied_attention @ v vs forward")
+        if padded:
+            assert torch.equal(fast[0], torch.zeros_like(fast[0]))
+            assert all(torch.equal(g[0], torch.zeros_like(g[0])) for g in fast_grads)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=lambda c: c[0])
+def test_float32_is_as_accurate_as_the_reference(case):
+    name, config = case
+    module, mask = _build(name, config).float(), _mask(True)
+    for causal, _ in _settings(name)[:: 2 if attnzoo.describe(name).capabilities.cross_attention else 1]:
+        reference = _reference(module, causal, mask)
+        q, k, v = make_qkv(B, H, N, N, D, dtype=torch.float32)
+        golden_in = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
+        golden = reference(*golden_in)
+        actual, ref = module(q, k, v, causal=causal, key_padding_mask=mask), reference(q, k, v)
+        assert_close_to_golden(actual, ref, golden.detach(), what=f"{name} forward")
+        for a, r, g, w in zip(grads(actual, (q, k, v)), grads(ref, (q, k, v)), grads(golden, golden_in), "qkv"):
+            assert_close_to_golden(a, r, g, what=f"{name} grad {w}")
+
+
+@pytest.mark.parametrize("n_q", [N, 23])
+def test_linformer_with_identity_projections_and_k_equal_n_is_softmax(n_q):
+    q, k, v = make_qkv(B, H, n_q, N, D)
+    full = attnzoo.build("softmax")(q, k, v)
+    full_grads = grads(full, (q, k, v))
+    for sharing in ("headwise", "kv", "layerwise", "none"):
+        out = attnzoo.build("linformer", k=N, max_len=50, sharing=sharing, heads=H, init="identity")(q, k, v)
+        assert_same(out, full, what=f"linformer sharing={sharing}")
+        for a, r, w in zip(grads(out, (q, k, v)), full_grads, "qkv"):
+            assert_same(a, r, what=f"grad {w}")
+
+
+def test_linformer_sharing_modes_hold_what_they_say():
+    shapes = {s: tuple(attnzoo.build("linformer", k=4, max_len=10, sharing=s, heads=H).proj.shape)
+              for s in ("headwise", "kv", "layerwise", "none")}
+    assert shapes == {"headwise": (2, 1, 4, 10), "kv": (1, 1, 4, 10), "layerwise": (1, 1, 4, 10), "none": (2, H, 4, 10)}
+    a, b = attnzoo.build("linformer", k=4, max_len=10), attnzoo.build("linformer", k=4, max_len=10)
+    assert torch.equal(a.proj, b.proj) and not torch.equal(a.proj[0], a.proj[1])  # seeded; E != F
+
+
+def test_linformer_refuses_long_inputs_causal_and_wrong_heads():
+    q, k, v = make_qkv(1, 2, 12, 12, 4, requires_grad=False)
+    with pytest.raises(ValueError, match="max_len=10 but N_kv=12; build it with max_len >= 12"):
+        attnzoo.build("linformer", k=4, max_len=10)(q, k, v)
+    module = attnzoo.build("linformer", k=4, max_len=16)
+    for call in (lambda: module(q, k, v, causal=True), lambda: module.implied_attention(q, k, causal=True)):
+        with pytest.raises(ValueError, match="does not support causal=True; mechanisms that do: .*compressed.*softmax"):
+            call()
+    with pytest.raises(ValueError, match="heads=8 but q has H=2; build it with heads=2"):
+        attnzoo.build("linformer", k=4, max_len=16, sharing="none")(q, k, v)
+
+
+def test_nystrom_with_one_token_per_landmark_is_full_attention_within_the_pinv_tolerance():
+    q, k, v = make_qkv(B, H, N, N, D)
+    mask = _mask(True)
+    full = reference_attention(q, k, v, key_padding_mask=mask)
+    exact = reference_nystrom(q, k, v, landmarks=N, pinv_iters=None, key_padding_mask=mask)
+    assert_same(exact, full)
+    # 30 steps of the iteration reach the exact pseudo-inverse here (measured error ~1e-13).
+    out = attnzoo.build("nystrom", landmarks=N, pinv_iters=30)(q, k, v, key_padding_mask=mask)
+    torch.testing.assert_close(out, full, atol=1e-9, rtol=0)
+    for a, r, w in zip(grads(out, (q, k, v)), grads(full, (q, k, v)), "qkv"):
+        torch.testing.assert_close(a, r, atol=1e-8, rtol=0, msg=lambda m: f"grad {w}: {m}")
+    assert_same(attnzoo.build("nystrom", landmarks=N + 20, pinv_iters=30)(q, k, v, key_padding_mask=mask), out)
+
+
+def test_iterative_pinv_converges_to_the_exact_pseudo_inverse():
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    a = torch.softmax(q[..., :9, :] @ k[..., :9, :].transpose(-1, -2) / D**0.5, -1)
+    exact = torch.linalg.pinv(a)
+    # The iteration is slow until ||I - A Z|| becomes small, then converges fast (cond(A) ~ 300 here).
+    errors = [float((iterative_pinv(a, it) - exact).abs().max()) for it in (0, 4, 8, 12, 30)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-9, errors
+    assert torch.equal(iterative_pinv(torch.zeros(2, 3, 3), 4), torch.zeros(2, 3, 3))
+    # The whole mechanism approaches its exact-pinv reference as the iterations grow.
+    exact_out = reference_nystrom(q, k, v, landmarks=9, pinv_iters=None)
+    gaps = [float((attnzoo.build("nystrom", landmarks=9, pinv_iters=it)(q, k, v) - exact_out).abs().max())
+            for it in (0, 12, 18, 30)]
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] < 1e-9, gaps
+
+
+def test_nystrom_segments_are_contiguous_and_near_equal():
+    seg, m = landmark_segments(37, 8, torch.device("cpu"))
+    sizes = torch.bincount(seg, minlength=m)
+    assert m == 8 and bool((seg[1:] >= seg[:-1]).all()) and set(sizes.tolist()) == {4, 5} and sizes.sum() == 37
+    seg, m = landmark_segments(32, 8, torch.device("cpu"))
+    assert torch.equal(seg, torch.arange(8).repeat_interleave(4))  # the paper's equal segments
+    assert landmark_segments(5, 64, torch.device("cpu"))[1] == 5
+
+
+@pytest.mark.parametrize("n_q", [N, 23])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compressed_with_kernel_and_stride_one_is_full_attention(n_q, causal):
+    # Slots are the keys themselves; causal: slot j is visible iff j <= i and no raw tail remains.
+    mask = _mask(True)
+    q, k, v = make_qkv(B, H, n_q, N, D)
+    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_padding_mask=mask)
+    out = attnzoo.build("compressed", kernel=1, stride=1, chunk=10)(q, k, v, causal=causal, key_padding_mask=mask)
+    assert_same(out, full)
+    for a, r, w in zip(grads(out, (q, k, v)), grads(full, (q, k, v)), "qkv"):
+        assert_same(a, r, what=f"grad {w}")
+
+
+@pytest.mark.parametrize("kernel, stride", [(2, 2), (3, 2), (2, 3), (4, 1)])
+def test_compressed_causal_sees_whole_past_slots_plus_its_raw_tail(kernel, stride):
+    q, k, _ = make_qkv(1, 1, 20, 20, D, requires_grad=False)
+    module = attnzoo.build("compressed", kernel=kernel, stride=stride).double()
+    module.taps.data.fill_(1 / kernel)  # exact in float64: each slot's taps sum to 1
+    weights = module.implied_attention(q, k, causal=True)
+    for t in range(20):
+        starts = [s for s in range(0, 20, stride) if s + kernel - 1 <= t]
+        covered = {j for s in starts for j in range(s, s + kernel)}
+        last_end = max((s + kernel - 1 for s in starts), default=-1)
+        expected = covered | set(range(last_end + 1, t + 1))
+        assert set((weights[0, 0, t] > 0).nonzero().flatten().tolist()) == expected, t
+    assert_same(weights.sum(-1), torch.ones(1, 1, 20, dtype=torch.float64))  # no empty row
+
+
+@pytest.mark.parametrize("name", LOW_RANK)
+def test_causal_in_the_strong_sense_or_refused(name):
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    configs = [c for n, c in CASES if n == name] or [{}]
+    for config in configs:
+        module = _build(name, config)
+        if not module.spec.capabilities.causal:
+            with pytest.raises(ValueError, match="does not support causal"):
+                module(q, k, v, causal=True)
+            continue
+        for t in (0, 5, 20, 35):
+            q2, k2, v2 = (x.clone() for x in (q, k, v))
+            for x in (q2, k2, v2):
+                x[:, :, t + 1:] = torch.randn_like(x[:, :, t + 1:]) * 3
+            before, after = module(q, k, v, causal=True), module(q2, k2, v2, causal=True)
+            assert_same(after[:, :, :t + 1], before[:, :, :t + 1], what=f"{name} {config}: outputs <= {t}")
+
+
+@pytest.mark.parametrize("name", LOW_RANK)
+def test_defaults_padding_changes_nothing_real_and_implied_attention_is_what_it_applies(name):
+    module = attnzoo.build(name).double().eval()
+    q, k, v = make_qkv(B, 2, 48, 48, 64, requires_grad=False)
+    mask = padding_mask(B, 48)
+    mask[1, 40:] = False
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[1, :, 40:] = torch.randn_like(x[1, :, 40:]) * 5
+    for causal in (False, True) if module.spec.capabilities.causal else (False,):
+        out = module(q, k, v, causal=causal, key_padding_mask=mask)
+        assert torch.isfinite(out).all() and torch.equal(out[0], torch.zeros_like(out[0]))
+        changed = module(q2, k2, v2, causal=causal, key_padding_mask=mask)
+        assert_same(changed[1, :, :40], out[1, :, :40], what=f"{name}: real outputs after changing padding")
+        weights = module.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+        assert weights.shape == (B, 2, 48, 48) and bool((weights[..., 40:][1] == 0).all())
+        assert_same(weights @ v, out, what=f"{name}: implied_attention @ v vs forward")
+    assert torch.equal(module(q, k, v), module(q, k, v))
+
+
+def test_registry_entries():
+    assert set(LOW_RANK) >= {"linformer", "compressed", "nystrom"} and "lama" not in attnzoo.names()
+    for name, paper in (("linformer", "2006.04768"), ("compressed", "1801.10198"), ("nystrom", "2102.03902")):
+        spec = attnzoo.describe(name)
+        assert paper in spec.paper and spec.complexity.subquadratic_memory
+        assert any("representative keys" in note for note in spec.notes)
+    assert attnzoo.describe("compressed").capabilities.causal
+    assert not attnzoo.describe("nystrom").capabilities.cross_attention
+
+
+@pytest.mark.parametrize("name, field, value", [
+    ("linformer", "k", 0), ("linformer", "max_len", 0), ("linformer", "heads", 0), ("linformer", "seed", -1),
+    ("compressed", "kernel", 0), ("compressed", "stride", 0), ("compressed", "heads", 0), ("compressed", "chunk", 0),
+    ("nystrom", "landmarks", 0), ("nystrom", "pinv_iters", -1),
+])
+def test_bad_config_values_name_the_field(name, field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be >= "):
+        attnzoo.build(name, **{field: value})
+
+
+def test_bad_config_choices_and_per_head_mismatch():
+    with pytest.raises(ValueError, match="'sharing' must be 'headwise' \\| 'kv' \\| 'layerwise' \\| 'none'"):
+        attnzoo.build("linformer", sharing="all")
+    with pytest.raises(ValueError, match="'init' must be"):
+        attnzoo.build("linformer", init="zeros")
+    q, k, v = make_qkv(1, 2, 8, 8, 4, requires_grad=False)
+    with pytest.raises(ValueError, match="compressed was built for heads=8 but q has H=2"):
+        attnzoo.build("compressed", per_head=True)(q, k, v)
+    for field in ("dim", "heads", "rank"):
+        with pytest.raises(ValueError, match=field):
+            LAMAPooling(**{"dim": 4, "heads": 2, "rank": 2, field: 0})
+
+
+def test_lama_pooling_matches_a_double_loop_and_ignores_padding():
+    pool = LAMAPooling(6, heads=3, rank=2).double()
+    x = torch.randn(B, 11, 6, dtype=torch.float64)
+    mask = torch.arange(11)[None] < torch.tensor([[0], [8]])
+    out = pool(x, key_padding_mask=mask)
+    assert out.shape == (B, 3, 6) and torch.equal(out[0], torch.zeros(3, 6, dtype=torch.float64))
+    expected = torch.zeros(3, 6, dtype=torch.float64)
+    for h in range(3):
+        w = pool.u[h] @ pool.v[h].T  # (dim, dim), rank 2
+        s = torch.stack([pool.context[h] @ w @ x[1, i] for i in range(8)])
+        alpha = torch.softmax(s, 0)
+        expected[h] = sum(alpha[i] * x[1, i] for i in range(8))
+    assert_same(out[1], expected)
+    x2 = x.clone()
+    x2[1, 8:] = 100 * torch.randn(3, 6, dtype=torch.float64)
+    assert_same(pool(x2, key_padding_mask=mask), out)
+    assert_same(pool(x[1:, :8]), out[1:])
+
+
+def test_lama_pooling_trains():
+    torch.manual_seed(0)
+    pool = LAMAPooling(8, heads=2, rank=3)
+    x, target = torch.randn(4, 10, 8), torch.randn(4, 2, 8)
+    optimizer = torch.optim.SGD(pool.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(pool(x), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[0] and all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in pool.parameters())
+
+
+@pytest.mark.parametrize("name", LOW_RANK)
+def test_fast_paths_allocate_nothing_quadratic(name):
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.numel = max([self.numel, *sizes])
+            return out
+
+    # Real CPU tensors (on "meta" SDPA would take its math path, which CPU does not).
+    n = 4096
+    module = attnzoo.build(name, max_len=n) if name == "linformer" else attnzoo.build(name)
+    q, k, v = torch.randn(3, 1, 2, n, 16).unbind(0)
+    mask = torch.arange(n)[None] < n - 5
+    for causal in (False, True) if module.spec.capabilities.causal else (False,):
+        with torch.no_grad(), Largest() as largest:
+            module(q, k, v, causal=causal, key_padding_mask=mask)
+        assert largest.numel <= n * n // 16, (causal, largest.numel)  # e.g. causal compressed: H x chunk x N/4
