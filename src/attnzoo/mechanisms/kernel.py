@@ -1,0 +1,405 @@
+"""Kernel / linear attention: the shared core and ``linear`` (``performer``, ``efficient`` and
+``rfa`` are in ``kernel_features.py``).
+
+Every member replaces ``exp(q . k)`` by a dot product of feature maps, ``phi(q) . phi(k)``, and
+shares one core ("Transformers are RNNs", Katharopoulos et al. 2020,
+https://arxiv.org/abs/2006.16236)::
+
+    O_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps),  S_i = sum_j phi(k_j) v_j^T,  z_i = sum_j phi(k_j)
+
+over the keys ``j`` query ``i`` sees. Re-associating ``(phi(Q) phi(K)^T) V = phi(Q) (phi(K)^T V)``
+makes the cost linear in N. ``kernel_attention`` is the fast path (non-causal: in blocks of rows;
+causal: chunkwise, optionally with a per-position decay of the running sums, which carries RFA's
+gates and Performer's causal stabiliser); ``reference_kernel_attention`` is the quadratic form
+that reads like the paper. A mechanism is a ``KernelAttention`` with two small methods,
+``query_features`` and ``key_features``, and a registration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from attnzoo._checks import check_qkv
+from attnzoo.mechanisms.base import Attention
+from attnzoo.registry import Config, register
+from attnzoo.spec import Capabilities, Complexity, ScoreMod
+
+#: ``"rows"``: ``num / (den + eps)`` (non-negative features); ``"signed"``: ``den`` kept at
+#: ``|den| >= eps`` with its sign (RFA); ``"keys"``: each feature's key weights sum to 1
+#: (Efficient Attention: ``S / z`` per feature, no row division).
+Normalizer = Literal["rows", "signed", "keys"]
+
+#: Non-causal blocks hold about this many (batch x head x position) rows, so feature tensors
+#: stay a few MB (cache-sized, and reused by the allocator instead of page-faulted afresh).
+BLOCK_ROWS = 8192
+
+
+class KeyFeatures(NamedTuple):
+    """What a key feature map returns.
+
+    Attributes:
+        phi: ``(B, H, N, m)`` key features, possibly relative to an offset ``c``.
+        log_decay: causal only, ``(B, H, N)`` or None: ``a_t`` in
+            ``S_t = exp(a_t) S_{t-1} + phi(k_t) v_t^T`` (RFA's gate, Performer's stabiliser).
+        c: non-causal: None, or the log-offset of this block (true features are
+            ``phi * exp(c)``), ``(B, H, 1)`` for ``"rows"`` maps, ``(B, H, m)`` allowed for
+            ``"keys"``; -inf where the block holds no real key. Causal: the decode-state value
+            after the last key (Performer's running maximum), or None.
+    """
+
+    phi: Tensor
+    log_decay: Tensor | None = None
+    c: Tensor | None = None
+
+
+QueryMap = Callable[[Tensor], Tensor]
+KeyMap = Callable[..., KeyFeatures]
+
+
+def normalise(num: Tensor, den: Tensor, normalizer: Normalizer, eps: float) -> Tensor:
+    """``num (..., E) / guard(den (...))``. A row that sees no key has ``num = den = 0`` and comes
+    out exactly 0 (``"signed"`` treats 0 as positive). ``"keys"`` rows are returned as is."""
+    if normalizer == "keys":
+        return num
+    if normalizer == "signed":
+        den = torch.where(den >= 0, den.clamp(min=eps), den.clamp(max=-eps))
+    else:
+        den = den + eps
+    return num / den[..., None]
+
+
+def kernel_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, query_map: QueryMap, key_map: KeyMap, causal: bool,
+    key_padding_mask: Tensor | None = None, state: KernelState | None = None, chunk: int = 64,
+    eps: float = 1e-6, normalizer: Normalizer = "rows",
+) -> tuple[Tensor, KernelState]:
+    """The shared fast path of every kernel mechanism.
+
+    Args:
+        q, k, v: inputs. query_map: ``q -> phi(q)``. key_map: ``(k, real, causal=, c0=) ->
+            KeyFeatures`` with ``real`` bool ``(B, 1, N)`` or None.
+        causal: query ``i`` (end-aligned) sees keys ``j <= i + N_kv - N_q``.
+        key_padding_mask: bool ``(B, N_kv)``, True = real. Padded keys have their features,
+            values and decay zeroed, so they never enter ``S`` or ``z``.
+        state: causal only: sums of earlier keys (decoding); default empty.
+        chunk: causal chunk length L (quadratic inside a chunk, sums carried across chunks).
+        eps, normalizer: see ``normalise``.
+
+    Shapes:
+        q ``(B, H, N_q, D)``, k ``(B, H, N_kv, D)``, v ``(B, H, N_kv, E)`` ->
+        ``(out (B, H, N_q, E), state after the last key)``.
+
+    Notes:
+        Non-causal: ``phi(Q) (phi(K)^T [V, 1])`` over blocks of rows; O(N m E) time, O(block m +
+        m E) live memory. Causal: O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory.
+        Never N x N. ``z`` rides along ``S`` as an extra all-ones value column.
+    """
+    real = None if key_padding_mask is None else key_padding_mask[:, None]  # [B, 1, N_kv]
+    if real is not None:  # 0 * (inf or NaN in a padded value) would leak
+        v = torch.where(real[..., None], v, 0.0)
+    if not causal:
+        if state is not None:
+            raise ValueError("a decode state needs causal=True")
+        return _blocked(q, k, v, real, query_map, key_map, eps, normalizer)
+    c0 = None if state is None else state.c
+    f = key_map(k, real, causal=True, c0=c0)
+    phi_k, log_decay = f.phi, f.log_decay
+    if real is not None:
+        phi_k = torch.where(real[..., None], phi_k, 0.0)
+        log_decay = None if log_decay is None else torch.where(real, log_decay, 0.0)
+    s0 = None if state is None else torch.cat([state.s, state.z[..., None]], dim=-1)
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N_kv, E + 1]
+    shift = k.shape[2] - q.shape[2]
+    phi_q = query_map(q)
+    phi_q = F.pad(phi_q, (0, 0, shift, 0)) if shift else phi_q  # queries end-aligned: zero rows first
+    out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, chunk)
+    out = normalise(out1[:, :, shift:, :-1], out1[:, :, shift:, -1], normalizer, eps)
+    return out, KernelState(s1[..., :-1], s1[..., -1], f.c if f.c is not None else c0)
+
+
+def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, query_map: QueryMap, key_map: KeyMap,
+             eps: float, normalizer: Normalizer) -> tuple[Tensor, KernelState]:
+    """Non-causal: ``S1 = sum over key blocks of phi(K_b)^T [V_b, 1]`` (offsets merged as in
+    ``_merge``), then ``phi(Q_b) S1`` per query block."""
+    rows = max(1, BLOCK_ROWS // (q.shape[0] * q.shape[1]))
+    s1 = c = None
+    for i in range(0, k.shape[2], rows):
+        part = None if real is None else real[..., i:i + rows]
+        f = key_map(k[:, :, i:i + rows], part, causal=False, c0=None)
+        phi = f.phi if part is None else torch.where(part[..., None], f.phi, 0.0)
+        vb = v[:, :, i:i + rows]
+        s1, c = _merge(s1, c, phi.transpose(-1, -2) @ torch.cat([vb, torch.ones_like(vb[..., :1])], -1), f.c)
+    if normalizer == "keys":  # each feature's weights over the keys sum to 1 (0 if it has none)
+        z = s1[..., -1:]
+        s1 = torch.cat([s1[..., :-1] / torch.where(z > 0, z, 1.0), z], dim=-1)
+    outs = [query_map(q[:, :, i:i + rows]) @ s1 for i in range(0, q.shape[2], rows)]
+    out1 = torch.cat(outs, dim=2)  # [B, H, N_q, E + 1]
+    state = KernelState(s1[..., :-1], s1[..., -1], c)
+    return normalise(out1[..., :-1], out1[..., -1], normalizer, eps), state
+
+
+def _merge(s: Tensor | None, c: Tensor | None, s_b: Tensor, c_b: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Add block sums ``s_b`` at log-offset ``c_b`` to ``s`` at ``c``, rescaled to the larger
+    offset (as online softmax does); -inf offsets mark empty sums."""
+    if s is None:
+        return s_b, c_b
+    if c_b is None:
+        return s + s_b, None
+    top = torch.maximum(c, c_b)
+    top_safe = torch.where(torch.isfinite(top), top, 0.0)
+
+    def ratio(x: Tensor) -> Tensor:
+        return torch.where(torch.isfinite(x), x - top_safe, -math.inf).exp()[..., None]
+
+    return s * ratio(c) + s_b * ratio(c_b), top
+
+
+def _causal_sums(
+    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, s0: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """Chunkwise ``sum_{j <= i} decay(j, i) (q_i . k_j) v_j`` and the final ``sum_j k_j v_j^T``.
+
+    Inside a chunk the pairs are a masked ``(L, L)`` product; the sums over earlier chunks come
+    from the state at each chunk's start (a cumulative sum, or with a decay a scan over chunks).
+    Decays enter only as differences of in-chunk cumulative log decays (all exponents <= 0).
+    """
+    b, h, n, m = k.shape
+    size = min(chunk, n)
+    pad = -n % size
+    q, k, v = (rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> b h c l e", l=size) for x in (q, k, v))
+    s0 = k.new_zeros(b, h, m, v.shape[-1]) if s0 is None else s0
+    tril = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+    scores = q @ k.transpose(-1, -2)  # [B, H, C, L, L]
+    if log_decay is None:
+        chunk_sums = k.transpose(-1, -2) @ v  # [B, H, C, m, E]
+        starts = s0[:, :, None] + F.pad(chunk_sums.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
+        final = starts[:, :, -1] + chunk_sums[:, :, -1]
+        out = scores.masked_fill(~tril, 0.0) @ v + q @ starts
+    else:
+        cum = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size).cumsum(-1)
+        pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~tril, -math.inf).exp()
+        to_end = (cum[..., -1:] - cum).exp()  # decay from key j to the end of its chunk
+        chunk_sums = (k * to_end[..., None]).transpose(-1, -2) @ v
+        starts, final = _scan(chunk_sums, cum[..., -1].exp(), s0)
+        out = (scores * pair_decay) @ v + (q * cum.exp()[..., None]) @ starts
+    return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final
+
+
+def _scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """States at each chunk start, ``S_c = g_{c-1} S_{c-1} + U_{c-1}`` ``(B, H, C, m, E)``, and
+    the state after the last chunk ``(B, H, m, E)``."""
+    states, s = [], s0
+    for c in range(chunk_sums.shape[2]):
+        states.append(s)
+        s = gates[:, :, c, None, None] * s + chunk_sums[:, :, c]
+    return torch.stack(states, dim=2), s
+
+
+def reference_kernel_attention(
+    phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
+    log_decay: Tensor | None = None, eps: float = 1e-6, normalizer: Normalizer = "rows",
+    return_weights: bool = False,
+) -> Any:
+    """The quadratic form: ``A = phi(Q) phi(K)^T``, masked, row-normalised; ``O = A V``.
+
+    Args:
+        phi_q ``(B, H, N_q, m)``, phi_k ``(B, H, N_kv, m)``, v ``(B, H, N_kv, E)``: features and
+            values. causal, key_padding_mask, eps, normalizer: as ``kernel_attention``.
+        log_decay: ``(B, H, N_kv)``: the weight of key ``j`` for the query at position ``p >= j``
+            is multiplied by ``prod_{t=j+1..p} exp(a_t)`` (padded ``t`` count as 1), which is what
+            the recurrence ``S_t = exp(a_t) S_{t-1} + phi(k_t) v_t^T`` unrolls to.
+        return_weights: also return the normalised ``A (B, H, N_q, N_kv)``.
+
+    Notes:
+        Dense, O(N^2) memory: the oracle for ``kernel_attention``, and the weights for pictures.
+        ``"keys"`` (non-causal only) divides each key feature by its sum over the visible keys.
+    """
+    n_q, n_kv = phi_q.shape[2], phi_k.shape[2]
+    pos = torch.arange(n_q, device=phi_q.device)[:, None] + n_kv - n_q  # query i sits at key position pos
+    visible = torch.ones(1, 1, n_q, n_kv, dtype=torch.bool, device=phi_q.device)
+    if causal:
+        visible = visible & (torch.arange(n_kv, device=phi_q.device) <= pos)
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]
+        phi_k = torch.where(key_padding_mask[:, None, :, None], phi_k, 0.0)
+        v = torch.where(key_padding_mask[:, None, :, None], v, 0.0)
+    if normalizer == "keys":
+        z = phi_k.sum(2, keepdim=True)
+        phi_k = phi_k / torch.where(z > 0, z, 1.0)
+    a = phi_q @ phi_k.transpose(-1, -2)  # [B, H, N_q, N_kv]
+    if log_decay is not None:
+        if key_padding_mask is not None:
+            log_decay = torch.where(key_padding_mask[:, None], log_decay, 0.0)
+        cum = log_decay.cumsum(-1)
+        gap = cum[..., pos] - cum[..., None, :]  # sum of a_t over j < t <= pos
+        a = a * gap.masked_fill(~visible, -math.inf).exp()
+    a = a.masked_fill(~visible, 0.0)
+    weights = normalise(a, a.sum(-1), normalizer, eps)
+    out = weights @ v
+    return (out, weights) if return_weights else out
+
+
+@dataclass(frozen=True)
+class KernelState:
+    """Sums of the keys so far: ``s (B, H, m, D_v)``, ``z (B, H, m)``, and ``c`` (Performer's
+    running key maximum ``(B, H)``, -inf before the first key; None for the others)."""
+
+    s: Tensor
+    z: Tensor
+    c: Tensor | None = None
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class KernelAttention(Attention):
+    """Base of the family: a subclass supplies ``query_features`` and ``key_features`` (and
+    ``num_features`` for decoding); this class runs the shared core, the reference, and
+    ``init_state`` / ``step``.
+
+    Shapes:
+        q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``.
+
+    Notes:
+        float16/bfloat16 inputs are computed in float32 and cast back.
+    """
+
+    normalizer: Normalizer = "rows"
+
+    def query_features(self, q: Tensor) -> Tensor:
+        """``(B, H, N, D) -> (B, H, N, m)``."""
+        raise NotImplementedError
+
+    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+        """``k (B, H, N, D)``, ``real`` bool ``(B, 1, N)`` or None -> ``KeyFeatures``."""
+        raise NotImplementedError
+
+    def num_features(self, head_dim: int) -> int:
+        raise NotImplementedError
+
+    def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
+        """Create lazily-sized buffers/parameters for ``heads`` and ``head_dim`` (if any)."""
+
+    def _run(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
+             state: KernelState | None = None) -> tuple[Tensor, KernelState]:
+        qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
+        if state is not None:
+            state = KernelState(state.s.to(qc.dtype), state.z.to(qc.dtype), state.c)
+        out, state = kernel_attention(
+            qc, kc, vc, query_map=self.query_features, key_map=self.key_features, causal=causal,
+            key_padding_mask=key_padding_mask, state=state, chunk=getattr(self.config, "chunk", 64),
+            eps=getattr(self.config, "eps", 1e-6), normalizer=self.normalizer,
+        )
+        return out.to(q.dtype), state
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
+                score_mod: ScoreMod | None) -> Tensor:
+        return self._run(q, k, v, causal=causal, key_padding_mask=key_padding_mask)[0]
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                  key_padding_mask: Tensor | None = None, return_weights: bool = False) -> Any:
+        """The same function through ``reference_kernel_attention`` (same features, dense)."""
+        qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
+        real = None if key_padding_mask is None else key_padding_mask[:, None]
+        f = self.key_features(kc, real, causal=causal)
+        return reference_kernel_attention(
+            self.query_features(qc), f.phi, vc, causal=causal, key_padding_mask=key_padding_mask,
+            log_decay=f.log_decay, eps=getattr(self.config, "eps", 1e-6), normalizer=self.normalizer,
+            return_weights=return_weights,
+        )
+
+    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False,
+                          key_padding_mask: Tensor | None = None) -> Tensor:
+        """The ``(B, H, N_q, N_kv)`` normalised ``phi(Q) phi(K)^T`` this mechanism applies."""
+        v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
+        return self.reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_weights=True)[1]
+
+    def init_state(self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None,
+                   dtype: Any = None) -> KernelState:
+        """Empty sums (zeros; ``c`` -inf) for ``step``, in float64 for float64, else float32."""
+        if not self.spec.capabilities.decode_step:
+            self._refuse("a decode step", "decode_step")
+        dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.prepare(heads, head_dim, device, dtype)
+        s = torch.zeros(batch, heads, self.num_features(head_dim), value_dim, device=device, dtype=dtype)
+        c = torch.full((batch, heads), -math.inf, device=device, dtype=dtype)
+        return KernelState(s, s.new_zeros(s.shape[:3]), c)
+
+    def step(self, state: KernelState, q: Tensor, k: Tensor, v: Tensor, *,
+             score_mod: ScoreMod | None = None) -> tuple[Tensor, KernelState]:
+        """The recurrence for the next ``T`` tokens (O(m D_v) per token): equals the matching
+        rows of ``forward(..., causal=True)`` over the whole sequence."""
+        if score_mod is not None:
+            self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
+        check_qkv(q, k, v, cross_attention=False)
+        return self._run(q, k, v, causal=True, key_padding_mask=None, state=state)
+
+
+def _check_ranges(config: Config, minimum: dict[str, int]) -> None:
+    for name, low in minimum.items():
+        value = getattr(config, name)
+        if value is not None and value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    eps = getattr(config, "eps", 1.0)
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+
+
+_CAUSAL = Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=True)
+_NOTES = (
+    "causal aligns queries to the end of the keys: query i sees keys j <= i + N_kv - N_q",
+    "padded keys never enter S or z; a query with no visible key returns zeros (num = den = 0)",
+    "causal: chunkwise (quadratic inside a chunk of `chunk` positions, sums carried across chunks)",
+    "step(): the recurrence on (S, z), O(1) per token",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearConfig(Config):
+    """Config of ``linear``.
+
+    Args:
+        feature_map: ``"elu"`` (default, ``phi(x) = elu(x) + 1``) or ``"relu"`` (``relu(x)``; a
+            query whose features are all 0 gets output 0), on the unscaled q and k.
+        chunk: causal chunk length. Default 64.
+        eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
+    """
+
+    feature_map: Literal["elu", "relu"] = "elu"
+    chunk: int = 64
+    eps: float = 1e-6
+
+    def validate(self) -> None:
+        _check_ranges(self, {"chunk": 1})
+
+
+@register(
+    "linear", config=LinearConfig, family="kernel",
+    summary="Linear attention: phi(x) = elu(x) + 1 feature maps, O(N) time, an RNN when causal.",
+    paper="Katharopoulos et al. 2020, Transformers are RNNs, https://arxiv.org/abs/2006.16236",
+    capabilities=_CAUSAL,
+    complexity=Complexity(time="O(N D D_v)", memory="O(N D) (+ (N/chunk) D D_v causal)", subquadratic_memory=True),
+    notes=_NOTES,
+)
+class LinearAttention(KernelAttention):
+    """Linear attention (Katharopoulos et al. 2020, https://arxiv.org/abs/2006.16236):
+    ``phi = elu + 1`` (or ``relu``) on q and k as they are, m = D features."""
+
+    config: LinearConfig
+
+    def query_features(self, q: Tensor) -> Tensor:
+        return F.elu(q) + 1 if self.config.feature_map == "elu" else F.relu(q)
+
+    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+        return KeyFeatures(self.query_features(k))
+
+    def num_features(self, head_dim: int) -> int:
+        return head_dim

@@ -1,0 +1,356 @@
+"""Feature maps of the kernel family beyond ``linear``: ``performer``, ``efficient``, ``rfa``.
+
+Each plugs its feature maps into the shared core of ``kernel.py``:
+
+- ``performer``: FAVOR+ positive orthogonal random features (Choromanski et al. 2020,
+  https://arxiv.org/abs/2009.14794), an unbiased estimate of ``exp(q . k / sqrt(D))``.
+- ``efficient``: softmax feature maps (Shen et al. 2018/2021, https://arxiv.org/abs/1812.01243).
+- ``rfa``: random Fourier features with a learned gate (Peng et al. 2021,
+  https://arxiv.org/abs/2103.02143).
+
+The random projection ``w (m, D)`` of the random-feature members is a buffer drawn from ``seed``
+by ``orthogonal_gaussian`` (so two builds with one config are the same module); ``redraw()``
+draws the next one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnzoo.mechanisms.kernel import _CAUSAL, _NOTES, KernelAttention, KeyFeatures, Normalizer, _check_ranges
+from attnzoo.registry import Config, register
+from attnzoo.spec import Capabilities, Complexity
+
+#: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
+_STRIDE = 1_000_003
+
+
+def orthogonal_gaussian(m: int, d: int, *, generator: torch.Generator) -> Tensor:
+    """``(m, d)`` float64 random projection: orthogonal random features (Yu et al. 2016).
+
+    Notes:
+        Rows come in blocks of ``d`` mutually orthogonal directions (QR of a Gaussian matrix,
+        signs fixed so the directions are Haar-distributed); each row is then scaled by the norm
+        of an independent ``d``-dim Gaussian (chi distribution), so every row is marginally
+        ``N(0, I_d)`` as the unbiased estimators need.
+    """
+    blocks = []
+    for _ in range(math.ceil(m / d)):
+        q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+        blocks.append((q * torch.sign(torch.diagonal(r))).T)  # rows orthonormal
+    norms = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=1)
+    return torch.cat(blocks)[:m] * norms[:, None]
+
+
+def favor_exponent(x: Tensor, w: Tensor) -> Tensor:
+    """``w^T x - |x|^2 / 2``, the log of the unstabilised FAVOR+ feature ``sqrt(m) phi(x)``:
+    ``(B, H, N, D), (m, D) -> (B, H, N, m)``. (The fast path computes it shifted, in place.)"""
+    return x @ w.T - x.pow(2).sum(-1, keepdim=True) / 2
+
+
+def favor_query(q: Tensor, w: Tensor) -> Tensor:
+    """FAVOR+ features of (already ``D^-1/4``-scaled) queries, ``(B, H, N, D) -> (B, H, N, m)``.
+
+    Notes:
+        Stabiliser: each query row subtracts its own maximum exponent over the m features (its
+        largest feature is ``1/sqrt(m)``). A per-row constant cancels exactly in the row's ratio
+        ``phi(q)^T S / phi(q)^T z``; it is detached (it carries no gradient). So does the row's
+        ``|q|^2 / 2``, which is therefore never computed.
+    """
+    qw = q @ w.T  # [B, H, N, m]
+    shift = qw.detach().amax(-1, keepdim=True) + math.log(w.shape[0]) / 2
+    return qw.sub_(shift).exp_()  # in place: matmul does not save its output for backward
+
+
+def favor_keys(k: Tensor, w: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+    """FAVOR+ features of (``D^-1/4``-scaled) keys with a stabiliser that keeps causality.
+
+    Args:
+        k: ``(B, H, N, D)``; w: ``(m, D)``; real: bool ``(B, 1, N)`` (True = a real key) or None.
+        causal: False: one offset per (batch, head), the maximum exponent over the real keys
+            given (returned as ``c (B, H, 1)``, -inf if there are none). True: a running
+            maximum ``c_t`` over the real keys ``<= t``.
+        c0: ``(B, H)`` running maximum of earlier keys (decoding); None or -inf for none.
+
+    Returns:
+        ``KeyFeatures``: ``phi (B, H, N, m)``; causal: ``log_decay`` ``a_t = c_{t-1} - c_t <= 0``
+        and the last ``c (B, H)``.
+
+    Notes:
+        Causal key ``t`` is stored as ``exp(raw_t - c_t) / sqrt(m)`` and the running sums are
+        rescaled by ``exp(a_t)``, so every key in row ``i``'s sums carries the same factor
+        ``exp(-c_i)``, which cancels exactly; ``c_t`` depends on keys ``<= t`` only, so a future
+        key can neither change nor underflow a past output. Padded keys are zeroed before the
+        projection, left out of the maxima, and shifted by +inf: their features are exactly 0
+        and they get no gradient, however large they were.
+    """
+    if real is not None:
+        k = torch.where(real[..., None], k, 0.0)
+    kw = k @ w.T  # [B, H, N, m]
+    half_norm = k.pow(2).sum(-1) / 2  # [B, H, N]: per key, so it does not cancel (keeps its gradient)
+    row_max = kw.detach().amax(-1) - half_norm.detach()
+    if real is not None:
+        row_max = row_max.masked_fill(~real, -math.inf)
+    if causal:
+        prev0 = row_max.new_full(row_max.shape[:2], -math.inf) if c0 is None else c0.to(row_max.dtype)
+        c = torch.maximum(torch.cummax(row_max, dim=-1).values, prev0[..., None])
+        prev = torch.cat([prev0[..., None], c[..., :-1]], dim=-1)
+        # Before the first real key the sums are empty, so any decay will do; 0 avoids -inf - -inf.
+        log_decay, out_c = torch.where(torch.isfinite(prev), prev - c, 0.0), c[..., -1]
+    else:
+        c = row_max.amax(-1, keepdim=True)
+        log_decay, out_c = None, c
+    shift = half_norm + torch.where(torch.isfinite(c), c, 0.0) + math.log(w.shape[0]) / 2
+    if real is not None:
+        shift = torch.where(real, shift, math.inf)
+    return KeyFeatures(kw.sub_(shift[..., None]).exp_(), log_decay, out_c)
+
+
+def fourier_features(x: Tensor, w: Tensor, sigma: float) -> Tensor:
+    """RFA's random Fourier features of unit-normalised ``x``: ``(B, H, N, D) -> (B, H, N, 2m)``.
+
+    ``phi(x) = sqrt(1/m) [sin(w^T x^ / sigma), cos(w^T x^ / sigma)]`` with ``x^ = x / |x|`` and
+    rows of ``w (m, D)`` marginally ``N(0, I)``, so ``E[phi(x) . phi(y)] = exp(-|x^ - y^|^2 /
+    (2 sigma^2)) = exp((x^ . y^ - 1) / sigma^2)``: softmax weights with temperature ``sigma^2``
+    on unit vectors. The features, and so the estimated weights, can be negative.
+    """
+    u = F.normalize(x, dim=-1) @ w.T / sigma
+    return torch.cat([torch.sin(u), torch.cos(u)], dim=-1) / math.sqrt(w.shape[0])
+
+
+class RandomFeatureAttention(KernelAttention):
+    """A ``KernelAttention`` that owns a random projection buffer ``projection (m, D)``.
+
+    Notes:
+        The buffer is drawn at construction when ``config.head_dim`` is set, else on the first
+        forward / ``init_state`` for the D seen then (a later call with another D raises); it is
+        also created by ``load_state_dict``. Draw ``t`` uses the seed ``seed + 1000003 t``, so
+        ``redraw()`` sequences are reproducible.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.draws = 0
+        self.register_buffer("projection", None)
+        if config.head_dim is not None:
+            self.projection = self._draw(config.head_dim)
+
+    def _draw(self, d: int) -> Tensor:
+        g = torch.Generator().manual_seed(self.config.seed + _STRIDE * self.draws)
+        return orthogonal_gaussian(self.config.features, d, generator=g).float()
+
+    def projection_for(self, x: Tensor) -> Tensor:
+        """The projection for inputs ``x (..., D)``, in ``x``'s dtype; drawn on first use."""
+        d = x.shape[-1]
+        if self.projection is None:
+            self.projection = self._draw(d).to(x.device)
+        elif self.projection.shape[1] != d:
+            raise ValueError(f"{self.spec.name} was built for head_dim={self.projection.shape[1]} but got inputs "
+                             f"with D={d}; build it with head_dim={d}")
+        return self.projection.to(x.dtype)
+
+    @torch.no_grad()
+    def redraw(self) -> None:
+        """Draw a new projection (the next seed of this module's sequence)."""
+        self.draws += 1
+        if self.projection is not None:
+            self.projection = self._draw(self.projection.shape[1]).to(self.projection)
+
+    def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
+        self.projection_for(torch.empty(0, head_dim, device=device, dtype=dtype))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        for name in ("projection", "gate_weight", "gate_bias"):
+            if hasattr(self, name) and getattr(self, name) is None and prefix + name in state_dict:
+                empty = torch.empty_like(state_dict[prefix + name])
+                setattr(self, name, nn.Parameter(empty) if name.startswith("gate") else empty)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerformerConfig(Config):
+    """Config of ``performer``.
+
+    Args:
+        features: m, the number of random features. Default 256.
+        head_dim: D to draw the projection for at construction; default None draws it on the
+            first forward (see ``RandomFeatureAttention``).
+        seed: seed of the projection. Default 0.
+        chunk: causal chunk length. Default 64.
+        eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
+    """
+
+    features: int = 256
+    head_dim: int | None = None
+    seed: int = 0
+    chunk: int = 64
+    eps: float = 1e-6
+
+    def validate(self) -> None:
+        _check_ranges(self, {"features": 1, "head_dim": 1, "seed": 0, "chunk": 1})
+
+
+@register(
+    "performer", config=PerformerConfig, family="kernel",
+    summary="Performer (FAVOR+): positive orthogonal random features estimating softmax attention.",
+    paper="Choromanski et al. 2020, Rethinking Attention with Performers, https://arxiv.org/abs/2009.14794",
+    capabilities=_CAUSAL,
+    complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
+    notes=_NOTES + (
+        "q and k are scaled by D^-1/4, so phi(q).phi(k) estimates exp(q.k / sqrt(D))",
+        "stabilisers: per query row max; keys: max over real keys (causal: running max, carried in the state)",
+    ),
+)
+class PerformerAttention(RandomFeatureAttention):
+    """FAVOR+: ``phi(x) = exp(w^T x - |x|^2/2 - stabiliser) / sqrt(m)`` on ``x = D^-1/4 q``
+    (resp. k), ``w`` orthogonal random features; stabilisers in ``favor_query`` / ``favor_keys``.
+
+    Shapes:
+        q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``.
+    """
+
+    config: PerformerConfig
+
+    def query_features(self, q: Tensor) -> Tensor:
+        # w D^-1/4 applies the D^-1/4 scaling of q (favor_query never needs |q|^2)
+        return favor_query(q, self.projection_for(q) * q.shape[-1] ** -0.25)
+
+    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+        return favor_keys(k * k.shape[-1] ** -0.25, self.projection_for(k), real, causal=causal, c0=c0)
+
+    def num_features(self, head_dim: int) -> int:
+        return self.config.features
+
+
+@dataclass(frozen=True, kw_only=True)
+class RFAConfig(Config):
+    """Config of ``rfa``.
+
+    Args:
+        features: m, the number of random frequencies (``phi`` has 2m features). Default 128.
+        sigma: kernel width: the features estimate ``exp((q^ . k^ - 1) / sigma^2)``. Default 1.
+        heads, head_dim: H and D of the gate parameters ``(H, D)``, ``(H,)`` (and D of the
+            projection) to create them at construction; default None creates them on the first
+            forward / ``init_state`` (then make the optimizer after a first forward).
+        seed: seed of the projection and of the gate's initial weights. Default 0.
+        chunk: causal chunk length. Default 64.
+        eps: the denominator is kept at ``|phi(q)^T z| >= eps`` with its sign. Default 1e-6.
+    """
+
+    features: int = 128
+    sigma: float = 1.0
+    heads: int | None = None
+    head_dim: int | None = None
+    seed: int = 0
+    chunk: int = 64
+    eps: float = 1e-6
+
+    def validate(self) -> None:
+        _check_ranges(self, {"features": 1, "heads": 1, "head_dim": 1, "seed": 0, "chunk": 1})
+        if not self.sigma > 0:
+            raise ValueError(f"sigma must be > 0, got {self.sigma}")
+
+
+@register(
+    "rfa", config=RFAConfig, family="kernel",
+    summary="Random Feature Attention: random Fourier features, gated recurrence when causal.",
+    paper="Peng et al. 2021, Random Feature Attention, https://arxiv.org/abs/2103.02143",
+    capabilities=_CAUSAL,
+    complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
+    notes=_NOTES + (
+        "q, k unit-normalised; phi = [sin, cos](w^T x / sigma) / sqrt(m) can be negative: |denominator| >= eps, sign kept",
+        "causal: S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T, z likewise, g_t = sigmoid(w_g . k_t + b_g) per head",
+        "non-causal: plain random-feature attention, no gate",
+    ),
+)
+class RFAAttention(RandomFeatureAttention):
+    """RFA: ``phi`` = ``fourier_features``; causal adds the learned per-head gate.
+
+    Shapes:
+        q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``.
+
+    Notes:
+        Gate parameters ``gate_weight (H, D)`` (initially ``N(0, 1/D)`` from ``seed``) and
+        ``gate_bias (H,)`` (initially 2, so ``g ~ 0.88``). The chunked form uses in-chunk
+        cumulative sums of ``log g`` (``logsigmoid``), equal to the recurrence.
+    """
+
+    config: RFAConfig
+    normalizer: Normalizer = "signed"
+
+    def __init__(self, config: RFAConfig) -> None:
+        super().__init__(config)
+        self.register_parameter("gate_weight", None)
+        self.register_parameter("gate_bias", None)
+        if config.heads is not None and config.head_dim is not None:
+            self.prepare(config.heads, config.head_dim, None, torch.float32)
+
+    def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
+        super().prepare(heads, head_dim, device, dtype)
+        if self.gate_weight is None:
+            g = torch.Generator().manual_seed(self.config.seed + 1)
+            weight = torch.randn(heads, head_dim, generator=g, dtype=torch.float64) / math.sqrt(head_dim)
+            self.gate_weight = nn.Parameter(weight.to(device=device, dtype=dtype))
+            self.gate_bias = nn.Parameter(torch.full((heads,), 2.0, device=device, dtype=dtype))
+        elif tuple(self.gate_weight.shape) != (heads, head_dim):
+            raise ValueError(f"rfa's gate was made for (heads, head_dim) = {tuple(self.gate_weight.shape)}, got "
+                             f"inputs with ({heads}, {head_dim}); build it with heads={heads}, head_dim={head_dim}")
+
+    def query_features(self, q: Tensor) -> Tensor:
+        return fourier_features(q, self.projection_for(q), self.config.sigma)
+
+    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+        phi = fourier_features(k, self.projection_for(k), self.config.sigma)
+        if not causal:
+            return KeyFeatures(phi)
+        self.prepare(k.shape[1], k.shape[3], k.device, k.dtype)
+        logit = torch.einsum("bhnd,hd->bhn", k, self.gate_weight.to(k.dtype)) + self.gate_bias.to(k.dtype)[:, None]
+        # (1 - g_t) phi(k_t) and log g_t, through logsigmoid (stable for large logits)
+        return KeyFeatures(phi * F.logsigmoid(-logit).exp()[..., None], F.logsigmoid(logit))
+
+    def num_features(self, head_dim: int) -> int:
+        return 2 * self.config.features
+
+
+@dataclass(frozen=True, kw_only=True)
+class EfficientConfig(Config):
+    """Config of ``efficient`` (no options)."""
+
+
+@register(
+    "efficient", config=EfficientConfig, family="kernel",
+    summary="Efficient attention: softmax(Q over features) (softmax(K over positions)^T V).",
+    paper="Shen et al. 2018/2021, Efficient Attention, https://arxiv.org/abs/1812.01243",
+    capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
+    complexity=Complexity(time="O(N D D_v)", memory="O(N D + D D_v)", subquadratic_memory=True),
+    notes=("not causal: the softmax of K runs over all positions",
+           "rows are normalised by construction (no denominator); padded keys get weight 0"),
+)
+class EfficientAttention(KernelAttention):
+    """Efficient Attention (Shen et al., https://arxiv.org/abs/1812.01243):
+    ``O = rho_q(Q) (rho_k(K)^T V)``, ``rho_q`` a softmax of each query over its D features,
+    ``rho_k`` a softmax of each key feature over the real positions.
+
+    Notes:
+        The rows of ``rho_q rho_k^T`` sum to 1 by construction, so there is no denominator
+        (normalizer ``"keys"``). ``key_features`` returns ``exp(k - max)`` per block with the
+        per-feature max as its offset; the core divides by the sum over all real keys. A batch
+        row with no real key gets output 0. Not causal.
+    """
+
+    config: EfficientConfig
+    normalizer: Normalizer = "keys"
+
+    def query_features(self, q: Tensor) -> Tensor:
+        return q.softmax(dim=-1)
+
+    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+        logits = k if real is None else k.masked_fill(~real[..., None], -math.inf)
+        c = logits.detach().amax(2)  # [B, H, D]: per-feature max over the real keys
+        return KeyFeatures((logits - torch.where(torch.isfinite(c), c, 0.0)[:, :, None]).exp(), None, c)

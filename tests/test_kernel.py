@@ -1,0 +1,323 @@
+"""Kernel / linear attention: fast path == quadratic reference == recurrence, masking, causality,
+Performer's approximation and stability, decoding through ``CausalLM``, config errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnzoo
+import attnzoo.mechanisms.kernel as kernel
+from attnzoo.mechanisms.kernel_features import favor_exponent, fourier_features
+from conftest import grads, make_qkv, padding_mask
+from tolerances import assert_close_to_golden, assert_same
+
+KERNEL = attnzoo.names(family="kernel")
+CAUSAL = attnzoo.names(family="kernel", causal=True)
+B, H, N, D = 2, 3, 37, 8
+
+
+def mask_of() -> torch.Tensor:
+    """``(B=2, N)`` key padding: batch 0 all padding (its rows see no key), batch 1 half."""
+    return padding_mask(3, N)[:2]
+
+
+def build(name: str, **config):
+    """Small chunks (N = 37 is not a multiple of 8) where the mechanism has them."""
+    if "chunk" in attnzoo.registry.config_fields(name):
+        config.setdefault("chunk", 8)
+    return attnzoo.build(name, **config)
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    # several non-causal blocks of 5 positions (B * H = 6 rows each) at these sizes
+    monkeypatch.setattr(kernel, "BLOCK_ROWS", 30)
+
+
+def _cases():
+    for name in KERNEL:
+        for causal in (False, True) if name in CAUSAL else (False,):
+            for n_q in (N, 20):
+                yield name, causal, n_q
+
+
+def test_the_family_is_registered_with_honest_capabilities():
+    assert set(KERNEL) >= {"linear", "performer", "efficient", "rfa"}
+    for name in ("linear", "performer", "rfa"):
+        caps = attnzoo.describe(name).capabilities
+        assert caps.causal and caps.key_padding and caps.decode_step and caps.cross_attention and not caps.score_mod
+    caps = attnzoo.describe("efficient").capabilities
+    assert not caps.causal and not caps.decode_step and caps.key_padding
+    assert all(attnzoo.describe(n).complexity.subquadratic_memory for n in KERNEL)
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="'linear' does not support score_mod"):
+        attnzoo.build("linear")(q, q, q, score_mod=lambda s, b, h, i, j: s)
+
+
+@pytest.mark.parametrize("name, causal, n_q", list(_cases()))
+def test_fast_path_equals_reference_forward_and_gradients(name, causal, n_q):
+    attn = build(name).double()
+    q, k, v = make_qkv(B, H, n_q, N, d=D, d_v=5)
+    mask = mask_of()
+    attn(q, k, v, causal=causal, key_padding_mask=mask)  # makes lazy buffers / parameters
+    inputs = (q, k, v, *attn.parameters())
+    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = attn.reference(q, k, v, causal=causal, key_padding_mask=mask)
+    assert_same(fast, ref, what=f"{name} forward")
+    assert torch.equal(fast[0], torch.zeros_like(fast[0]))  # batch 0 is all padding
+    fast_grads = grads(fast, inputs)
+    for i, (got, want) in enumerate(zip(fast_grads, grads(ref, inputs))):
+        assert_same(got, want, what=f"{name} gradient {i}")
+        assert torch.isfinite(got).all()
+    assert torch.count_nonzero(fast_grads[0][0]) == 0  # rows that see no key pass no gradient
+
+
+@pytest.mark.parametrize("name, causal, n_q", [c for c in _cases() if c[2] == N])
+def test_fp32_within_policy_of_float64_golden(name, causal, n_q):
+    attn = build(name)
+    q, k, v = make_qkv(B, H, n_q, N, d=D, dtype=torch.float32)
+    mask = mask_of()
+    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = attn.reference(q, k, v, causal=causal, key_padding_mask=mask)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    golden = attn.reference(q64, k64, v64, causal=causal, key_padding_mask=mask)
+    assert_close_to_golden(fast, ref, golden, what=f"{name} fp32 forward")
+    for i, (a, r, g) in enumerate(zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), grads(golden, (q64, k64, v64)))):
+        assert_close_to_golden(a, r, g, what=f"{name} fp32 gradient {i}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_relu_feature_map_and_half_precision(causal):
+    attn = build("linear", feature_map="relu").double()
+    q, k, v = make_qkv(B, H, N, N, d=D)
+    q = torch.where(torch.arange(N)[:, None] == 3, -q.abs(), q)  # row 3: all features 0
+    out = attn(q, k, v, causal=causal, key_padding_mask=mask_of())
+    assert_same(out, attn.reference(q, k, v, causal=causal, key_padding_mask=mask_of()))
+    assert torch.count_nonzero(out[:, :, 3]) == 0
+    half = build("performer")(*(x.detach().bfloat16() for x in (q, k, v)), causal=causal)
+    assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_recurrent_step_equals_chunked_equals_quadratic_at_every_position(name):
+    attn = build(name).double()
+    q, k, v = make_qkv(B, H, N, N, d=D, requires_grad=False)
+    chunked = attn(q, k, v, causal=True)
+    assert_same(chunked, attn.reference(q, k, v, causal=True), what="chunked vs quadratic")
+    state = attn.init_state(B, H, D, D, dtype=torch.float64)
+    assert all(torch.count_nonzero(t) == 0 for t in (state.s, state.z))
+    steps = []
+    for t in range(N):
+        out, state = attn.step(state, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+        steps.append(out)
+    assert_same(torch.cat(steps, dim=2), chunked, what="token-by-token steps vs chunked")
+    # a prefill of several tokens, then single steps
+    state = attn.init_state(B, H, D, D, dtype=torch.float64)
+    first, state = attn.step(state, q[:, :, :11], k[:, :, :11], v[:, :, :11])
+    last, state = attn.step(state, q[:, :, 11:12], k[:, :, 11:12], v[:, :, 11:12])
+    assert_same(torch.cat([first, last], dim=2), chunked[:, :, :12], what="prefill + step")
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_causal_outputs_ignore_the_future(name):
+    attn = build(name).double()
+    q, k, v = make_qkv(B, H, N, N, d=D, requires_grad=False)
+    y = attn(q, k, v, causal=True)
+    for t in (0, 5, 8, 20):
+        q2, k2, v2 = (x.clone() for x in (q, k, v))
+        for x in (q2, k2, v2):
+            x[:, :, t + 1:] = torch.randn_like(x[:, :, t + 1:]) * 10
+        y2 = attn(q2, k2, v2, causal=True)
+        assert_same(y2[:, :, :t + 1], y[:, :, :t + 1], what=f"outputs <= {t}")
+        assert not torch.allclose(y2[:, :, t + 1:], y[:, :, t + 1:])
+
+
+@pytest.mark.parametrize("name, causal, n_q", [c for c in _cases() if c[2] == N])
+def test_padded_keys_never_enter_the_sums(name, causal, n_q):
+    attn = build(name).double()
+    q, k, v = make_qkv(B, H, N, N, d=D)
+    mask = mask_of()
+    y = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    pad = ~mask[:, None, :, None]
+    k2 = torch.where(pad, torch.randn_like(k) * 1e200, k).detach().requires_grad_()
+    v2 = torch.where(pad, torch.full_like(v, math.nan), v)
+    y2 = attn(q, k2, v2, causal=causal, key_padding_mask=mask)
+    assert_same(y2, y, what="outputs after changing padded keys and values")
+    dk = grads(y2, (k2,))[0]
+    assert torch.isfinite(dk).all() and torch.count_nonzero(dk[pad.expand_as(dk)]) == 0
+
+
+def test_performer_error_against_softmax_shrinks_as_features_grow():
+    exact_attn = attnzoo.build("softmax")
+    errors = {}
+    for m in (16, 256, 1024):
+        total = 0.0
+        for seed in range(4):
+            g = torch.Generator().manual_seed(100 + seed)
+            q, k, v = (torch.randn(1, 2, 24, 16, generator=g, dtype=torch.float64) * 0.7 for _ in range(3))
+            performer = attnzoo.build("performer", features=m, seed=seed)
+            total += (performer(q, k, v) - exact_attn(q, k, v)).pow(2).mean().sqrt().item()
+        errors[m] = total / 4
+    assert errors[16] > errors[256] > errors[1024], errors
+    assert errors[1024] < 0.05, errors
+
+
+def test_performer_equals_the_unstabilised_formula_forward_and_gradients():
+    # FAVOR+ with no stabiliser at all, in float64 at moderate scores: the independent oracle.
+    performer = build("performer", features=64, eps=1e-200).double()
+    q, k, v = make_qkv(B, H, N, N, d=D)
+    mask = mask_of()
+    w = performer.projection_for(q).double()
+    for causal in (False, True):
+        phi_q, phi_k = (torch.exp(favor_exponent(x * D**-0.25, w)) / 8.0 for x in (q, k))
+        oracle = kernel.reference_kernel_attention(phi_q, phi_k, v, causal=causal, key_padding_mask=mask, eps=0.0)
+        fast = performer(q, k, v, causal=causal, key_padding_mask=mask)
+        # batch 0 has no real key: 0 / 0 in the eps-free oracle
+        assert_same(fast[1:], oracle[1:], what="forward")
+        for got, want in zip(grads(fast[1:], (q, k, v)), grads(oracle[1:], (q, k, v))):
+            assert_same(got, want, what="gradient")
+
+
+def test_rfa_equals_its_gated_recurrence_written_out():
+    attn = build("rfa", features=16, sigma=0.8, heads=H, head_dim=D).double()
+    q, k, v = make_qkv(B, H, N, N, d=D)
+    fast = attn(q, k, v, causal=True)
+    w = attn.projection.double()
+    g = torch.sigmoid(torch.einsum("bhnd,hd->bhn", k, attn.gate_weight) + attn.gate_bias[:, None])
+    s, z, expected = torch.zeros(B, H, 32, D, dtype=torch.float64), torch.zeros(B, H, 32, dtype=torch.float64), []
+    for t in range(N):
+        phi_k = fourier_features(k[:, :, t], w, 0.8)  # [B, H, 2m]
+        s = g[:, :, t, None, None] * s + (1 - g[:, :, t, None, None]) * phi_k[..., None] * v[:, :, t, None, :]
+        z = g[:, :, t, None] * z + (1 - g[:, :, t, None]) * phi_k
+        phi_q = fourier_features(q[:, :, t], w, 0.8)
+        den = (phi_q * z).sum(-1)
+        den = torch.where(den >= 0, den.clamp(min=1e-6), den.clamp(max=-1e-6))
+        expected.append(torch.einsum("bhm,bhme->bhe", phi_q, s) / den[..., None])
+    expected = torch.stack(expected, dim=2)
+    assert_same(fast, expected)
+    inputs = (q, k, v, attn.gate_weight, attn.gate_bias)
+    for got, want in zip(grads(fast, inputs), grads(expected, inputs)):
+        assert_same(got, want, what="gradient")
+    plain = attn(q, k, v)  # non-causal: no gate
+    phi_q, phi_k = (fourier_features(x, w, 0.8) for x in (q, k))
+    a = phi_q @ phi_k.transpose(-1, -2)
+    assert_same(plain, (a / a.sum(-1, keepdim=True)) @ v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_is_finite_in_fp32_at_scores_of_50(causal):
+    d = 16
+    q = torch.nn.functional.normalize(torch.randn(2, 2, 40, d), dim=-1) * math.sqrt(50 * math.sqrt(d))
+    v = torch.randn(2, 2, 40, d)
+    performer = attnzoo.build("performer", chunk=8)
+    assert (q @ q.transpose(-1, -2) / math.sqrt(d)).max() > 49
+    out = performer(q, q, v, causal=causal)
+    golden = performer(q.double(), q.double(), v.double(), causal=causal)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), golden, atol=1e-3, rtol=1e-3)
+
+
+def test_performer_features_are_seeded_and_redraw_changes_them():
+    q = torch.randn(1, 1, 4, 8)
+    a, b, c = (attnzoo.build("performer", features=32, seed=s) for s in (0, 0, 1))
+    for m in (a, b, c):
+        m(q, q, q)
+    assert torch.equal(a.projection, b.projection) and not torch.equal(a.projection, c.projection)
+    before = a.projection.clone()
+    a.redraw()
+    assert not torch.equal(a.projection, before) and a.projection.shape == before.shape
+    b.redraw()
+    assert torch.equal(a.projection, b.projection)  # redraws are reproducible too
+    eager = attnzoo.build("performer", features=32, head_dim=8)
+    assert torch.equal(eager.projection, before)
+    with pytest.raises(ValueError, match="head_dim=8"):
+        eager(torch.randn(1, 1, 4, 6), torch.randn(1, 1, 4, 6), torch.randn(1, 1, 4, 6))
+
+
+@pytest.mark.parametrize("name", ["performer", "rfa"])
+def test_lazy_buffers_and_parameters_survive_a_state_dict_round_trip(name):
+    q, k, v = make_qkv(1, 2, 6, 6, requires_grad=False)
+    first = attnzoo.build(name, seed=3).double()
+    expected = first(q, k, v, causal=True)  # makes the projection (and rfa's gate)
+    second = attnzoo.build(name, seed=4).double()
+    second.load_state_dict(first.state_dict())
+    assert_same(second(q, k, v, causal=True), expected)
+
+
+def test_efficient_is_the_paper_formula_and_refuses_causal():
+    q, k, v = make_qkv(B, H, N, N, d=D)
+    attn = attnzoo.build("efficient")
+    fast, paper = attn(q, k, v), q.softmax(-1) @ (k.softmax(-2).transpose(-1, -2) @ v)
+    assert_same(fast, paper)
+    for got, want in zip(grads(fast, (q, k, v)), grads(paper, (q, k, v))):
+        assert_same(got, want, what="gradient")
+    with pytest.raises(ValueError, match="'efficient' does not support causal=True; mechanisms that do: .*linear.*performer"):
+        attn(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="decode step"):
+        attn.init_state(1, 1, 8, 8)
+
+
+@pytest.mark.parametrize("name", KERNEL)
+def test_implied_attention_is_the_normalised_matrix_applied(name):
+    attn = build(name).double()
+    q, k, v = make_qkv(1, 2, 9, 9, requires_grad=False)
+    causal = name in CAUSAL
+    weights = attn.implied_attention(q, k, causal=causal)
+    assert weights.shape == (1, 2, 9, 9)
+    assert_same(weights @ v, attn(q, k, v, causal=causal))
+    if causal:
+        assert torch.count_nonzero(weights.triu(1)) == 0
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_causal_lm_steps_equal_the_full_forward(name):
+    torch.manual_seed(0)
+    lm = attnzoo.nn.CausalLM(vocab_size=20, dim=32, depth=2, heads=4, mechanism=name, positional=None, chunk=4)
+    lm = lm.double().eval()
+    tokens = torch.randint(0, 20, (2, 11))
+    with torch.no_grad():
+        full = lm(tokens)
+        logits, state = lm.step(tokens[:, :3], lm.init_state(2))
+        steps = [logits]
+        for t in range(3, 11):
+            logits, state = lm.step(tokens[:, t:t + 1], state)
+            steps.append(logits)
+    assert_same(torch.cat(steps, dim=1), full, what=f"{name} decode")
+
+
+@pytest.mark.parametrize("name", KERNEL)
+def test_fast_path_never_allocates_n_by_n(name, monkeypatch):
+    # On the meta device nothing is computed; every intermediate shape is recorded.
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            self.numel = max([self.numel, *sizes])
+            return out
+
+    monkeypatch.setattr(kernel, "BLOCK_ROWS", 8192)
+    n, heads = 16384, 2
+    q, k, v = torch.empty(3, 1, heads, n, 16, device="meta").unbind(0)
+    mask = torch.ones(1, n, dtype=torch.bool, device="meta")
+    attn = attnzoo.build(name)
+    for causal in (False, True) if name in CAUSAL else (False,):
+        with torch.no_grad(), Largest() as largest:
+            attn(q, k, v, causal=causal, key_padding_mask=mask)
+        assert largest.numel <= heads * n * 256, (causal, largest.numel)  # features (H, N, m), never N x N
+
+
+@pytest.mark.parametrize("name, bad, field", [
+    ("linear", {"chunk": 0}, "chunk"), ("linear", {"eps": 0.0}, "eps"), ("linear", {"feature_map": "tanh"}, "feature_map"),
+    ("performer", {"features": 0}, "features"), ("performer", {"seed": -1}, "seed"),
+    ("performer", {"head_dim": 0}, "head_dim"), ("rfa", {"sigma": 0.0}, "sigma"), ("rfa", {"heads": 0}, "heads"),
+])
+def test_bad_config_values_name_the_field(name, bad, field):
+    with pytest.raises(ValueError, match=field):
+        attnzoo.build(name, **bad)
