@@ -86,9 +86,24 @@ def _rss(field_name: str) -> int:
     return int(re.search(rf"{field_name}:\s+(\d+) kB", text).group(1)) * 1024
 
 
+def _pin_mmap_threshold() -> None:
+    """glibc raises its mmap threshold after large blocks are freed, then serves big tensors
+    from heap memory that is already resident, hiding them from the RSS peak. A fixed threshold
+    (set once) makes every large allocation map fresh pages and unmap them on free."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_memory(fn: Callable[[], Any]) -> int | None:
     """Bytes the call adds to the process's peak resident set (Linux: resets VmHWM through
     /proc/self/clear_refs); None where that is not available."""
+    _pin_mmap_threshold()
     try:
         Path("/proc/self/clear_refs").write_text("5")
         base = _rss("VmRSS")
