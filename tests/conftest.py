@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 @pytest.fixture(autouse=True)
@@ -35,3 +37,19 @@ def grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], seed: int = 1) ->
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
     found = torch.autograd.grad(out, inputs, g, allow_unused=True)
     return tuple(torch.zeros_like(x) if d is None else d for x, d in zip(inputs, found))
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any operation creates inside the
+    ``with`` block — the structural check that nothing N x N is ever allocated (run it on the
+    meta device to check shapes without computing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *sizes])
+        return out

@@ -7,13 +7,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 import attnzoo.mechanisms.kernel as kernel
 from attnzoo.mechanisms.kernel_features import favor_exponent, fourier_features
-from conftest import grads, make_qkv, padding_mask
+from conftest import LargestTensor as Largest, grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same
 
 KERNEL = attnzoo.names(family="kernel")
@@ -293,15 +291,6 @@ def test_causal_lm_steps_equal_the_full_forward(name):
 @pytest.mark.parametrize("name", KERNEL)
 def test_fast_path_never_allocates_n_by_n(name, monkeypatch):
     # On the meta device nothing is computed; every intermediate shape is recorded.
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            self.numel = max([self.numel, *sizes])
-            return out
-
     monkeypatch.setattr(kernel, "BLOCK_ROWS", 8192)
     n, heads = 16384, 2
     q, k, v = torch.empty(3, 1, heads, n, 16, device="meta").unbind(0)

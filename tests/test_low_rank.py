@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import attnzoo
 from attnzoo.backends.reference import reference_attention
 from attnzoo.nn import LAMAPooling
 from attnzoo.mechanisms.low_rank import (iterative_pinv, landmark_segments, reference_compressed,
                                          reference_linformer, reference_nystrom)
-from conftest import grads, make_qkv, padding_mask
+from conftest import LargestTensor as Largest, grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same
 
 B, H, N, D = 2, 3, 37, 8
@@ -302,15 +300,6 @@ def test_lama_pooling_trains():
 
 @pytest.mark.parametrize("name", LOW_RANK)
 def test_fast_paths_allocate_nothing_quadratic(name):
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            self.numel = max([self.numel, *sizes])
-            return out
-
     # Real CPU tensors (on "meta" SDPA would take its math path, which CPU does not).
     n = 4096
     module = attnzoo.build(name, max_len=n) if name == "linformer" else attnzoo.build(name)

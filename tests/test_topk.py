@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import attnzoo
 from attnzoo.mechanisms.topk import reference_sac, reference_topk, sac_candidates, topk_mask
-from conftest import grads, make_qkv, padding_mask
+from conftest import LargestTensor as Largest, grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same
 
 B, H, N, D = 2, 3, 37, 8
@@ -216,15 +214,6 @@ def test_implied_attention_is_the_applied_weights(name):
 
 def test_topk_never_allocates_n_by_n():
     # On the meta device nothing is computed; every intermediate shape is recorded.
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            self.numel = max([self.numel, *sizes])
-            return out
-
     n, heads = 16384, 8
     q, k, v = torch.empty(3, 1, heads, n, 64, device="meta").unbind(0)
     mask = torch.ones(1, n, dtype=torch.bool, device="meta")
