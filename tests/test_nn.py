@@ -84,3 +84,53 @@ def test_layer_errors_are_clear():
 def test_head_dim_can_differ_from_dim_over_heads():
     mha = attnzoo.nn.MultiHeadAttention(10, 3, head_dim=4)
     assert mha(torch.randn(2, 5, 10)).shape == (2, 5, 10)
+
+
+def test_heterogeneous_heads_equal_each_group_run_separately():
+    # 2 local + 1 strided + 1 global + 4 softmax heads, with ALiBi: each group must see the
+    # layer's own head indices (so slopes match the heads), and the outputs are concatenated.
+    groups = [("local", {"left": 2, "right": 2, "block": 16}, 2), ("strided", {"stride": 5, "block": 16}, 1),
+              ("global", {"indices": (0,), "block": 16}, 1), ("softmax", {}, 4)]
+    mha = attnzoo.nn.MultiHeadAttention(64, 8, groups, positional="alibi").double()
+    x = torch.randn(2, 30, 64, dtype=torch.float64)
+    split = lambda t: rearrange(t, "b n (h d) -> b h n d", h=8)  # noqa: E731
+    q, k, v = split(mha.q_proj(x)), split(mha.k_proj(x)), split(mha.v_proj(x))
+    alibi = mha.positional.score_mod(q, 30)
+    parts, start = [], 0
+    for attn, n in zip(mha.mechanisms, mha.group_heads):
+        shifted = lambda s, b, h, i, j, o=start: alibi(s, b, h + o, i, j)  # noqa: E731
+        parts.append(attn(q[:, start : start + n], k[:, start : start + n], v[:, start : start + n],
+                          causal=True, score_mod=shifted))
+        start += n
+    expected = mha.out_proj(rearrange(torch.cat(parts, dim=1), "b h n d -> b n (h d)"))
+    assert mha.group_heads == (2, 1, 1, 4)
+    assert_same(mha(x, causal=True), expected)
+    with pytest.raises(ValueError, match="'linear' does not support ALiBi"):
+        attnzoo.nn.MultiHeadAttention(64, 8, [("linear", {}, 4), ("softmax", {}, 4)], positional="alibi")
+
+
+def test_heterogeneous_heads_forward_and_decode_step():
+    groups = [("local", {"left": 3, "right": 0, "block": 16}, 2), ("linear", {}, 2), ("softmax", {}, 4)]
+    mha = attnzoo.nn.MultiHeadAttention(64, 8, groups).double().eval()
+    x = torch.randn(2, 20, 64, dtype=torch.float64)
+    out = mha(x, causal=True)
+    split = lambda t: rearrange(t, "b n (h d) -> b h n d", h=8)  # noqa: E731
+    q, k, v = split(mha.q_proj(x)), split(mha.k_proj(x)), split(mha.v_proj(x))
+    parts = [mha.mechanisms[0](q[:, :2], k[:, :2], v[:, :2], causal=True),
+             mha.mechanisms[1](q[:, 2:4], k[:, 2:4], v[:, 2:4], causal=True),
+             mha.mechanisms[2](q[:, 4:], k[:, 4:], v[:, 4:], causal=True)]
+    expected = mha.out_proj(rearrange(torch.cat(parts, dim=1), "b h n d -> b n (h d)"))
+    assert_same(out, expected)
+    with pytest.raises(ValueError, match="does not support a decode step"):
+        mha.init_state(2)  # local has no decode step
+    decodable = attnzoo.nn.MultiHeadAttention(64, 8, [("linear", {}, 4), ("softmax", {}, 4)]).double().eval()
+    full = decodable(x, causal=True)
+    state, steps = decodable.init_state(2, dtype=torch.float64), []
+    for t in range(20):
+        y, state = decodable.step(x[:, t : t + 1], state)
+        steps.append(y)
+    assert_same(torch.cat(steps, dim=1), full)
+    with pytest.raises(ValueError, match="add up to|in all"):
+        attnzoo.nn.MultiHeadAttention(64, 8, [("softmax", {}, 3)])
+    with pytest.raises(ValueError, match="each head group"):
+        attnzoo.nn.MultiHeadAttention(64, 8, [("softmax", 8)])

@@ -33,7 +33,9 @@ class MultiHeadAttention(nn.Module):
         dim: model width of ``x``.
         heads: number of heads.
         mechanism: a registered name (``attnzoo.names()``) or a built ``Attention`` module.
-            Default ``"softmax"``.
+            Default ``"softmax"``. Or a list of head groups ``[(mechanism, config, n_heads),
+            ...]`` whose ``n_heads`` add up to ``heads``: each group runs its own mechanism on its
+            slice of the heads ("different heads, different patterns"), outputs concatenated.
         kv_dim: width of ``context`` for cross-attention; default ``dim``.
         head_dim: width per head; default ``dim // heads`` (then ``dim % heads`` must be 0).
         positional: None, a name (``"sinusoidal"``, ``"rope"``, ``"alibi"``, ``"relative"``) or
@@ -63,9 +65,16 @@ class MultiHeadAttention(nn.Module):
         self.kv_dim = dim if kv_dim is None else kv_dim
         check_positive_int(self.head_dim, "head_dim")
         check_positive_int(self.kv_dim, "kv_dim")
-        self.attn = _resolve_mechanism(mechanism, mechanism_config)
+        groups = _resolve_groups(mechanism, mechanism_config, heads)
+        self.mechanisms = nn.ModuleList(attn for attn, _ in groups)
+        self.group_heads = tuple(n for _, n in groups)
+        self.attn = self.mechanisms[0]  # the mechanism of a one-group layer
         self.positional = build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim)
-        _check_positional(self.positional, self.attn)
+        for attn in self.mechanisms:
+            _check_positional(self.positional, attn)
+        if len(groups) > 1 and self.positional is not None and self.positional.needs_weights:
+            raise ValueError("Shaw relative value embeddings need one dense mechanism for all heads; "
+                             "use RelativePositionalEncoding(head_dim, values=False) with mixed head groups")
         inner = heads * self.head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
         self.k_proj = nn.Linear(self.kv_dim, inner, bias=bias)
@@ -93,9 +102,10 @@ class MultiHeadAttention(nn.Module):
         return self._merge(out)
 
     def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> MHAState:
-        """Empty decode state (self-attention only); see ``step``."""
-        state = self.attn.init_state(batch, self.heads, self.head_dim, self.head_dim, device=device, dtype=dtype)
-        return MHAState(state, 0)
+        """Empty decode state (self-attention only); see ``step``. One state per head group."""
+        states = tuple(attn.init_state(batch, n, self.head_dim, self.head_dim, device=device, dtype=dtype)
+                       for attn, n in zip(self.mechanisms, self.group_heads))
+        return MHAState(states[0] if len(states) == 1 else states, 0)
 
     def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
         """Causal self-attention for the next ``T`` tokens ``x (B, T, dim)`` given everything
@@ -109,7 +119,14 @@ class MultiHeadAttention(nn.Module):
             out, mech_state = self._attend(q, cache.k, cache.v, causal=True, key_padding_mask=None), cache
         else:
             score_mod = self._score_mod(q, state.position + x.shape[1])
-            out, mech_state = self.attn.step(state.mechanism, q, k, v, score_mod=score_mod)
+            states = (state.mechanism,) if len(self.mechanisms) == 1 else state.mechanism
+            outs, new_states = [], []
+            for (attn, heads, group_mod), group_state in zip(self._groups(score_mod), states):
+                out_g, state_g = attn.step(group_state, q[:, heads], k[:, heads], v[:, heads], score_mod=group_mod)
+                outs.append(out_g)
+                new_states.append(state_g)
+            out = torch.cat(outs, dim=1)
+            mech_state = new_states[0] if len(new_states) == 1 else tuple(new_states)
         return self._merge(out), MHAState(mech_state, state.position + x.shape[1])
 
     def _project(self, x: Tensor, kv_in: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -134,10 +151,44 @@ class MultiHeadAttention(nn.Module):
                 q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod
             )
             return out + self.positional.value_term(weights).to(out.dtype)
-        return self.attn(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+        if len(self.mechanisms) == 1:
+            return self.attn(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+        outs = [attn(q[:, heads], k[:, heads], v[:, heads], causal=causal, key_padding_mask=key_padding_mask,
+                     score_mod=group_mod) for attn, heads, group_mod in self._groups(score_mod)]
+        return torch.cat(outs, dim=1)
+
+    def _groups(self, score_mod: Any) -> list[tuple[Attention, slice, Any]]:
+        """Each head group's mechanism, its slice of heads, and the layer's score_mod re-indexed
+        so that the group's local head h is the layer's head ``start + h``."""
+        groups, start = [], 0
+        for attn, n in zip(self.mechanisms, self.group_heads):
+            shifted = None if score_mod is None else _shift_heads(score_mod, start)
+            groups.append((attn, slice(start, start + n), shifted))
+            start += n
+        return groups
 
     def _merge(self, out: Tensor) -> Tensor:
         return self.dropout(self.out_proj(rearrange(out, "b h n d -> b n (h d)")))
+
+
+def _shift_heads(score_mod: Any, offset: int) -> Any:
+    return lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h + offset, q_idx, kv_idx)
+
+
+def _resolve_groups(mechanism: Any, config: dict[str, Any], heads: int) -> list[tuple[Attention, int]]:
+    """``[(module, n_heads), ...]`` from one mechanism or a list of ``(mechanism, config, n_heads)``."""
+    if not (isinstance(mechanism, (list, tuple)) and mechanism and isinstance(mechanism[0], (list, tuple))):
+        return [(_resolve_mechanism(mechanism, config), heads)]
+    if config:
+        raise ValueError(f"with head groups, give each group its config; got layer-level keys {sorted(config)}")
+    groups = []
+    for group in mechanism:
+        if len(group) != 3 or not isinstance(group[1], dict) or not isinstance(group[2], int) or group[2] < 1:
+            raise ValueError(f"each head group is (mechanism, config dict, n_heads >= 1), got {group!r}")
+        groups.append((_resolve_mechanism(group[0], dict(group[1])), group[2]))
+    if sum(n for _, n in groups) != heads:
+        raise ValueError(f"head groups have {sum(n for _, n in groups)} heads in all, but heads={heads}")
+    return groups
 
 
 def _resolve_mechanism(mechanism: str | Attention, config: dict[str, Any]) -> Attention:
