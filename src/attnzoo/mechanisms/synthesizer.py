@@ -1,0 +1,247 @@
+"""Synthesizer attention (Tay et al. 2020, https://arxiv.org/abs/2005.00743).
+
+The Synthesizer replaces the query-key scores ``q_i . k_j`` by *synthesized* scores that do
+not come from token-token interactions. In attnzoo's ``(q, k, v)`` interface it is an
+``Attention`` mechanism with its own parameters, one set per head:
+
+* ``dense``: ``B_i = W2 relu(W1 q_i + b1) + b2`` in ``R^max_len`` (W1: ``(D, D)``, W2:
+  ``(D, max_len)``); query ``i`` scores key ``j`` by ``B_i[j]`` for ``j < N``. The paper feeds
+  the layer input ``x_i``; here the per-head query ``q_i`` (already a projection of ``x_i``)
+  plays that role.
+* ``random``: a learned ``(heads, max_len, max_len)`` matrix ``R``, scores ``R[:N, :N]``,
+  identical for every input. ``fixed=True`` keeps it as a buffer (not trained).
+* ``factorized_dense``: ``A_i = W_a relu(W1 q_i + b1) + b_a`` in ``R^a`` and
+  ``B_i = W_b relu(W1 q_i + b1) + b_b`` in ``R^b`` with ``a * b = max_len`` (the first layer is
+  shared), and the score of key ``j = r * a + c`` is ``A_i[c] * B_i[r]``: the paper's
+  ``H_A(A) * H_B(B)``, with ``A`` tiled ``b`` times and each entry of ``B`` repeated ``a``
+  times. ``factor`` sets ``a`` (default: the largest divisor of ``max_len`` <= sqrt(max_len)).
+* ``factorized_random``: ``R = R1 R2^T`` with ``R1, R2`` of shape ``(max_len, rank)`` per
+  head (rank <= ``rank``); ``fixed=True`` keeps them as buffers.
+* ``mix``: ``alpha * S + (1 - alpha) * q k^T / sqrt(D)`` where ``S`` is the synthesized score
+  of ``mix_with`` (``"random"``, the paper's R+V, by default; or ``"dense"``, D+V).
+
+Then ``Y = softmax(scores + masks) V``. ``causal=True`` masks future keys; this is causal in the
+strong sense because dense scores of row ``i`` depend only on ``q_i``, random scores on no input,
+and the dot-product part of ``mix`` is masked as usual. Padded keys are masked; a row with no
+visible key returns zeros. The scores are an explicit ``N x N`` matrix: time ``O(N^2 D)``
+(dense also ``O(N D max_len)`` for the synthesis), memory ``O(N^2)``.
+
+Limits: ``N <= max_len`` (longer inputs raise); self-attention only (``N_q == N_kv``), since
+synthesized scores index keys by position; the input must have ``heads`` heads and, for the
+variants that read ``q`` (dense, factorized_dense, mix), head dimension ``head_dim``. Inside
+``attnzoo.nn.MultiHeadAttention`` (whose own ``heads``/``head_dim`` arguments take those names)
+pass a built module: ``MultiHeadAttention(64, 8, attnzoo.build("synthesizer", heads=8,
+head_dim=8))``; a mismatch raises a ValueError naming ``heads``/``head_dim`` on the first call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
+from attnzoo.backends.reference import normalize_scores, visible_pairs
+from attnzoo.mechanisms.base import Attention
+from attnzoo.registry import Config, register
+from attnzoo.spec import Capabilities, Complexity, ScoreMod
+
+VARIANTS = ("dense", "random", "factorized_dense", "factorized_random", "mix")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SynthesizerConfig(Config):
+    """Config of ``synthesizer``.
+
+    Args:
+        variant: ``"dense"`` (default), ``"random"``, ``"factorized_dense"``,
+            ``"factorized_random"`` or ``"mix"``.
+        max_len: the longest sequence (synthesized scores are indexed by position). Default 512.
+        head_dim: the head dimension D of the inputs (used by dense, factorized_dense, mix
+            with dense). Default 64.
+        heads: the number of heads H of the inputs (parameters are per head). Default 8.
+        fixed: random variants only: keep the random matrices fixed (buffers, not trained).
+        rank: rank k of ``R1 R2^T`` in ``factorized_random``. Default 8.
+        factor: ``a`` of ``factorized_dense`` (must divide max_len); default None picks the
+            largest divisor of max_len that is <= sqrt(max_len).
+        alpha: ``mix`` weight of the synthesized scores, in [0, 1]. Default 0.5.
+        mix_with: the synthesized scores ``mix`` adds to q k^T / sqrt(D): ``"random"``
+            (default) or ``"dense"``.
+    """
+
+    variant: Literal["dense", "random", "factorized_dense", "factorized_random", "mix"] = "dense"
+    max_len: int = 512
+    head_dim: int = 64
+    heads: int = 8
+    fixed: bool = False
+    rank: int = 8
+    factor: int | None = None
+    alpha: float = 0.5
+    mix_with: Literal["random", "dense"] = "random"
+
+    def validate(self) -> None:
+        for name in ("max_len", "head_dim", "heads", "rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.factor is not None and (self.factor < 1 or self.max_len % self.factor):
+            raise ValueError(f"factor must be a positive divisor of max_len={self.max_len}, got {self.factor}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+
+    @property
+    def factors(self) -> tuple[int, int]:
+        """``(a, b)`` of factorized_dense, ``a * b = max_len``."""
+        a = self.factor
+        if a is None:
+            a = max(d for d in range(1, math.isqrt(self.max_len) + 1) if self.max_len % d == 0)
+        return a, self.max_len // a
+
+
+def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
+    bound = 1.0 / math.sqrt(fan_in)
+    return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
+
+
+@register(
+    "synthesizer",
+    config=SynthesizerConfig,
+    family="synthesizer",
+    summary="Synthesizer: softmax of synthesized (dense, random, factorized or mixed) scores times V.",
+    paper="Tay et al. 2020, Synthesizer: Rethinking Self-Attention in Transformer Models, https://arxiv.org/abs/2005.00743",
+    capabilities=Capabilities(causal=True, key_padding=True, cross_attention=False, score_mod=False),
+    complexity=Complexity(
+        time="O(N^2 D) (dense also O(N D max_len) to synthesize)",
+        memory="O(N^2) scores; parameters O(H max_len^2) for random",
+        subquadratic_memory=False,
+    ),
+    notes=(
+        "self-attention only, N <= max_len; inputs must have `heads` heads (and `head_dim` for "
+        "variants that read q) - in MultiHeadAttention pass a built module",
+        "dense/factorized_dense synthesize from the per-head query q_i (the paper uses x_i)",
+        "mix = alpha * synthesized(mix_with) + (1 - alpha) * q k^T / sqrt(D)",
+        "a query with no visible key returns zeros",
+    ),
+)
+class SynthesizerAttention(Attention):
+    """Synthesizer attention; see the module docstring for the variants."""
+
+    config: SynthesizerConfig
+
+    def __init__(self, config: SynthesizerConfig) -> None:
+        super().__init__(config)
+        c = config
+        h, d, n = c.heads, c.head_dim, c.max_len
+        #: the synthesized part: the variant itself, or mix_with for "mix".
+        self._base = c.variant if c.variant != "mix" else c.mix_with
+        if self._base in ("dense", "factorized_dense"):
+            self.w1 = _uniform(h, d, d, fan_in=d)
+            self.b1 = _uniform(h, d, fan_in=d)
+        if self._base == "dense":
+            self.w2 = _uniform(h, d, n, fan_in=d)
+            self.b2 = _uniform(h, n, fan_in=d)
+        elif self._base == "factorized_dense":
+            a, b = c.factors
+            self.wa, self.ba = _uniform(h, d, a, fan_in=d), _uniform(h, a, fan_in=d)
+            self.wb, self.bb = _uniform(h, d, b, fan_in=d), _uniform(h, b, fan_in=d)
+        elif self._base == "random":
+            self._tensor("random_matrix", torch.randn(h, n, n))
+        elif self._base == "factorized_random":
+            std = c.rank**-0.25  # entries of R1 R2^T then have unit variance
+            self._tensor("r1", torch.randn(h, n, c.rank) * std)
+            self._tensor("r2", torch.randn(h, n, c.rank) * std)
+
+    def _tensor(self, name: str, value: Tensor) -> None:
+        if self.config.fixed:
+            self.register_buffer(name, value)
+        else:
+            setattr(self, name, nn.Parameter(value))
+
+    # -- scores -------------------------------------------------------------------------------
+
+    def _check(self, q: Tensor, n: int) -> None:
+        c = self.config
+        if n > c.max_len:
+            raise ValueError(f"synthesizer: sequence length N={n} exceeds max_len={c.max_len}; build it with a larger max_len")
+        if q.shape[1] != c.heads:
+            raise ValueError(
+                f"synthesizer: inputs have H={q.shape[1]} heads but the config has heads={c.heads}; "
+                f"build it with heads={q.shape[1]}"
+            )
+        if self._base in ("dense", "factorized_dense") and q.shape[-1] != c.head_dim:
+            raise ValueError(
+                f"synthesizer: inputs have head dimension D={q.shape[-1]} but the config has "
+                f"head_dim={c.head_dim}; build it with head_dim={q.shape[-1]}"
+            )
+
+    def synthesized_scores(self, q: Tensor) -> Tensor:
+        """The synthesized scores (before mixing and masking), ``(B, H, N, N)`` for dense
+        variants, ``(1, H, N, N)`` for random ones, in float32 (float64 for float64 ``q``)."""
+        n = q.shape[2]
+        self._check(q, n)
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        p = lambda t: t.to(compute)  # noqa: E731
+        if self._base == "random":
+            return p(self.random_matrix[:, :n, :n]).unsqueeze(0)
+        if self._base == "factorized_random":
+            return (p(self.r1[:, :n]) @ p(self.r2[:, :n]).transpose(-1, -2)).unsqueeze(0)
+        hidden = torch.relu(torch.einsum("bhid,hde->bhie", q.to(compute), p(self.w1)) + p(self.b1)[:, None])
+        if self._base == "dense":
+            w2, b2 = p(self.w2[:, :, :n]), p(self.b2[:, :n])
+            return torch.einsum("bhie,hej->bhij", hidden, w2) + b2[:, None]
+        a_vec = torch.einsum("zhie,hea->zhia", hidden, p(self.wa)) + p(self.ba)[:, None]
+        b_vec = torch.einsum("zhie,hef->zhif", hidden, p(self.wb)) + p(self.bb)[:, None]
+        # key j = r * a + c scores A[c] * B[r]: the flattened outer product B (x) A.
+        full = (b_vec[..., :, None] * a_vec[..., None, :]).flatten(-2)
+        return full[..., :n]
+
+    def scores(self, q: Tensor, k: Tensor) -> Tensor:
+        """The pre-mask scores ``(B or 1, H, N, N)`` the softmax is taken over."""
+        s = self.synthesized_scores(q)
+        if self.config.variant == "mix":
+            alpha = self.config.alpha
+            dot = torch.einsum("bhid,bhjd->bhij", q.to(s.dtype), k.to(s.dtype)) * q.shape[-1] ** -0.5
+            s = alpha * s + (1.0 - alpha) * dot
+        return s
+
+    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+        """The ``(B, H, N, N)`` attention matrix this mechanism applies."""
+        check_qkv(q, k, k, cross_attention=False)
+        causal = check_causal(causal, q.shape[2], k.shape[2])
+        key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        batch, heads, n, _ = q.shape
+        scores = self.scores(q, k).expand(batch, heads, n, n)
+        visible = visible_pairs(batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask, mask_mod=None, device=q.device)
+        return normalize_scores(scores, visible, "softmax")
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+        key_padding_mask: Tensor | None, score_mod: ScoreMod | None,
+    ) -> Tensor:
+        weights = self.implied_attention(q, k, causal=causal, key_padding_mask=key_padding_mask)
+        return torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype)
+
+
+def reference_synthesizer(
+    scores: Tensor, v: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+) -> Tensor:
+    """Plain row-by-row ``softmax(scores + masks) V`` for given pre-mask ``scores``
+    ``(B or 1, H, N, N)`` and ``v (B, H, N, D_v)``: query ``i`` sees keys ``j`` with ``j <= i``
+    (when causal) and ``key_padding_mask[b, j]`` True; a row with no visible key gives zeros."""
+    batch, heads, n, d_v = v.shape
+    out = torch.zeros(batch, heads, n, d_v, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(n):
+                keys = [
+                    j for j in range(n)
+                    if (not causal or j <= i) and (key_padding_mask is None or bool(key_padding_mask[b, j]))
+                ]
+                if not keys:
+                    continue
+                row = scores[min(b, scores.shape[0] - 1), h, i, keys].double()
+                w = torch.softmax(row, dim=-1)
+                out[b, h, i] = w @ v[b, h, keys].double()
+    return out.to(v.dtype)
