@@ -5,10 +5,10 @@ else needs to list it."""
 import importlib
 import pkgutil
 
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import Attention, TokenMixer
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "TokenMixer"]

@@ -1,4 +1,5 @@
-"""The base class of every ``(q, k, v)`` attention mechanism.
+"""The base classes of every ``(q, k, v)`` attention mechanism (``Attention``) and of every
+attention-free token mixer (``TokenMixer``).
 
 ``Attention.forward`` validates inputs against the mechanism's declared capabilities once, here,
 so each mechanism implements only ``_attend`` with inputs it knows it can honour. A request it
@@ -12,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
+from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv, check_tensor
 from attnzoo.registry import names, spec_of_config
 from attnzoo.spec import ScoreMod, Spec
 
@@ -82,4 +83,55 @@ class Attention(nn.Module):
         able = names(**{capability: True})
         raise ValueError(
             f"{self.spec.name!r} does not support {what}; mechanisms that do: {', '.join(able) or '(none yet)'}"
+        )
+
+
+class TokenMixer(nn.Module):
+    """Base class of attention-free token mixers (``Capabilities(kind="mixer")``):
+    ``forward(x, *, causal=False, key_padding_mask=None)``.
+
+    A token mixer takes the layer input directly (no q/k/v projections, no heads). Its config
+    has a ``dim`` field, the width it was built for. ``forward`` validates ``x``, ``causal`` and
+    ``key_padding_mask`` once, here, refuses what the mixer's capabilities do not declare (a
+    ``ValueError`` naming the token mixers that can), and calls ``_mix``.
+
+    Shapes:
+        x ``(B, N, dim)``, key_padding_mask ``(B, N)`` bool (True = real token) -> ``(B, N, dim)``.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+
+    @property
+    def spec(self) -> Spec:
+        return spec_of_config(self.config)
+
+    def extra_repr(self) -> str:
+        return repr(self.config)
+
+    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+        dim = getattr(self.config, "dim", None)
+        check_tensor(x, "x", 3, f"(B, N, dim={dim})")
+        if dim is not None and x.shape[-1] != dim:
+            raise ValueError(f"x must have last dimension dim={dim}, got shape {tuple(x.shape)}")
+        if x.shape[1] == 0:
+            raise ValueError("x must hold at least one position (N >= 1)")
+        causal = check_causal(causal, x.shape[1], x.shape[1])
+        key_padding_mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
+        if causal and not self.spec.capabilities.causal:
+            self._refuse("causal=True", "causal")
+        if key_padding_mask is not None and not self.spec.capabilities.key_padding:
+            self._refuse("key_padding_mask", "key_padding")
+        return self._mix(x, causal=causal, key_padding_mask=key_padding_mask)
+
+    def _mix(self, x: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement _mix")
+
+    def _refuse(self, what: str, capability: str) -> None:
+        mixers = names(kind="mixer", **{capability: True})
+        attention = names(kind="attention", **{capability: True})
+        raise ValueError(
+            f"{self.spec.name!r} does not support {what}; token mixers that do: {', '.join(mixers) or '(none yet)'}; "
+            f"attention mechanisms that do: {', '.join(attention) or '(none yet)'}"
         )

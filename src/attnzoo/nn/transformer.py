@@ -10,44 +10,98 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._checks import check_positive_int
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import Attention, TokenMixer
 from attnzoo.nn.attention import MHAState, MultiHeadAttention
 from attnzoo.positional import PositionalEncoding, build_positional
+from attnzoo.registry import build, describe
 
 
 class TransformerEncoderLayer(nn.Module):
     """Pre-norm block: ``x + MHA(LN(x))``, then ``x + FFN(LN(x))`` (Xiong et al. 2020).
 
+    With a token mixer (a mechanism whose ``attnzoo.describe(name).capabilities.kind`` is
+    ``"mixer"``, e.g. ``"fnet"``, ``"gmlp"``, ``"mixer"``) the first half is
+    ``x + mixer(LN(x))`` instead: the mixer is built with ``dim=dim`` added to its config,
+    ``heads`` is unused, and ``self.mixer`` holds it (``self.attn`` is None).
+
     Args:
-        dim, heads, mechanism, positional, **mechanism_config: as ``MultiHeadAttention``.
+        dim, heads, mechanism, positional, **mechanism_config: as ``MultiHeadAttention``;
+            ``mechanism`` may also be a token mixer's name or a built ``TokenMixer``.
         ff_mult: feed-forward hidden width is ``ff_mult * dim``. Default 4.
-        dropout: on the attention output and in the feed-forward block. Default 0.
+        dropout: on the attention (or mixer) output and in the feed-forward block. Default 0.
     """
 
     def __init__(
-        self, dim: int, heads: int, mechanism: str | Attention = "softmax", *, ff_mult: int = 4,
+        self, dim: int, heads: int, mechanism: str | Attention | TokenMixer = "softmax", *, ff_mult: int = 4,
         dropout: float = 0.0, positional: str | PositionalEncoding | None = None, **mechanism_config: Any,
     ) -> None:
         super().__init__()
         check_positive_int(ff_mult, "ff_mult")
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = MultiHeadAttention(dim, heads, mechanism, positional=positional, dropout=dropout, **mechanism_config)
+        self.mixer = _resolve_mixer(dim, mechanism, positional, mechanism_config)
+        if self.mixer is None:
+            self.attn = MultiHeadAttention(dim, heads, mechanism, positional=positional, dropout=dropout, **mechanism_config)
+        else:
+            self.attn = None
+            self.mixer_dropout = nn.Dropout(dropout)
         self.norm2 = nn.LayerNorm(dim)
         self.ff = nn.Sequential(
             nn.Linear(dim, ff_mult * dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(ff_mult * dim, dim), nn.Dropout(dropout)
         )
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
-        x = x + self.attn(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask)
+        if self.mixer is not None:
+            x = x + self.mixer_dropout(self.mixer(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask))
+        else:
+            x = x + self.attn(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask)
         return x + self.ff(self.norm2(x))
 
     def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> MHAState:
+        self._no_decode()
         return self.attn.init_state(batch, device=device, dtype=dtype)
 
     def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
+        self._no_decode()
         h, state = self.attn.step(self.norm1(x), state)
         x = x + h
         return x + self.ff(self.norm2(x)), state
+
+    def _no_decode(self) -> None:
+        if self.mixer is not None:
+            raise ValueError(
+                f"token mixer {self.mixer.spec.name!r} has no decode step (init_state / step are for "
+                f"attention mechanisms); run the whole sequence through forward(x, causal=True) instead"
+            )
+
+
+def _resolve_mixer(
+    dim: int, mechanism: object, positional: object, config: dict[str, Any]
+) -> TokenMixer | None:
+    """The token mixer ``mechanism`` names (built with ``dim``), or None for attention."""
+    if isinstance(mechanism, TokenMixer):
+        if config:
+            raise ValueError(f"mechanism is already built; pass its config to attnzoo.build instead of {sorted(config)}")
+        built_dim = getattr(mechanism.config, "dim", dim)
+        if built_dim != dim:
+            raise ValueError(f"token mixer {mechanism.spec.name!r} was built with dim={built_dim}, but the layer has dim={dim}")
+        mixer = mechanism
+    elif isinstance(mechanism, str) and describe(mechanism).capabilities.kind == "mixer":
+        if "dim" in config and config["dim"] != dim:
+            raise ValueError(
+                f"token mixer {mechanism!r} takes its dim from the layer (dim={dim}); got a different "
+                f"dim={config['dim']!r} in its config; drop it or make them equal"
+            )
+        mixer = build(mechanism, **{**config, "dim": dim})
+        if not isinstance(mixer, TokenMixer):
+            raise TypeError(f"{mechanism!r} is registered as a mixer but is not a TokenMixer")
+    else:
+        return None
+    if positional is not None:
+        raise ValueError(
+            f"positional encodings act inside attention, and token mixer {mixer.spec.name!r} has none; "
+            f"use positional=None (gmlp and mixer learn positions; add an absolute encoding to the input yourself)"
+        )
+    return mixer
 
 
 class TransformerEncoder(nn.Module):
@@ -55,12 +109,12 @@ class TransformerEncoder(nn.Module):
     a positional name builds one encoding per layer, an instance is shared by all layers."""
 
     def __init__(
-        self, dim: int, depth: int, heads: int, mechanism: str | Attention = "softmax", *, ff_mult: int = 4,
+        self, dim: int, depth: int, heads: int, mechanism: str | Attention | TokenMixer = "softmax", *, ff_mult: int = 4,
         dropout: float = 0.0, positional: str | PositionalEncoding | None = None, **mechanism_config: Any,
     ) -> None:
         super().__init__()
         check_positive_int(depth, "depth")
-        if isinstance(mechanism, Attention) and depth > 1:
+        if isinstance(mechanism, (Attention, TokenMixer)) and depth > 1:
             raise ValueError("pass mechanism by name for depth > 1, so each layer builds its own module")
         self.layers = nn.ModuleList(
             TransformerEncoderLayer(
@@ -115,9 +169,10 @@ class CausalLM(nn.Module):
             **mechanism_config,
         )
         self.head = nn.Linear(dim, vocab_size, bias=False)
-        attn = self.decoder.layers[0].attn.attn
-        if not attn.spec.capabilities.causal:
-            attn._refuse("causal=True (a language model is causal)", "causal")
+        first = self.decoder.layers[0]
+        module = first.mixer if first.attn is None else first.attn.attn
+        if not module.spec.capabilities.causal:
+            module._refuse("causal=True (a language model is causal)", "causal")
 
     def forward(self, tokens: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
         """``tokens (B, N)`` int64 -> logits ``(B, N, vocab_size)``."""
