@@ -73,3 +73,11 @@ def test_decode_bench_times_steps_and_refuses_mechanisms_without_one():
     assert rows[0]["kind"] == "meta"
     assert [r["position"] for r in rows[1:3]] == [16, 64] and all(r["steps_per_s"] > 0 for r in rows[1:3])
     assert "no decode step" in rows[3]["error"]
+
+
+def test_token_mixers_are_timed_without_a_claimed_speedup():
+    setting = speed.Setting(mechanisms=(("fnet", {}), ("gmlp", {})), sizes=(64,), heads=2, dim=8, repeats=1,
+                            backward=False)
+    rows = [r for r in speed.run(setting) if r["kind"] == "speed"]
+    assert [r["mechanism"] for r in rows] == ["fnet", "gmlp"]
+    assert all(r["forward_s"] > 0 and r["correct"] is None and "speedup_forward_vs_sdpa" not in r for r in rows)

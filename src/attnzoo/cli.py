@@ -111,8 +111,7 @@ def cmd_show(console: Console, args: argparse.Namespace) -> None:
 def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
     from attnzoo.bench import speed
 
-    mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or tuple(
-        (name, {}) for name in attnzoo.names(kind="attention"))
+    mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or tuple((name, {}) for name in attnzoo.names())
     setting = speed.Setting(
         mechanisms=mechanisms, backends=tuple(args.backend.split(",")), sizes=tuple(int(n) for n in args.n.split(",")),
         batch=args.batch, heads=args.heads, dim=args.dim, causal=args.causal, repeats=args.repeats,
@@ -135,7 +134,7 @@ def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
         table.add_row(name, row.get("backend_ran", row.get("backend", "-")), str(row["n"]), _ms(row.get("forward_s")),
                       _ms(row.get("forward_backward_s")), _x(row.get("speedup_forward_vs_sdpa")),
                       _x(row.get("speedup_forward_backward_vs_sdpa")), _mib(row.get("peak_forward_bytes")),
-                      _num(row.get("useful_gflops")), row.get("error", "" if row.get("correct", True) else "FAILED check"))
+                      _num(row.get("useful_gflops")), row.get("error", {True: "", False: "FAILED check", None: "unchecked"}[row.get("correct", True)]))
 
     fits: list[dict] = []
     speed.write_lines(speed.run(setting), Path(args.out) if args.out else None, echo)

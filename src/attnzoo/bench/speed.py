@@ -177,6 +177,8 @@ def useful_pairs(module: torch.nn.Module, n: int, causal: bool) -> float | None:
 def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Setting, sdpa: dict[int, dict]) -> dict[str, Any]:
     row: dict[str, Any] = {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
                            "batch": setting.batch, "heads": setting.heads, "dim": setting.dim, "causal": setting.causal}
+    if attnzoo.describe(name).capabilities.kind == "mixer":
+        return _run_mixer(row, name, config, n, setting)
     module = _build(name, config, backend).eval()
     row["max_abs_error_vs_reference"], row["checked_by"] = check(name, config, backend, setting)
     row["correct"] = row["max_abs_error_vs_reference"] < 1e-3
@@ -198,6 +200,20 @@ def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Se
     blocks_ms = _blocks_ms(module, n)
     if blocks_ms is not None:
         row["blocks_ms"] = blocks_ms
+    return row
+
+
+def _run_mixer(row: dict[str, Any], name: str, config: dict[str, Any], n: int, setting: Setting) -> dict[str, Any]:
+    """Token mixers take the layer input ``x (B, N, H * D)``: time that. There is no reference
+    to check against, so no speed-up is claimed (``correct`` is None)."""
+    width = setting.heads * setting.dim
+    sizes = {key: value for key, value in (("dim", width), ("max_len", max(n, 512))) if key in config_fields(name)}
+    module = attnzoo.build(name, **{**sizes, **config}).eval()
+    x = torch.randn(setting.batch, n, width)
+    with torch.no_grad():
+        row["forward_s"] = median_time(lambda: module(x, causal=setting.causal), setting.repeats)
+        row["peak_forward_bytes"] = peak_memory(lambda: module(x, causal=setting.causal))
+    row.update(backend_ran=name, correct=None, checked_by="unchecked (token mixer: no reference)")
     return row
 
 
