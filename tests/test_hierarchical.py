@@ -1,0 +1,158 @@
+"""``hierarchical`` (BP-Transformer): graph rule, fast path vs dense oracle, causality, padding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms.hierarchical import (
+    dense_graph_mask, dense_membership, hierarchical_graph, level_offsets, reference_hierarchical,
+)
+from conftest import grads, make_qkv, padding_mask
+from tolerances import assert_close_to_golden, assert_same
+
+CASES = [(n, causal, pad) for n in (37, 64) for causal in (False, True) for pad in (False, True)]
+
+
+def _graph_matrix(n, k, causal):
+    offsets = level_offsets(n)
+    g = hierarchical_graph(n, k, causal)
+    m = torch.zeros(n, offsets[-1] + 1, dtype=torch.bool)
+    for i, nodes in enumerate(g):
+        for level, j in nodes:
+            m[i, offsets[level] + j] = True
+    return m
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 37, 64])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_graph_matches_dense_rule_and_partitions_the_sequence(n, k, causal):
+    g = _graph_matrix(n, k, causal)
+    assert torch.equal(g, dense_graph_mask(n, k, causal))
+    assert all(len(set(nodes)) == len(nodes) for nodes in hierarchical_graph(n, k, causal))
+    # each token's spans cover every position (causal: every position <= i) exactly once
+    cover = g.double() @ dense_membership(n).double()
+    expected = torch.ones(n, n, dtype=torch.float64)
+    assert torch.equal(cover, torch.tril(expected) if causal else expected)
+
+
+@pytest.mark.parametrize("n,causal,pad", CASES)
+def test_fast_equals_reference_forward_and_gradients(n, causal, pad):
+    attn = attnzoo.build("hierarchical", k=3)
+    q, k, v = make_qkv(2, 3, n, n)
+    mask = padding_mask(2, n) if pad else None
+    out = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = reference_hierarchical(q, k, v, k_near=3, causal=causal, key_padding_mask=mask)
+    assert_same(out, ref)
+    ref_grads = grads(ref, (q, k, v))
+    for a, b in zip(grads(out, (q, k, v)), ref_grads):
+        assert_same(a, b, what="gradient")
+    if pad:  # batch 0 is all padding: its rows see nothing
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+    # float32 fast path vs float32 reference, both against the float64 golden
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out32 = attn(q32, k32, v32, causal=causal, key_padding_mask=mask)
+    ref32 = reference_hierarchical(q32, k32, v32, k_near=3, causal=causal, key_padding_mask=mask)
+    assert_close_to_golden(out32, ref32, ref)
+    for a, b, g in zip(grads(out32, (q32, k32, v32)), grads(ref32, (q32, k32, v32)), ref_grads):
+        assert_close_to_golden(a, b, g, what="gradient")
+
+
+@pytest.mark.parametrize("n", [37, 64])
+def test_causal_is_strong(n):
+    attn = attnzoo.build("hierarchical", k=2)
+    q, k, v = make_qkv(2, 3, n, n)
+    out = attn(q, k, v, causal=True)
+    for t in (0, 5, n // 2, n - 2):
+        k2, v2 = k.detach().clone(), v.detach().clone()
+        k2[:, :, t + 1:] = torch.randn_like(k2[:, :, t + 1:])
+        v2[:, :, t + 1:] = torch.randn_like(v2[:, :, t + 1:])
+        out2 = attn(q, k2, v2, causal=True)
+        assert_same(out2[:, :, : t + 1], out[:, :, : t + 1])
+    w = attn.implied_attention(q, k, causal=True)
+    assert torch.all(w.triu(1) == 0)
+    # every node a token attends to (causal) ends at or before the token
+    for i, nodes in enumerate(hierarchical_graph(n, 2, True)):
+        assert all(min((j + 1) << level, n) - 1 <= i for level, j in nodes)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_attended_nodes_grow_like_k_log_n(k):
+    for n in (64, 256, 1024):
+        most = max(len(nodes) for nodes in hierarchical_graph(n, k, False))
+        assert most <= 2 * k + 1 + 2 * (k + 1) * math.ceil(math.log2(n))
+        assert most <= 5 * k * math.log2(n)
+    assert max(len(x) for x in hierarchical_graph(1024, 4, False)) < 1024 // 8
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pad", [False, True])
+def test_k_at_least_n_is_full_attention(causal, pad):
+    n = 37
+    q, k, v = make_qkv(2, 3, n, n)
+    mask = padding_mask(2, n) if pad else None
+    assert all(level == 0 for nodes in hierarchical_graph(n, n, causal) for level, _ in nodes)
+    out = attnzoo.build("hierarchical", k=n)(q, k, v, causal=causal, key_padding_mask=mask)
+    assert_same(out, reference_attention(q, k, v, causal=causal, key_padding_mask=mask))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_content_changes_nothing_real(causal):
+    n = 37
+    attn = attnzoo.build("hierarchical")
+    q, k, v = make_qkv(3, 3, n, n, requires_grad=False)
+    mask = padding_mask(3, n, empty_row=False)
+    out = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    k2, v2 = k.clone(), v.clone()
+    k2[~mask[:, None, :, None].expand_as(k)] = 1e3
+    v2[~mask[:, None, :, None].expand_as(v)] = -1e3
+    out2 = attn(q, k2, v2, causal=causal, key_padding_mask=mask)
+    assert_same(out2[mask[:, None, :, None].expand_as(out)], out[mask[:, None, :, None].expand_as(out)])
+    assert torch.isfinite(out2).all()
+
+
+@pytest.mark.parametrize("n,causal,pad", CASES)
+def test_implied_attention_times_v_is_forward(n, causal, pad):
+    attn = attnzoo.build("hierarchical", k=2)
+    q, k, v = make_qkv(2, 3, n, n, requires_grad=False)
+    mask = padding_mask(2, n) if pad else None
+    w = attn.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+    assert w.shape == (2, 3, n, n)
+    assert_same(w @ v, attn(q, k, v, causal=causal, key_padding_mask=mask))
+    if mask is not None:
+        assert torch.all(w[~mask[:, None, None, :].expand_as(w)] == 0)
+        rows = w.sum(-1)
+        assert_same(rows[1:], torch.ones_like(rows[1:]))
+        assert torch.all(rows[0] == 0)
+
+
+def test_no_n_by_n_tensor():
+    from conftest import LargestTensor
+
+    n = 1024
+    q, k, v = make_qkv(1, 1, n, n, d=2, requires_grad=False)
+    attn = attnzoo.build("hierarchical")
+    attn(q, k, v)  # build and cache the graph outside the measurement
+    with LargestTensor() as probe:
+        attn(q, k, v)
+    assert probe.numel < n * n // 4
+
+
+def test_build_and_spec():
+    spec = attnzoo.describe("hierarchical")
+    assert spec.family == "hierarchical" and "1911.04070" in spec.paper
+    caps = spec.capabilities
+    assert caps.causal and caps.key_padding and not caps.cross_attention and not caps.score_mod
+    assert spec.complexity.subquadratic_memory
+    attn = attnzoo.build("hierarchical", k=8)
+    assert attn.config.k == 8
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        attnzoo.build("hierarchical", k=0)
+    q, k, v = make_qkv(2, 3, 10, 12)
+    with pytest.raises(ValueError):
+        attn(q, k, v)
