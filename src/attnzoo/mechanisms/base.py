@@ -18,12 +18,9 @@ from attnzoo.registry import names, spec_of_config
 from attnzoo.spec import ScoreMod, Spec
 
 
-class Attention(nn.Module):
-    """Base class: ``forward(q, k, v, *, causal=False, key_padding_mask=None, score_mod=None)``.
-
-    Shapes:
-        q ``(B, H, N_q, D)``, k ``(B, H, N_kv, D)``, v ``(B, H, N_kv, D_v)`` -> ``(B, H, N_q, D_v)``.
-    """
+class Mechanism(nn.Module):
+    """What every registered module shares: its frozen config and the ``Spec`` it was
+    registered with."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -35,6 +32,14 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return repr(self.config)
+
+
+class Attention(Mechanism):
+    """Base class: ``forward(q, k, v, *, causal=False, key_padding_mask=None, score_mod=None)``.
+
+    Shapes:
+        q ``(B, H, N_q, D)``, k ``(B, H, N_kv, D)``, v ``(B, H, N_kv, D_v)`` -> ``(B, H, N_q, D_v)``.
+    """
 
     def forward(
         self,
@@ -86,7 +91,7 @@ class Attention(nn.Module):
         )
 
 
-class TokenMixer(nn.Module):
+class TokenMixer(Mechanism):
     """Base class of attention-free token mixers (``Capabilities(kind="mixer")``):
     ``forward(x, *, causal=False, key_padding_mask=None)``.
 
@@ -98,17 +103,6 @@ class TokenMixer(nn.Module):
     Shapes:
         x ``(B, N, dim)``, key_padding_mask ``(B, N)`` bool (True = real token) -> ``(B, N, dim)``.
     """
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-
-    @property
-    def spec(self) -> Spec:
-        return spec_of_config(self.config)
-
-    def extra_repr(self) -> str:
-        return repr(self.config)
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         dim = getattr(self.config, "dim", None)
