@@ -153,3 +153,20 @@ def assert_same(actual: Tensor, expected: Tensor, *, dtype: Optional[torch.dtype
         atol=tol["atol"], rtol=tol["rtol"],
         msg=lambda m: f"{what} (tolerances of {dtype}: atol={tol['atol']:g}, rtol={tol['rtol']:g}):\n{m}",
     )
+
+
+def assert_path_close_to_golden(fast, reference, inputs: tuple[Tensor, ...], *, what: str = "output") -> None:
+    """The policy applied to a whole computation, forward and gradients: ``fast(*inputs)`` and
+    ``reference(*inputs)`` run in the inputs' low dtype, the golden is ``reference`` in float64
+    on the same (rounded) inputs. Gradients are of ``<out, g>`` for one fixed random ``g``."""
+    golden_in = tuple(t.detach().double().requires_grad_() for t in inputs)
+    golden = reference(*golden_in)
+    actual, ref = fast(*inputs), reference(*inputs)
+    assert_close_to_golden(actual, ref, golden.detach(), what=f"{what} forward")
+    g = torch.randn(golden.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = [torch.autograd.grad(out, ins, g.to(out.dtype), allow_unused=True)
+             for out, ins in ((actual, inputs), (ref, inputs), (golden, golden_in))]
+    for name, a, r, gold in zip(range(len(inputs)), *grads):
+        zero = lambda x, like: torch.zeros_like(like) if x is None else x  # noqa: E731
+        assert_close_to_golden(zero(a, inputs[name]), zero(r, inputs[name]), zero(gold, golden_in[name]),
+                               what=f"{what} grad of input {name}")
