@@ -220,14 +220,16 @@ def test_inside_multi_head_attention(variant):
     assert x.grad is not None and all(p.grad is not None for p in mechanism.parameters())
 
 
-def test_multi_head_attention_by_name_and_mismatch():
-    # By name, the config's heads (default 8) must match the layer; random ignores head_dim.
-    layer = MultiHeadAttention(64, 8, "synthesizer", variant="random", max_len=32)
-    assert layer(torch.randn(2, 12, 64)).shape == (2, 12, 64)
-    # dense by name with the default head_dim=64 in a layer of head_dim 8: a clear error.
-    layer = MultiHeadAttention(64, 8, "synthesizer", variant="dense", max_len=32)
+def test_multi_head_attention_by_name_takes_heads_and_head_dim_from_the_layer():
+    # By name, MultiHeadAttention fills the synthesizer's heads and head_dim from itself.
+    for variant, heads in (("random", 8), ("dense", 8), ("random", 4)):
+        layer = MultiHeadAttention(64, heads, "synthesizer", variant=variant, max_len=32)
+        assert (layer.attn.config.heads, layer.attn.config.head_dim) == (heads, 64 // heads)
+        assert layer(torch.randn(2, 12, 64)).shape == (2, 12, 64)
+    # A module built with other shapes still fails clearly, naming the field.
+    layer = MultiHeadAttention(64, 8, attnzoo.build("synthesizer", variant="dense", max_len=32))
     with pytest.raises(ValueError, match="head_dim=8"):
         layer(torch.randn(2, 12, 64))
-    layer = MultiHeadAttention(64, 4, "synthesizer", variant="random", max_len=32)
+    layer = MultiHeadAttention(64, 4, attnzoo.build("synthesizer", variant="random", max_len=32))
     with pytest.raises(ValueError, match="heads=4"):
         layer(torch.randn(2, 12, 64))

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from attnzoo._checks import check_positive_int, check_tensor
 from attnzoo.mechanisms.base import Attention
 from attnzoo.positional import PositionalEncoding, build_positional
-from attnzoo.registry import build
+from attnzoo.registry import build, config_fields
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class MultiHeadAttention(nn.Module):
         self.kv_dim = dim if kv_dim is None else kv_dim
         check_positive_int(self.head_dim, "head_dim")
         check_positive_int(self.kv_dim, "kv_dim")
-        groups = _resolve_groups(mechanism, mechanism_config, heads)
+        groups = _resolve_groups(mechanism, mechanism_config, heads, self.head_dim)
         self.mechanisms = nn.ModuleList(attn for attn, _ in groups)
         self.group_heads = tuple(n for _, n in groups)
         self.attn = self.mechanisms[0]  # the mechanism of a one-group layer
@@ -175,25 +175,29 @@ def _shift_heads(score_mod: Any, offset: int) -> Any:
     return lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h + offset, q_idx, kv_idx)
 
 
-def _resolve_groups(mechanism: Any, config: dict[str, Any], heads: int) -> list[tuple[Attention, int]]:
+def _resolve_groups(mechanism: Any, config: dict[str, Any], heads: int, head_dim: int) -> list[tuple[Attention, int]]:
     """``[(module, n_heads), ...]`` from one mechanism or a list of ``(mechanism, config, n_heads)``."""
     if not (isinstance(mechanism, (list, tuple)) and mechanism and isinstance(mechanism[0], (list, tuple))):
-        return [(_resolve_mechanism(mechanism, config), heads)]
+        return [(_resolve_mechanism(mechanism, config, heads, head_dim), heads)]
     if config:
         raise ValueError(f"with head groups, give each group its config; got layer-level keys {sorted(config)}")
     groups = []
     for group in mechanism:
         if len(group) != 3 or not isinstance(group[1], dict) or not isinstance(group[2], int) or group[2] < 1:
             raise ValueError(f"each head group is (mechanism, config dict, n_heads >= 1), got {group!r}")
-        groups.append((_resolve_mechanism(group[0], dict(group[1])), group[2]))
+        groups.append((_resolve_mechanism(group[0], dict(group[1]), group[2], head_dim), group[2]))
     if sum(n for _, n in groups) != heads:
         raise ValueError(f"head groups have {sum(n for _, n in groups)} heads in all, but heads={heads}")
     return groups
 
 
-def _resolve_mechanism(mechanism: str | Attention, config: dict[str, Any]) -> Attention:
+def _resolve_mechanism(mechanism: str | Attention, config: dict[str, Any], heads: int, head_dim: int) -> Attention:
     if isinstance(mechanism, str):
-        attn = build(mechanism, **config)
+        # Mechanisms with per-head parameters (SAC, Sinkhorn, Synthesizer, Linformer, ...) take
+        # their head count and width from the layer unless the config sets them.
+        shape = {key: value for key, value in (("heads", heads), ("head_dim", head_dim))
+                 if key in config_fields(mechanism) and key not in config}
+        attn = build(mechanism, **shape, **config)
     elif isinstance(mechanism, Attention):
         if config:
             raise ValueError(f"mechanism is already built; pass its config to attnzoo.build instead of {sorted(config)}")
