@@ -1,0 +1,72 @@
+"""The one place that knows about torchrun: process group, device, and the few collectives
+the trainer needs. Single-process runs (no ``WORLD_SIZE`` in the environment) touch none of it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Distributed:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device: str | None = None) -> Distributed:
+        """Read torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; start the process group (nccl
+        when CUDA is used, gloo otherwise) when there is more than one process."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        if use_cuda and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device; pass --device cpu")
+        chosen = torch.device(f"cuda:{local}" if use_cuda else "cpu")
+        if use_cuda:
+            torch.cuda.set_device(chosen)
+        if world > 1 and not torch_dist.is_initialized():
+            torch_dist.init_process_group("nccl" if use_cuda else "gloo")
+        return cls(rank, world, chosen)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.world == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def sum(self, value: int | float) -> int | float:
+        if self.world == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch_dist.all_reduce(tensor)
+        return type(value)(tensor.item())
+
+    def any(self, flag: bool) -> bool:
+        """True on every process when it is True on any (a stop signal seen by one stops all)."""
+        return bool(self.sum(int(flag)))
+
+    def gather(self, value: Any) -> list[Any]:
+        if self.world == 1:
+            return [value]
+        out: list[Any] = [None] * self.world
+        torch_dist.all_gather_object(out, value)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch_dist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1 and torch_dist.is_initialized():
+            torch_dist.destroy_process_group()

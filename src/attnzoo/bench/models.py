@@ -1,0 +1,101 @@
+"""The small models the benchmark trains: an encoder classifier and a causal language model,
+over any registered mechanism, with the mechanism's shape fields filled from the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from attnzoo.nn.transformer import CausalLM, TransformerEncoder
+from attnzoo.positional import build_positional
+from attnzoo.registry import config_fields, describe
+
+def fill_shape_fields(name: str, config: dict[str, Any], *, seq_len: int) -> dict[str, Any]:
+    """``config`` plus ``max_len = seq_len`` for mechanisms that have a length field (Synthesizer,
+    Linformer, gMLP, MLP-Mixer) unless the user set it. (``heads``/``head_dim`` come from the
+    layer: ``MultiHeadAttention`` fills them.)"""
+    if "max_len" in config_fields(name) and "max_len" not in config:
+        return {"max_len": seq_len, **config}
+    return dict(config)
+
+
+class SequenceClassifier(nn.Module):
+    """Token embedding, a ``TransformerEncoder`` over the chosen mechanism, mean pooling over real
+    tokens, and a linear head (LRA's classifier). ``positional`` as ``CausalLM``: absolute
+    encodings are added to the embeddings (token mixers need that), the others act in attention."""
+
+    def __init__(
+        self, *, vocab_size: int, n_classes: int, dim: int, depth: int, heads: int, mechanism: str,
+        positional: str | None = "sinusoidal", ff_mult: int = 2, dropout: float = 0.0, **mechanism_config: Any,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        # Absolute encodings are added to the input; the others act inside every attention layer.
+        pe = build_positional(positional, dim=dim, heads=heads, head_dim=dim // heads)
+        self.positional = pe if pe is not None and pe.absolute else None
+        self.encoder = TransformerEncoder(dim, depth, heads, mechanism, ff_mult=ff_mult, dropout=dropout,
+                                          positional=None if self.positional is not None else positional,
+                                          **mechanism_config)
+        self.head = nn.Linear(dim, n_classes)
+
+    def forward(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        """``tokens (B, N)`` int64 and ``mask (B, N)`` bool (True = real) -> logits ``(B, n_classes)``."""
+        x = self.embed(tokens)
+        if self.positional is not None:
+            x = self.positional.add_to_input(x, torch.arange(tokens.shape[1], device=x.device))
+        x = self.encoder(x, key_padding_mask=mask)
+        weights = mask.unsqueeze(-1).to(x.dtype)  # (B, N, 1)
+        pooled = (x * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        return self.head(pooled)
+
+
+class LanguageModel(nn.Module):
+    """``CausalLM`` with the classifier's call signature: ``(tokens, mask) -> (B, N, vocab)``."""
+
+    def __init__(
+        self, *, vocab_size: int, dim: int, depth: int, heads: int, mechanism: str,
+        positional: str | None = "sinusoidal", ff_mult: int = 2, dropout: float = 0.0, **mechanism_config: Any,
+    ) -> None:
+        super().__init__()
+        self.lm = CausalLM(vocab_size, dim, depth, heads, mechanism, positional=positional, ff_mult=ff_mult,
+                           dropout=dropout, **mechanism_config)
+
+    def forward(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        # Padding sits at the end and causal rows never see it, so the mask is only passed on
+        # when a row is padded (it keeps mechanisms on their unmasked fast path otherwise).
+        return self.lm(tokens, key_padding_mask=None if bool(mask.all()) else mask)
+
+
+def resolve_positional(positional: str | None, kind: str, mechanism: str) -> str | None:
+    """``"auto"``: RoPE inside attention for language models (relative offsets make recall tasks
+    like MQAR learnable in hundreds rather than thousands of steps); sinusoidal added to the input
+    for classifiers and for token mixers, which have no attention to put positions in."""
+    if positional != "auto":
+        return positional
+    if kind == "lm" and describe(mechanism).capabilities.kind == "attention":
+        return "rope"
+    return "sinusoidal"
+
+
+def build_model(
+    *, kind: str, vocab_size: int, n_classes: int, seq_len: int, dim: int, depth: int, heads: int, mechanism: str,
+    config: dict[str, Any], positional: str | None, ff_mult: int, dropout: float,
+) -> nn.Module:
+    """The benchmark model for a task of ``kind`` ``"classify"`` or ``"lm"``."""
+    if dim % heads:
+        raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
+    spec = describe(mechanism)
+    if kind == "lm" and not spec.capabilities.causal:
+        raise ValueError(f"{mechanism!r} cannot run causally, and this task is a causal language model; "
+                         f"mechanisms that can: see `attnzoo list` (supports: causal)")
+    config = fill_shape_fields(mechanism, config, seq_len=seq_len)
+    positional = resolve_positional(positional, kind, mechanism)
+    common = dict(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, mechanism=mechanism,
+                  positional=positional, ff_mult=ff_mult, dropout=dropout, **config)
+    if kind == "lm":
+        return LanguageModel(**common)
+    if kind == "classify":
+        return SequenceClassifier(n_classes=n_classes, **common)
+    raise ValueError(f"task kind must be 'classify' or 'lm', got {kind!r}")

@@ -1,0 +1,65 @@
+"""What a training run shows and measures as it goes: a rich progress bar with loss and
+throughput, and the peak memory of the training loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from attnzoo.bench.speed import _pin_mmap_threshold, _rss
+
+
+class Reporter:
+    """A progress bar over training steps (only where ``enabled``: the main process, not --quiet)."""
+
+    def __init__(self, *, enabled: bool, total: int, start: int, title: str, console: Console | None = None) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[speed]} steps/s  {task.fields[note]}"),
+            TimeRemainingColumn(), console=console, disable=not enabled, transient=False,
+        )
+        self._task = self._progress.add_task(title, total=total, completed=start, loss="-", speed="-", note="")
+
+    def __enter__(self) -> Reporter:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._progress.stop()
+
+    def step(self, step: int, loss: float, steps_per_s: float) -> None:
+        self._progress.update(self._task, completed=step, loss=f"{loss:.3f}", speed=f"{steps_per_s:.1f}")
+
+    def note(self, text: str) -> None:
+        self._progress.update(self._task, note=text)
+
+
+class PeakMemory:
+    """Peak memory the training loop adds: CUDA's allocator peak on GPU; on Linux CPUs the growth
+    of the resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs) over the
+    resident size when measuring started. None where neither is available."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base: int | None = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device)
+            return
+        _pin_mmap_threshold()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.base = _rss("VmRSS")
+        except OSError:
+            self.base = None
+
+    def peak(self) -> int | None:
+        if self.base is None:
+            return None
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return max(_rss("VmHWM") - self.base, 0)
