@@ -1,0 +1,267 @@
+"""Hugging Face ``transformers`` integration: run a registered mechanism inside a pretrained
+model, without retraining, through transformers' ``AttentionInterface``.
+
+>>> import attnzoo.hf
+>>> model = AutoModel.from_pretrained(path).eval()
+>>> attnzoo.hf.use(model, "longformer", window=64, global_indices=(0,))   # CLS token global
+>>> out = model(**batch)                                   # every self-attention layer runs it
+
+``use`` registers ``"attnzoo"`` with ``AttentionInterface`` (and a mask function with
+``AttentionMaskInterface``), checks the mechanism against the model (a causal model needs a
+causal mechanism) and stores the choice on the model's config as ``attnzoo_mechanism`` and
+``attnzoo_config``, so it survives ``save_pretrained``. A saved (or hand-edited) config with those
+attributes loads with ``from_pretrained(..., attn_implementation="attnzoo")`` after
+``attnzoo.hf.register()``.
+
+Notes:
+    - transformers hands the attention function ``query/key/value (B, H, N, D)`` and takes
+      ``(B, N, H, D)`` back; the mechanism sees ``(B, H, N, D)``, attnzoo's layout.
+    - One mechanism module is built per attention layer, on its first call, and kept on that layer
+      as the submodule ``attnzoo_mechanism`` (so ``.to()``, ``.eval()`` and ``state_dict`` reach
+      parameters such as Linformer's projections). It is rebuilt if the config changes.
+    - The model's own softmax scale (``scaling``) is kept: it becomes the mechanism's ``scale``
+      config where it has one (so ``scale`` may not be given to ``use``).
+    - Masks: a padding mask reaches the mechanism as ``key_padding_mask (B, N_kv)``, True = real
+      token; causality comes from the layer (``is_causal``). Any other mask (sliding windows,
+      packed sequences, a custom 4-D mask) raises unless it is exactly key padding (+ causal).
+    - Attention-probability dropout is not implemented by attnzoo mechanisms: a training-mode
+      call with ``dropout > 0`` raises. Attention weights are not returned (``None``, as SDPA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import attnzoo
+from attnzoo.registry import config_fields, make_config
+
+try:
+    from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+    from transformers import masking_utils
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "attnzoo.hf needs Hugging Face transformers; install it with: pip install 'attnzoo[hf]'"
+    ) from error
+
+NAME = "attnzoo"
+_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias", "sinks")
+
+
+def register() -> None:
+    """Register the ``"attnzoo"`` attention and mask functions with transformers (idempotent).
+    Afterwards ``from_pretrained(..., attn_implementation="attnzoo")`` and
+    ``model.set_attn_implementation("attnzoo")`` are accepted."""
+    AttentionInterface.register(NAME, attention)
+    masking_utils.AttentionMaskInterface.register(NAME, mask)
+
+
+def use(model: PreTrainedModel, mechanism: str = "softmax", **config: Any) -> PreTrainedModel:
+    """Make every attention layer of ``model`` run ``mechanism`` with ``config``.
+
+    Args:
+        model: a transformers model whose attention goes through ``AttentionInterface``
+            (``model._supports_attention_backend``; BERT, GPT-2, Llama and most recent models).
+        mechanism: a registered attention mechanism (``attnzoo.names(kind="attention")``).
+        **config: the mechanism's config keys (``attnzoo describe NAME``), except ``scale``,
+            which is the model's own.
+
+    Returns:
+        ``model``, changed in place (config attributes and attention implementation).
+
+    Raises:
+        ValueError: unknown mechanism or config key, a token mixer, ``scale`` given, or a causal
+            model with a mechanism that cannot be causal.
+    """
+    register()
+    check(mechanism, config, causal=is_causal(model))
+    for cfg in _configs(model):
+        cfg.attnzoo_mechanism = mechanism
+        cfg.attnzoo_config = dict(config)
+    model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:
+        raise ValueError(f"{type(model).__name__} cannot switch attention implementation (it does not go through "
+                         "transformers' AttentionInterface), so attnzoo cannot run inside it")
+    return model
+
+
+def is_causal(model: nn.Module) -> bool:
+    """Whether any attention layer of ``model`` is causal (decoder self-attention)."""
+    return any(getattr(cfg, "is_decoder", False) for cfg in _configs(model)) or any(
+        getattr(m, "is_causal", False) is True for m in model.modules()
+    )
+
+
+def check(mechanism: str, config: dict[str, Any], *, causal: bool) -> None:
+    """Raise ``ValueError`` unless ``mechanism`` with ``config`` can replace a model's attention
+    (causal or not)."""
+    spec = attnzoo.describe(mechanism)
+    if spec.capabilities.kind != "attention":
+        raise ValueError(
+            f"{mechanism!r} is a token mixer: it replaces the whole attention layer (it takes x, not q, k, v) "
+            f"and needs trained weights, so it cannot stand in for a model's attention function; "
+            f"use one of {', '.join(attnzoo.names(kind='attention'))}"
+        )
+    if causal and not spec.capabilities.causal:
+        raise ValueError(
+            f"the model is causal (decoder self-attention) but {mechanism!r} cannot be causal; "
+            f"mechanisms that can: {', '.join(attnzoo.names(kind='attention', causal=True))}"
+        )
+    if "scale" in config:
+        raise ValueError("do not pass 'scale': the model's own attention scale (module.scaling) is used")
+    values = _tuples(config)
+    if "scale" in config_fields(mechanism):
+        values["scale"] = 1.0
+    make_config(mechanism, **values)
+
+
+def attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """The ``"attnzoo"`` attention function (``AttentionInterface`` signature).
+
+    Shapes:
+        query ``(B, H, N_q, D)``, key/value ``(B, H_kv, N_kv, D)`` (``H_kv`` divides ``H``: grouped
+        keys are repeated), attention_mask ``(B, N_kv)`` bool from ``mask`` or a 4-D bool/additive
+        mask ``(B, 1, N_q, N_kv)`` -> ``((B, N_q, H, D_v), None)``.
+    """
+    extra = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+    if extra:
+        raise ValueError(f"the attnzoo attention function does not support {', '.join(extra)} (given by the model)")
+    if dropout and module.training:
+        raise ValueError(
+            f"attnzoo mechanisms have no attention dropout (the model asks for p={dropout}); call model.eval(), "
+            "or load the model with its attention dropout set to 0 (BERT: attention_probs_dropout_prob=0.0)"
+        )
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
+    head_dim = query.shape[-1]
+    scaling = head_dim**-0.5 if scaling is None else float(scaling)
+    mech = _mechanism(module, scaling, causal)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: (B, H_kv, N, D) -> (B, H, N, D)
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    key_padding_mask, causal = key_padding(attention_mask, query.shape[2], key.shape[2], causal)
+    if not mech._attnzoo_takes_scale and abs(scaling * head_dim**0.5 - 1) > 1e-6:
+        # Mechanisms without a scale key use 1/sqrt(D) (Linformer, Nystrom, compressed, and the
+        # Performer's exp(q.k/sqrt(D)) estimate) or no temperature at all (linear, efficient).
+        # Multiplying q by scaling*sqrt(D) turns their q.k/sqrt(D) into the model's q.k*scaling;
+        # for the temperature-free kernels it is the same rescaling of the scores.
+        query = query * (scaling * head_dim**0.5)
+    out = mech(query, key, value, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, N_q, D_v)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def mask(
+    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+    mask_function: Any = None, attention_mask: Tensor | None = None, **kwargs: Any,
+) -> Tensor | None:
+    """The ``"attnzoo"`` mask function (``AttentionMaskInterface``): for a plain causal or
+    bidirectional mask over a 2-D padding mask, return that padding mask as ``(B, N_kv)`` bool
+    (None when nothing is padded) -- no N x N tensor. Anything else is built by transformers'
+    ``sdpa_mask`` and checked by ``key_padding`` in each layer."""
+    plain = mask_function in (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
+    pad_2d = attention_mask is None or (attention_mask.ndim == 2 and attention_mask.shape[-1] == kv_length)
+    if plain and pad_2d and kv_offset == 0 and not kwargs.get("use_vmap", False):
+        if attention_mask is None or bool(attention_mask.all()):
+            return None
+        return attention_mask.to(torch.bool)
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    return masking_utils.sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False, **kwargs,
+    )
+
+
+def key_padding(attention_mask: Tensor | None, n_q: int, n_kv: int, causal: bool) -> tuple[Tensor | None, bool]:
+    """``(key_padding_mask, causal)`` equivalent to ``attention_mask``, or ValueError.
+
+    Args:
+        attention_mask: None; ``(B, N_kv)`` bool (True = real); or ``(B, 1 or H, N_q, N_kv)``
+            bool (True = attend) or additive float (0 = attend, very negative = masked).
+        causal: whether the layer is causal; a 4-D mask that is exactly a causal mask over key
+            padding also makes the result causal.
+
+    Notes:
+        A 4-D mask must equal ``real[b, j]`` (and ``j <= i + N_kv - N_q`` where causal) for every
+        query; any other structure (sliding windows, packed sequences, biases) is refused rather
+        than approximated.
+    """
+    if attention_mask is None:
+        return None, causal
+    if attention_mask.ndim == 2:
+        if attention_mask.shape[-1] != n_kv:
+            raise ValueError(f"attention_mask has {attention_mask.shape[-1]} key positions, keys have {n_kv}")
+        return attention_mask.to(torch.bool), causal
+    if attention_mask.ndim != 4:
+        shape = tuple(attention_mask.shape)
+        raise ValueError(f"attention_mask must be (B, N_kv) or (B, 1, N_q, N_kv), got shape {shape}")
+    allowed = attention_mask
+    if attention_mask.dtype != torch.bool:
+        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        if bool((attention_mask[allowed] != 0).any()):
+            raise ValueError("attention_mask is an additive bias (non-zero values at attended pairs), not a mask; "
+                             "attnzoo mechanisms take key padding (+ causal) only")
+    allowed = allowed.expand(-1, -1, n_q, n_kv)
+    real = allowed.any(dim=(1, 2))  # (B, N_kv): keys some query attends
+    tri = torch.ones(n_q, n_kv, dtype=torch.bool, device=real.device).tril(n_kv - n_q)
+    for as_causal in (causal, True):
+        want = real[:, None, None, :] & tri if as_causal else real[:, None, None, :]
+        if torch.equal(allowed, want.expand_as(allowed)):
+            return (None if bool(real.all()) else real), as_causal
+    raise ValueError(
+        "the model's attention mask is not a key-padding mask (e.g. a sliding window, packed sequences or a "
+        "custom 4-D mask); attnzoo.hf maps only key padding (+ causal) onto key_padding_mask"
+    )
+
+
+def _mechanism(module: nn.Module, scaling: float, causal: bool) -> nn.Module:
+    """The layer's mechanism, built on first use from its config and kept on the layer."""
+    cfg = getattr(module, "config", None)
+    name = getattr(cfg, "attnzoo_mechanism", None)
+    if name is None:
+        raise ValueError(
+            f"{type(module).__name__} runs attn_implementation='attnzoo' but its config names no mechanism; "
+            "call attnzoo.hf.use(model, NAME, **config) or set config.attnzoo_mechanism / config.attnzoo_config"
+        )
+    config = _tuples(getattr(cfg, "attnzoo_config", None) or {})
+    cache_key = (name, repr(sorted(config.items())), scaling)
+    mech = getattr(module, "attnzoo_mechanism", None)
+    if mech is None or getattr(mech, "_attnzoo_key", None) != cache_key:
+        check(name, config, causal=causal)
+        takes_scale = "scale" in config_fields(name)
+        if takes_scale:
+            config["scale"] = scaling
+        mech = attnzoo.build(name, **config)
+        mech._attnzoo_key, mech._attnzoo_takes_scale = cache_key, takes_scale
+        param = next(module.parameters(), None)
+        if param is not None:
+            mech.to(device=param.device)
+        mech.train(module.training)
+        module.attnzoo_mechanism = mech  # a submodule: follows .to(), .eval(), state_dict
+    return mech
+
+
+def _configs(model: nn.Module) -> list[PretrainedConfig]:
+    """Every distinct transformers config in ``model`` (composite models have several)."""
+    found: dict[int, PretrainedConfig] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if isinstance(cfg, PretrainedConfig):
+            found.setdefault(id(cfg), cfg)
+    return list(found.values())
+
+
+def _tuples(config: dict[str, Any]) -> dict[str, Any]:
+    """Lists back to tuples: a config saved to config.json comes back with JSON lists."""
+    def conv(v: Any) -> Any:
+        return tuple(conv(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return {k: conv(v) for k, v in dict(config).items()}
+
+
+__all__ = ["attention", "check", "is_causal", "key_padding", "mask", "register", "use"]
