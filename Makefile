@@ -1,4 +1,5 @@
-# Two commands do all set-up: `make demo` runs the main job, `make test` runs the tests.
+# Two commands do all set-up: `make demo` runs the main job (the quick benchmark suite and its
+# report), `make test` runs the tests.
 # Both create .venv on first use and reinstall only when pyproject.toml changes.
 PYTHON ?= python3.11
 VENV   := .venv
@@ -10,12 +11,11 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,hf,text]'
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/attnzoo list
-	$(BIN)/attnzoo demo
+	$(BIN)/attnzoo bench suite --out runs/suite --report report
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -24,4 +24,4 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info runs report

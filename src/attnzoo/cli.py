@@ -1,11 +1,14 @@
-"""The ``attnzoo`` command: ``list``, ``describe NAME``, ``demo``, ``show``, ``bench speed|decode``."""
+"""The ``attnzoo`` command: ``list``, ``describe NAME``, ``demo``, ``show``, ``report``, and
+``bench speed|decode|train|profile|fidelity|suite``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -185,6 +188,34 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
+# Commands whose module brings its own arguments: (command, bench subcommand) -> (module, help).
+_MODULE_COMMANDS = {
+    ("bench", "train"): ("attnzoo.bench.train", "train a small model on a generated task (resumable, torchrun-ready)"),
+    ("bench", "profile"): ("attnzoo.bench.profile", "share of a transformer block's time spent in attention vs FFN"),
+    ("bench", "fidelity"): ("attnzoo.bench.fidelity", "swap mechanisms into a pretrained encoder (needs attnzoo[hf])"),
+    ("bench", "suite"): ("attnzoo.bench.suite", "the main job: sweep every mechanism, train, and write the report"),
+    ("report", None): ("attnzoo.bench.report", "write the HTML report (tables, charts, gallery) from result files"),
+}
+
+
+def _add_module_commands(sub: Any, bench: Any) -> dict[tuple[str, str | None], Any]:
+    modules = {}
+    for (command, bench_command), (module_name, help_text) in _MODULE_COMMANDS.items():
+        module = importlib.import_module(module_name)
+        parser = bench.add_parser(bench_command, help=help_text) if bench_command else sub.add_parser(command, help=help_text)
+        module.add_arguments(parser)
+        modules[command, bench_command] = module
+    return modules
+
+
+def _exit_code(result: Any) -> int:
+    """A module's ``main`` returns an exit code, or its rows / failures: a non-empty list of
+    strings (e.g. images the report could not draw) is a failure, anything else success."""
+    if isinstance(result, int):
+        return result
+    return 1 if isinstance(result, list) and result and all(isinstance(x, str) for x in result) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -220,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     dp.add_argument("--heads", type=int, default=8)
     dp.add_argument("--dim", type=int, default=64)
     dp.add_argument("--out", help="write JSON lines here")
+    modules = _add_module_commands(sub, bench)
     args = parser.parse_args(argv)
     args.argv = argv
     # Piped output (CI logs, files) gets a wide console instead of rich's 80-column default.
@@ -231,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd_describe(console, args.name)
         elif args.command == "show":
             cmd_show(console, args)
+        elif (args.command, getattr(args, "bench", None)) in modules:
+            return _exit_code(modules[args.command, getattr(args, "bench", None)].main(args, console))
         elif args.command == "bench" and args.bench == "decode":
             cmd_bench_decode(console, args)
         elif args.command == "bench":
