@@ -80,6 +80,9 @@ class TrainConfig:
     # Stop after this many seconds of training steps (evaluation excluded). Makes the number of
     # steps depend on the machine, so a resumed run may differ from an uninterrupted one.
     max_seconds: float | None = None
+    # Start from these weights (a best.safetensors or last.safetensors of a run with the same
+    # model), e.g. a curriculum: a model trained on a short task size continues on a longer one.
+    init_from: str | None = None
     checkpoint_every: int = 50
 
     def __post_init__(self) -> None:
@@ -306,6 +309,8 @@ def train(cfg: TrainConfig, *, run_dir: str | Path, data_dir: str | None = None,
                         dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mechanism=cfg.mechanism, config=cfg.config,
                         positional=cfg.positional, ff_mult=cfg.ff_mult, dropout=cfg.dropout).to(dist.device)
     optimizer = _optimizer(model, cfg)
+    if cfg.init_from is not None:
+        checkpoint.load(Path(cfg.init_from), model)  # a resumed run then overwrites it with its own
     state = _resume(run_dir, cfg, model, optimizer)
     run = _Run(cfg, info, splits, model, dist.wrap(model), optimizer, dist, run_dir, state)
     memory, wall_start = PeakMemory(dist.device), time.perf_counter()
@@ -337,7 +342,7 @@ def _results(run: _Run, peak: int | None) -> dict[str, Any]:
         "model": {**{k: getattr(cfg, k) for k in ("dim", "depth", "heads", "ff_mult", "dropout")},
                   "positional": resolve_positional(cfg.positional, info.kind, cfg.mechanism)},
         "optim": {k: getattr(cfg, k) for k in ("batch_size", "steps", "lr", "weight_decay", "warmup", "clip",
-                                                "eval_every", "patience", "stop_at", "max_seconds")},
+                                                "eval_every", "patience", "stop_at", "max_seconds", "init_from")},
         "parameters": sum(p.numel() for p in run.model.parameters()), "seed": cfg.seed,
         "world_size": run.dist.world, "device": str(run.dist.device), "weight_digests": digests,
         "history": state["history"], "train_losses": state["losses"], "git": git_revision(),
@@ -370,6 +375,7 @@ def config_from_args(args: Any) -> TrainConfig:
                                                  "lr", "warmup", "eval_every", "patience", "checkpoint_every", "stop_at", "max_seconds")}
     if args.positional is not None:
         flags["positional"] = None if args.positional == "none" else args.positional
+    flags["init_from"] = args.init_from
     return TrainConfig.with_preset(args.task, args.size, mechanism=name, config=config, task_overrides=overrides,
                                    **flags)
 
@@ -393,6 +399,7 @@ def add_arguments(parser: Any) -> None:
         parser.add_argument(f"--{flag}", type=kind, help="default: the task preset's (see attnzoo.bench.train.PRESETS)")
     parser.add_argument("--positional", help="auto (default: rope for language models, sinusoidal added to the "
                         "input otherwise and for token mixers), sinusoidal, rope, alibi or none")
+    parser.add_argument("--init-from", help="start from the weights of this checkpoint (same model shape)")
     parser.add_argument("--run-dir", help="checkpoints; rerunning with the same folder resumes (default: runs/...)")
     parser.add_argument("--results", default="runs/train.jsonl", help="append the results line here")
     parser.add_argument("--data-dir", help="task cache (default $ATTNZOO_DATA or ~/.cache/attnzoo)")
