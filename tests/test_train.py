@@ -151,3 +151,15 @@ def test_checkpoint_keeps_tied_weights(tmp_path):
     clone[1].weight = clone[0].weight
     checkpoint.load(tmp_path / "tied.safetensors", clone)
     assert torch.equal(clone[0].weight, model[0].weight) and clone[1].weight is clone[0].weight
+
+
+def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path):
+    base = dict(task="mqar", size="quick", task_overrides=dict(n_train=64, n_val=16, n_test=16), dim=16, depth=1,
+                heads=2, batch_size=16, steps=3, eval_every=3, warmup=1)
+    first = train(TrainConfig(**base), run_dir=tmp_path / "a", data_dir=str(tmp_path / "data"), progress=False)
+    # With lr ~ 0 the continued run keeps the weights it started from: those of the first run.
+    second = train(TrainConfig(**{**base, "lr": 1e-30, "init_from": str(tmp_path / "a" / "last.safetensors")}),
+                   run_dir=tmp_path / "b", data_dir=str(tmp_path / "data"), progress=False)
+    fresh = train(TrainConfig(**{**base, "lr": 1e-30}), run_dir=tmp_path / "c", data_dir=str(tmp_path / "data"),
+                  progress=False)
+    assert second["weight_digests"] == first["weight_digests"] != fresh["weight_digests"]
