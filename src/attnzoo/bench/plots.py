@@ -27,8 +27,12 @@ Line = tuple[str, Sequence[float], Sequence[float]]  # (legend label, xs, ys)
 
 
 def label(row: Row) -> str:
-    """``name`` or ``name:key=value,...`` (the ``--mechanism`` syntax) for a row's mechanism."""
+    """``name`` or ``name:key=value,...`` (the ``--mechanism`` syntax) for a row's mechanism;
+    ``name:sized`` for a train row whose config was sized to its task."""
     config = row.get("config") or {}
+    if row.get("sized") and config:
+        # Sized to each task's length (bench train --sized): one label across tasks of any length.
+        return row["mechanism"] + ":sized"
     return row["mechanism"] + (":" + ",".join(f"{k}={v}" for k, v in sorted(config.items())) if config else "")
 
 

@@ -6,7 +6,8 @@ Two presets:
 
 * ``quick`` (default; ``make demo``): fits in under 10 minutes on 2 CPU cores. Speed and memory
   at N = 256 and 1024 (forward), the profile at the same sizes, and a deliberately short
-  training run per mechanism and task. Short budgets rank mechanisms only roughly; the committed
+  training run per mechanism and task, with configs sized to the task's length
+  (``attnzoo.bench.configs.sized``: defaults would cover these short sequences entirely). Short budgets rank mechanisms only roughly; the committed
   results under ``benchmarks/`` are the longer runs.
 * ``full``: the Long Range Arena configuration — ListOps (500 < length < 2000), Pathfinder-32,
   byte-level text at 4096, MQAR at Zoology's size — with each task's full training budget
@@ -95,7 +96,7 @@ def _train_rows(preset: Preset, out: Path, data_dir: str | None, console: Consol
 def _train_one(task: str, size: str, name: str, values: dict[str, Any], out: Path, data_dir: str | None,
                console: Console) -> dict[str, Any]:
     try:
-        cfg = TrainConfig.with_preset(task, size, mechanism=name, **values)
+        cfg = TrainConfig.with_preset(task, size, mechanism=name, sized=True, **values)
         row = train(cfg, run_dir=out / "runs" / f"{task}-{size}-{name}", data_dir=data_dir, console=console,
                     progress=sys.stdout.isatty())
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
@@ -108,11 +109,30 @@ def _train_one(task: str, size: str, name: str, values: dict[str, Any], out: Pat
     return row
 
 
-def _write(rows: Iterator[dict[str, Any]], path: Path) -> None:
+def _write(rows: Iterator[dict[str, Any]], path: Path, console: Console | None = None) -> None:
     with path.open("w") as handle:
         for row in rows:
             handle.write(json.dumps(row, default=str) + "\n")
             handle.flush()
+            if console is not None:
+                _echo(row, console)
+
+
+def _echo(row: dict[str, Any], console: Console) -> None:
+    """One short line per measurement, so a long stage shows that it is moving."""
+    where = f"  {row.get('mechanism', 'SDPA')} N={row.get('n')}"
+    if row.get("error"):
+        console.print(f"{where}: [yellow]{row['error'][:100]}[/yellow]", highlight=False)
+    elif row["kind"] in ("speed", "sdpa"):
+        ratio = row.get("speedup_forward_vs_sdpa")
+        console.print(f"{where}: {row['forward_s'] * 1e3:.1f} ms" + (f" ({ratio:.2f}x SDPA)" if ratio else ""),
+                      highlight=False)
+    elif row["kind"] == "fidelity":
+        cosine = row.get("mean_cosine")
+        console.print(f"  {row['mechanism']}: " + (f"mean cosine {cosine:.3f}, retrieval@1 {row['retrieval_at_1']:.3f}"
+                                                  if cosine is not None else "not applicable"), highlight=False)
+    elif row["kind"] == "profile":
+        console.print(f"{where}: attention {row['attention_share']:.0%} of attention + FFN time", highlight=False)
 
 
 def _fidelity(preset: Preset, path: Path, command: str, console: Console) -> bool:
@@ -125,7 +145,7 @@ def _fidelity(preset: Preset, path: Path, command: str, console: Console) -> boo
         console.print(f"[yellow]skipping fidelity:[/yellow] {error}")
         return False
     passages = fidelity.load_passages(None, preset.fidelity_passages)
-    _write(fidelity.run(passages=passages, command=command), path)
+    _write(fidelity.run(passages=passages, command=command), path, console)
     return True
 
 
@@ -144,10 +164,10 @@ def run(preset_name: str, out: Path, *, data_dir: str | None, report_dir: Path, 
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     console.rule(f"1/5 speed and memory of {len(attnzoo.names())} mechanisms at N = {preset.speed_sizes}")
-    _write(_speed_rows(preset, command), out / "speed.jsonl")
+    _write(_speed_rows(preset, command), out / "speed.jsonl", console)
     console.rule(f"2/5 attention vs feed-forward time at N = {preset.profile_sizes}")
     _write(profile.run(profile.default_mechanisms(), preset.profile_sizes, command=command, repeats=3),
-           out / "profile.jsonl")
+           out / "profile.jsonl", console)
     console.rule(f"3/5 training ({preset.notes})")
     meta = {"kind": "meta", **speed.machine(), "command": command, "preset": preset_name}
     _write(_with_meta(meta, _train_rows(preset, out, data_dir, console)), out / "train.jsonl")

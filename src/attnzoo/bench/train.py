@@ -83,6 +83,8 @@ class TrainConfig:
     # Start from these weights (a best.safetensors or last.safetensors of a run with the same
     # model), e.g. a curriculum: a model trained on a short task size continues on a longer one.
     init_from: str | None = None
+    # Size the mechanism's config to the task's length (attnzoo.bench.configs.sized; `config` wins).
+    sized: bool = False
     checkpoint_every: int = 50
 
     def __post_init__(self) -> None:
@@ -99,6 +101,15 @@ class TrainConfig:
         """The preset budget for (task, size), then ``values`` (None values are ignored)."""
         chosen = {**PRESETS.get((task, size), {}), **{k: v for k, v in values.items() if v is not None}}
         return cls(task=task, size=size, **chosen)
+
+
+def effective_config(cfg: TrainConfig, info: TaskInfo) -> dict[str, Any]:
+    """The mechanism config a run uses: ``cfg.config`` over the sized one when ``cfg.sized``."""
+    if not cfg.sized:
+        return dict(cfg.config)
+    from attnzoo.bench.configs import sized
+
+    return {**sized(cfg.mechanism, info.seq_len), **cfg.config}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -306,7 +317,8 @@ def train(cfg: TrainConfig, *, run_dir: str | Path, data_dir: str | None = None,
     info, splits = _load(cfg, data_dir, dist)
     torch.manual_seed(cfg.seed)  # after loading: a cache hit and a fresh generation leave the same RNG
     model = build_model(kind=info.kind, vocab_size=info.vocab_size, n_classes=info.n_classes, seq_len=info.seq_len,
-                        dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mechanism=cfg.mechanism, config=cfg.config,
+                        dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mechanism=cfg.mechanism,
+                        config=effective_config(cfg, info),
                         positional=cfg.positional, ff_mult=cfg.ff_mult, dropout=cfg.dropout).to(dist.device)
     optimizer = _optimizer(model, cfg)
     if cfg.init_from is not None:
@@ -334,7 +346,8 @@ def _results(run: _Run, peak: int | None) -> dict[str, Any]:
     tokens_per_step = cfg.batch_size * info.seq_len
     steps_per_s = state["step"] / state["train_s"] if state["train_s"] else None
     return {
-        "kind": "train", "task": cfg.task, "size": cfg.size, "mechanism": cfg.mechanism, "config": cfg.config,
+        "kind": "train", "task": cfg.task, "size": cfg.size, "mechanism": cfg.mechanism,
+        "config": effective_config(cfg, info), "sized": cfg.sized,
         "test_accuracy": test, "val_accuracy": state["best_val"], "best_step": state["best_step"],
         "chance": info.chance, "steps": state["step"], "steps_per_s": steps_per_s,
         "tokens_per_s": steps_per_s * tokens_per_step if steps_per_s else None, "peak_memory_bytes": peak,
@@ -369,13 +382,13 @@ def config_from_args(args: Any) -> TrainConfig:
     """The TrainConfig an ``attnzoo bench train`` command line asks for (preset, then flags)."""
     from attnzoo.bench.speed import parse_mechanism
 
-    name, config = parse_mechanism(args.mechanism + (":" + ",".join(args.set) if args.set else ""))
     _, overrides = parse_mechanism("softmax:" + ",".join(args.task_set)) if args.task_set else (None, {})
+    name, config = parse_mechanism(args.mechanism + (":" + ",".join(args.set) if args.set else ""))
     flags = {key: getattr(args, key) for key in ("seed", "dim", "depth", "heads", "ff_mult", "batch_size", "steps",
                                                  "lr", "warmup", "eval_every", "patience", "checkpoint_every", "stop_at", "max_seconds")}
     if args.positional is not None:
         flags["positional"] = None if args.positional == "none" else args.positional
-    flags["init_from"] = args.init_from
+    flags["init_from"], flags["sized"] = args.init_from, args.sized or None
     return TrainConfig.with_preset(args.task, args.size, mechanism=name, config=config, task_overrides=overrides,
                                    **flags)
 
@@ -391,6 +404,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--size", default="quick", help="task preset: quick, full (mqar also: standard)")
     parser.add_argument("--mechanism", default="softmax", metavar="NAME[:key=value,...]")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="mechanism config")
+    parser.add_argument("--sized", action="store_true",
+                        help="size the mechanism's config to the task's length (attnzoo.bench.configs.sized); "
+                             "--set values win")
     parser.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE", help="task parameter")
     for flag, kind in (("seed", int), ("dim", int), ("depth", int), ("heads", int), ("ff-mult", int),
                        ("batch-size", int), ("steps", int), ("lr", float), ("warmup", int), ("eval-every", int),
