@@ -99,6 +99,19 @@ def main_size(train: list[Row]) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def comparable_accuracy(table: dict[str, Any]) -> tuple[dict[str, float], list[str] | None]:
+    """Each mechanism's mean accuracy over the tasks that every mechanism with a result ran, so a
+    mechanism that skipped a task (a non-causal one on MQAR) is not ranked on easier ground;
+    without such a common task, each one's own average (second value None)."""
+    cells, tasks = table.get("cells", {}), table.get("tasks", [])
+    scored = {m: {t for t in tasks if c.get(t, {}).get("accuracy") is not None} for m, c in cells.items()}
+    scored = {m: ts for m, ts in scored.items() if ts}
+    common = sorted(set(tasks).intersection(*scored.values())) if scored else []
+    if not common:
+        return {m: a for m, a in table.get("average", {}).items() if a is not None}, None
+    return {m: statistics.fmean(cells[m][t]["accuracy"] for t in common) for m in scored}, common
+
+
 def bubble_points(train: list[Row], speed: list[Row]) -> dict[str, Any]:
     """Inputs of the bubble chart: x = speed relative to softmax (train steps/s where softmax has
     train speed, else speed rows' forward time), y = average accuracy of the main size's LRA
@@ -106,7 +119,8 @@ def bubble_points(train: list[Row], speed: list[Row]) -> dict[str, Any]:
     peak forward bytes). Mechanisms with only one of x, y are listed, not plotted."""
     size = main_size(train)
     rows = [r for r in train if str(r.get("size")) == size]
-    accuracy = {m: a for m, a in lra_table(rows).get("average", {}).items() if a is not None} if rows else {}
+    accuracy, common = comparable_accuracy(lra_table(rows) if rows else {})
+    basis = f"mean test accuracy over {', '.join(common)}" if common else "mean test accuracy over each one's tasks"
     x = train_speed_ratios(rows)
     if x:
         peaks: dict[str, list[int]] = {}
@@ -114,7 +128,7 @@ def bubble_points(train: list[Row], speed: list[Row]) -> dict[str, Any]:
             if usable(r, "peak_memory_bytes"):
                 peaks.setdefault(label(r), []).append(r["peak_memory_bytes"])
         memory = {m: max(v) for m, v in peaks.items()}
-        source = f"x: train steps/s over softmax's, geometric mean over tasks; y: mean test accuracy; " \
+        source = f"x: train steps/s over softmax's, geometric mean over tasks; y: {basis}; " \
                  f"area: peak training memory (size {size})"
     else:
         measured = speed_ratios(speed)
@@ -122,7 +136,7 @@ def bubble_points(train: list[Row], speed: list[Row]) -> dict[str, Any]:
         memory = {m: v[1] for m, v in measured.items()}
         sizes = sorted({v[2] for v in measured.values()})
         source = f"x: softmax forward time / mechanism's (speed rows, largest common N: {sizes}); " \
-                 f"y: mean test accuracy (size {size}); area: peak forward memory"
+                 f"y: {basis} (size {size}); area: peak forward memory"
     points = [{"label": m, "x": x[m], "y": accuracy[m], "memory": memory.get(m)} for m in sorted(set(x) & set(accuracy))]
     return {"points": points, "source": source, "no_speed": sorted(set(accuracy) - set(x)),
             "no_accuracy": sorted(set(x) - set(accuracy))}
