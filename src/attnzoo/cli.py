@@ -190,7 +190,7 @@ def _num(x: float | None) -> str:
 
 # Commands whose module brings its own arguments: (command, bench subcommand) -> (module, help).
 _MODULE_COMMANDS = {
-    ("bench", "train"): ("attnzoo.bench.train", "train a small model on a generated task (resumable, torchrun-ready)"),
+    ("bench", "train"): ("attnzoo.bench.train_cli", "train a small model on a generated task (resumable, torchrun-ready)"),
     ("bench", "profile"): ("attnzoo.bench.profile", "share of a transformer block's time spent in attention vs FFN"),
     ("bench", "fidelity"): ("attnzoo.bench.fidelity", "swap mechanisms into a pretrained encoder (needs attnzoo[hf])"),
     ("bench", "suite"): ("attnzoo.bench.suite", "the main job: sweep every mechanism, train, and write the report"),

@@ -171,7 +171,7 @@ def run(preset_name: str, out: Path, *, data_dir: str | None, report_dir: Path, 
     console.rule(f"3/5 training ({preset.notes})")
     meta = {"kind": "meta", **speed.machine(), "command": command, "preset": preset_name}
     _write(_with_meta(meta, _train_rows(preset, out, data_dir, console)), out / "train.jsonl")
-    console.rule(f"4/5 fidelity: swapping each mechanism into all-MiniLM-L6-v2 (no retraining)")
+    console.rule("4/5 fidelity: swapping each mechanism into all-MiniLM-L6-v2 (no retraining)")
     files = ["speed.jsonl", "profile.jsonl", "train.jsonl"]
     if _fidelity(preset, out / "fidelity.jsonl", command, console):
         files.append("fidelity.jsonl")

@@ -1,0 +1,81 @@
+"""``attnzoo bench train`` on the command line: flags -> ``TrainConfig`` -> ``train``, and the
+results line appended to ``--results``."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from attnzoo.bench.train import TrainConfig, train
+
+
+def config_from_args(args: Any) -> TrainConfig:
+    """The TrainConfig an ``attnzoo bench train`` command line asks for (preset, then flags)."""
+    from attnzoo.bench.speed import parse_mechanism
+
+    _, overrides = parse_mechanism("softmax:" + ",".join(args.task_set)) if args.task_set else (None, {})
+    name, config = parse_mechanism(args.mechanism + (":" + ",".join(args.set) if args.set else ""))
+    flags = {key: getattr(args, key) for key in ("seed", "dim", "depth", "heads", "ff_mult", "batch_size", "steps",
+                                                 "lr", "warmup", "eval_every", "patience", "checkpoint_every", "stop_at", "max_seconds")}
+    if args.positional is not None:
+        flags["positional"] = None if args.positional == "none" else args.positional
+    flags["init_from"], flags["sized"] = args.init_from, args.sized or None
+    return TrainConfig.with_preset(args.task, args.size, mechanism=name, config=config, task_overrides=overrides,
+                                   **flags)
+
+
+def default_run_dir(cfg: TrainConfig) -> Path:
+    """runs/<task>-<size>-<mechanism>-<hash of the whole config>: one folder per distinct run."""
+    key = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return Path("runs") / f"{cfg.task}-{cfg.size}-{cfg.mechanism}-{key}"
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--task", required=True, help="listops, mqar, pathfinder or text")
+    parser.add_argument("--size", default="quick", help="task preset: quick, full (mqar also: standard)")
+    parser.add_argument("--mechanism", default="softmax", metavar="NAME[:key=value,...]")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="mechanism config")
+    parser.add_argument("--sized", action="store_true",
+                        help="size the mechanism's config to the task's length (attnzoo.bench.configs.sized); "
+                             "--set values win")
+    parser.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE", help="task parameter")
+    for flag, kind in (("seed", int), ("dim", int), ("depth", int), ("heads", int), ("ff-mult", int),
+                       ("batch-size", int), ("steps", int), ("lr", float), ("warmup", int), ("eval-every", int),
+                       ("patience", int), ("checkpoint-every", int), ("stop-at", float),
+                       ("max-seconds", float)):
+        parser.add_argument(f"--{flag}", type=kind, help="default: the task preset's (see attnzoo.bench.train.PRESETS)")
+    parser.add_argument("--positional", help="auto (default: rope for language models, sinusoidal added to the "
+                        "input otherwise and for token mixers), sinusoidal, rope, alibi or none")
+    parser.add_argument("--init-from", help="start from the weights of this checkpoint (same model shape)")
+    parser.add_argument("--run-dir", help="checkpoints; rerunning with the same folder resumes (default: runs/...)")
+    parser.add_argument("--results", default="runs/train.jsonl", help="append the results line here")
+    parser.add_argument("--data-dir", help="task cache (default $ATTNZOO_DATA or ~/.cache/attnzoo)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(args: Any, console: Any) -> int:
+    import sys
+
+    cfg = config_from_args(args)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    row = train(cfg, run_dir=run_dir, data_dir=args.data_dir, device=args.device, progress=not args.quiet,
+                console=console)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if row is None:
+        console.print(f"interrupted; checkpoint saved in {run_dir}: run the same command to resume")
+        return 130
+    row["command"] = "attnzoo " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
+    results = Path(args.results)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with results.open("a") as handle:
+        handle.write(json.dumps(row, default=str) + "\n")
+    console.print(f"{cfg.mechanism} on {cfg.task}/{cfg.size}: test accuracy {row['test_accuracy']:.4f} "
+                  f"(val {row['val_accuracy']:.4f} at step {row['best_step']}, chance {row['chance']:.3f}), "
+                  f"{row['steps']} steps, {row['steps_per_s']:.1f} steps/s; results: {results}; checkpoints: {run_dir}")
+    return 0
