@@ -145,3 +145,13 @@ def test_missing_sections_say_what_is_missing(tmp_path):
     assert failed == []
     assert "No train rows" in page and "No profile rows" in page and "No fidelity rows" in page
     assert "No meta row" in page
+
+
+def test_bubble_y_without_a_common_task_uses_the_task_most_mechanisms_ran():
+    def row(m, task, acc):
+        return {"kind": "train", "task": task, "size": "quick", "mechanism": m, "config": {}, "test_accuracy": acc,
+                "chance": 0.1, "steps_per_s": 10.0, "peak_memory_bytes": 2**20}
+    rows = [row("softmax", "A", 0.9), row("softmax", "B", 0.5), row("linear", "A", 0.4), row("fnet", "B", 0.3)]
+    rows.append(row("local", "A", 0.6))
+    accuracy, used = report.comparable_accuracy(report.lra_table(rows))
+    assert used == ["A"] and accuracy == pytest.approx({"softmax": 90, "linear": 40, "local": 60})

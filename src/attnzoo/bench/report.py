@@ -101,14 +101,20 @@ def main_size(train: list[Row]) -> str | None:
 
 def comparable_accuracy(table: dict[str, Any]) -> tuple[dict[str, float], list[str] | None]:
     """Each mechanism's mean accuracy over the tasks that every mechanism with a result ran, so a
-    mechanism that skipped a task (a non-causal one on MQAR) is not ranked on easier ground;
-    without such a common task, each one's own average (second value None)."""
+    mechanism that skipped a task (a non-causal one on MQAR) is not ranked on easier ground.
+    Without such a common task: the task most mechanisms ran, for those mechanisms only (the
+    others are then listed under the chart as not plotted). Returns (accuracy, tasks used)."""
     cells, tasks = table.get("cells", {}), table.get("tasks", [])
     scored = {m: {t for t in tasks if c.get(t, {}).get("accuracy") is not None} for m, c in cells.items()}
     scored = {m: ts for m, ts in scored.items() if ts}
     common = sorted(set(tasks).intersection(*scored.values())) if scored else []
+    if not common and scored:
+        # No task that all ran: use the task most mechanisms ran, and only those mechanisms.
+        counts = Counter(t for ts in scored.values() for t in ts)
+        common = [max(sorted(counts), key=counts.__getitem__)]
+        scored = {m: ts for m, ts in scored.items() if common[0] in ts}
     if not common:
-        return {m: a for m, a in table.get("average", {}).items() if a is not None}, None
+        return {}, None
     return {m: statistics.fmean(cells[m][t]["accuracy"] for t in common) for m in scored}, common
 
 
@@ -120,7 +126,7 @@ def bubble_points(train: list[Row], speed: list[Row]) -> dict[str, Any]:
     size = main_size(train)
     rows = [r for r in train if str(r.get("size")) == size]
     accuracy, common = comparable_accuracy(lra_table(rows) if rows else {})
-    basis = f"mean test accuracy over {', '.join(common)}" if common else "mean test accuracy over each one's tasks"
+    basis = f"mean test accuracy over {', '.join(common)}" if common else "test accuracy"
     x = train_speed_ratios(rows)
     if x:
         peaks: dict[str, list[int]] = {}
