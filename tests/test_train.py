@@ -59,6 +59,10 @@ def test_bad_config_names_the_field():
         TrainConfig(task="mqar", steps=0)
     with pytest.raises(ValueError, match="lr"):
         TrainConfig(task="mqar", lr=-1.0)
+    with pytest.raises(ValueError, match="max_seconds"):
+        TrainConfig(task="mqar", max_seconds=0)
+    with pytest.raises(ValueError, match="stop_at"):
+        TrainConfig(task="mqar", stop_at=95)
 
 
 def test_lm_task_refuses_a_mechanism_that_cannot_be_causal():

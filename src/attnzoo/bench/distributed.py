@@ -52,9 +52,14 @@ class Distributed:
         torch_dist.all_reduce(tensor)
         return type(value)(tensor.item())
 
-    def any(self, flag: bool) -> bool:
-        """True on every process when it is True on any (a stop signal seen by one stops all)."""
-        return bool(self.sum(int(flag)))
+    def any(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag, True on every process when it is True on any (a stop signal seen by one
+        stops all); one collective for all of them."""
+        if self.world == 1:
+            return tuple(bool(f) for f in flags)
+        tensor = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=self.device)
+        torch_dist.all_reduce(tensor)
+        return tuple(bool(v) for v in tensor.tolist())
 
     def gather(self, value: Any) -> list[Any]:
         if self.world == 1:

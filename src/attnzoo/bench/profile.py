@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 import attnzoo
+from attnzoo.bench.models import fill_shape_fields
 from attnzoo.bench.speed import machine, median_time, parse_mechanism, write_lines
 from attnzoo.nn import TransformerEncoderLayer
 from attnzoo.registry import config_fields
@@ -38,23 +40,17 @@ def default_mechanisms() -> tuple[tuple[str, dict[str, Any]], ...]:
 
 
 def build_layer(name: str, config: dict[str, Any], n: int, dim: int, heads: int) -> TransformerEncoderLayer:
-    """The layer under test, with size keys the user left out filled in from the layer (as
-    ``bench speed`` does), so that every mechanism runs at its defaults where it can:
-    ``max_len = max(n, 512)`` (learned per-position parameters: Linformer, Synthesizer, gMLP,
-    MLP-Mixer), ``heads`` and ``head_dim`` (Synthesizer's learned matrices), and ``h = w =
-    sqrt(n)`` for 2-D patterns when N is a square. Graph patterns are defined on a fixed node
-    count and report an error row unless given a graph of N nodes."""
-    fields = config_fields(name)
-    side = round(n**0.5)
-    sizes = {"max_len": max(n, 512), "heads": heads, "head_dim": dim // heads}
+    """The layer under test, with size keys the user left out filled in, so that every mechanism
+    runs at its defaults where it can: ``max_len = max(n, 512)`` (learned per-position parameters:
+    Linformer, Synthesizer, gMLP, MLP-Mixer; as ``bench speed``), ``h = w = sqrt(n)`` for 2-D
+    patterns when N is a square; ``heads``/``head_dim`` come from the layer (MultiHeadAttention
+    fills them). Graph patterns are defined on a fixed node count and report an error row unless
+    given a graph of N nodes."""
+    config = fill_shape_fields(name, config, seq_len=max(n, 512))
+    side = math.isqrt(n)
     if side * side == n:
-        sizes.update(h=side, w=side)
-    filled = {key: value for key, value in sizes.items() if key in fields and key not in config}
-    config = {**config, **filled}
-    if attnzoo.describe(name).capabilities.kind == "mixer":
-        return TransformerEncoderLayer(dim, heads, name, **config).eval()  # the layer adds dim
-    # Built here: "heads" and "head_dim" would collide with the layer's own arguments.
-    return TransformerEncoderLayer(dim, heads, attnzoo.build(name, **config)).eval()
+        config = {**{key: side for key in ("h", "w") if key in config_fields(name)}, **config}
+    return TransformerEncoderLayer(dim, heads, name, **config).eval()  # a mixer gets dim from the layer
 
 
 def sublayers(layer: TransformerEncoderLayer, causal: bool) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:

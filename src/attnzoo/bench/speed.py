@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
+from attnzoo.bench.monitor import PeakMemory
 from attnzoo.registry import config_fields
 
 CHECK_N = 300
@@ -81,37 +82,15 @@ def _cpu_model() -> str:
     return match.group(1).strip() if match else "unknown"
 
 
-def _rss(field_name: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field_name}:\s+(\d+) kB", text).group(1)) * 1024
-
-
-def _pin_mmap_threshold() -> None:
-    """glibc raises its mmap threshold after large blocks are freed, then serves big tensors
-    from heap memory that is already resident, hiding them from the RSS peak. A fixed threshold
-    (set once) makes every large allocation map fresh pages and unmap them on free."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def peak_memory(fn: Callable[[], Any]) -> int | None:
-    """Bytes the call adds to the process's peak resident set (Linux: resets VmHWM through
-    /proc/self/clear_refs); None where that is not available."""
-    _pin_mmap_threshold()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        base = _rss("VmRSS")
-    except OSError:
+    """Bytes the call adds to the process's peak resident set (``monitor.PeakMemory`` on the CPU);
+    None where that is not available."""
+    memory = PeakMemory(torch.device("cpu"))
+    if memory.base is None:
         return None
     result = fn()
     del result
-    return max(_rss("VmHWM") - base, 0)
+    return memory.peak()
 
 
 def median_time(fn: Callable[[], Any], repeats: int) -> float:

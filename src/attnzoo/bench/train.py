@@ -40,6 +40,8 @@ PRESETS: dict[tuple[str, str], dict[str, Any]] = {
     ("listops", "full"): dict(steps=5000, batch_size=32, lr=5e-4, warmup=1000, eval_every=500, dim=512,
                               depth=4, heads=8, ff_mult=2, patience=10),
     ("mqar", "quick"): dict(steps=600, batch_size=32, lr=3e-3, warmup=50, eval_every=100),
+    # From scratch, MQAR at length 256 sits on its plateau for 1000+ steps on a CPU; the committed
+    # result starts from the quick run's weights (--init-from; see benchmarks/README.md).
     ("mqar", "standard"): dict(steps=1500, batch_size=64, lr=3e-3, warmup=100, eval_every=250, patience=4,
                                stop_at=0.99),
     ("mqar", "full"): dict(steps=20000, batch_size=64, lr=1e-3, warmup=1000, eval_every=1000, dim=128, patience=10),
@@ -95,6 +97,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not (self.lr > 0 and self.clip > 0 and self.warmup >= 0 and 0 <= self.dropout < 1):
             raise ValueError("lr and clip must be > 0, warmup >= 0 and dropout in [0, 1)")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be > 0 (or None for no time budget), got {self.max_seconds!r}")
+        if self.stop_at is not None and not 0 < self.stop_at <= 1:
+            raise ValueError(f"stop_at is a validation accuracy in (0, 1], got {self.stop_at!r}")
 
     @classmethod
     def with_preset(cls, task: str, size: str = "quick", **values: Any) -> TrainConfig:
@@ -197,8 +203,9 @@ def _resume(run_dir: Path, cfg: TrainConfig, model: nn.Module, optimizer: torch.
     if not last.exists():
         return _fresh_state()
     stored = checkpoint.read_meta(last)["config"]
-    if stored != json.loads(json.dumps(dataclasses.asdict(cfg))):
-        changed = sorted(k for k in stored if stored[k] != dataclasses.asdict(cfg).get(k))
+    wanted = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))  # as the checkpoint stores it
+    if stored != wanted:
+        changed = sorted(k for k in wanted if stored.get(k) != wanted[k])
         raise ValueError(f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}); "
                          f"pass another --run-dir, or delete it to start over")
     return checkpoint.load(last, model, optimizer)["state"]
@@ -252,10 +259,9 @@ class _Run:
         loss.backward()
         nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
         self.optimizer.step()
-        self.state["step"] = step + 1
-        self.state["loss_sum"] += float(loss.detach())
-        self.state["loss_count"] += 1
-        return float(loss.detach())
+        value = float(loss.detach())
+        self.state.update(step=step + 1, loss_sum=self.state["loss_sum"] + value, loss_count=self.state["loss_count"] + 1)
+        return value
 
     def validate(self) -> bool:
         """Evaluate on val, keep the best weights; True when early stopping says stop."""
@@ -284,8 +290,10 @@ def _loop(run: _Run, reporter: Reporter, interrupt: _Interrupt) -> bool:
         state["train_s"] += time.perf_counter() - t0
         step = state["step"]
         reporter.step(step, loss, (step - start) / max(time.perf_counter() - started_at, 1e-9))
-        # A time budget ends the run at the first step past it (agreed across processes).
-        out_of_time = run.dist.any(cfg.max_seconds is not None and state["train_s"] >= cfg.max_seconds)
+        # A time budget ends the run at the first step past it; a signal seen by any process
+        # stops all of them at this step boundary (one collective per step for both).
+        out_of_time, interrupted = run.dist.any(
+            cfg.max_seconds is not None and state["train_s"] >= cfg.max_seconds, interrupt.raised)
         stop = False
         if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
             stop = run.validate() or out_of_time
@@ -293,7 +301,7 @@ def _loop(run: _Run, reporter: Reporter, interrupt: _Interrupt) -> bool:
         # Early stop and the last step are recorded before saving, so a resumed run that had
         # already stopped does not train on.
         state["finished"] = stop or step == cfg.steps
-        if run.dist.any(interrupt.raised) and not state["finished"]:
+        if interrupted and not state["finished"]:
             run.save()
             return False
         if state["finished"] or step % cfg.checkpoint_every == 0 or step % cfg.eval_every == 0:
