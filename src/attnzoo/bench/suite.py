@@ -81,7 +81,8 @@ def _train_rows(preset: Preset, out: Path, data_dir: str | None, console: Consol
     language-model tasks (said once), other failures become rows with an ``error``."""
     for task, size, values in preset.tasks:
         try:
-            info, _ = load_task(task, size=size, data_dir=data_dir, **values.get("task_overrides", {}))
+            # Generates (or reads) the cache once; the splits are dropped here, train() reads them.
+            info = load_task(task, size=size, data_dir=data_dir, **values.get("task_overrides", {}))[0]
         except ImportError as error:  # the text task's optional corpus
             console.print(f"[yellow]skipping {task}:[/yellow] {error}")
             continue
