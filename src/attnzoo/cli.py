@@ -111,18 +111,22 @@ def cmd_show(console: Console, args: argparse.Namespace) -> None:
     console.print(f"wrote {out}")
 
 
+CAUSAL_MODES = {"no": (False,), "yes": (True,), "both": (False, True)}
+
+
 def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
     from attnzoo.bench import speed
 
     mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or tuple((name, {}) for name in attnzoo.names())
     setting = speed.Setting(
         mechanisms=mechanisms, backends=tuple(args.backend.split(",")), sizes=tuple(int(n) for n in args.n.split(",")),
-        batch=args.batch, heads=args.heads, dim=args.dim, causal=args.causal, repeats=args.repeats,
+        batch=args.batch, heads=args.heads, dim=args.dim, causal_modes=CAUSAL_MODES[args.causal], repeats=args.repeats,
         backward=not args.no_backward, sdpa_max_n=args.sdpa_max_n,
         extra={"command": "attnzoo " + " ".join(sys.argv[1:] if args.argv is None else args.argv)},
     )
     table = Table(title="attnzoo bench speed (ratios are against dense SDPA in the same run)")
-    for column in ("mechanism", "backend", "N", "fwd ms", "fwd+bwd ms", "x SDPA fwd", "x SDPA f+b", "peak MiB", "GFLOP/s", "note"):
+    for column in ("mechanism", "backend", "N", "causal", "fwd ms", "fwd+bwd ms", "x SDPA fwd", "x SDPA f+b", "f+b spread",
+                   "bound", "peak MiB", "GFLOP/s", "note"):
         table.add_column(column)
 
     def echo(row: dict) -> None:
@@ -134,17 +138,20 @@ def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
             fits.append(row)
             return
         name = "SDPA (dense)" if row["kind"] == "sdpa" else row["mechanism"]
-        table.add_row(name, row.get("backend_ran", row.get("backend", "-")), str(row["n"]), _ms(row.get("forward_s")),
-                      _ms(row.get("forward_backward_s")), _x(row.get("speedup_forward_vs_sdpa")),
-                      _x(row.get("speedup_forward_backward_vs_sdpa")), _mib(row.get("peak_forward_bytes")),
+        spread = row.get("speedup_forward_backward_spread")
+        table.add_row(name, row.get("backend_ran", row.get("backend", "-")), str(row["n"]), "yes" if row.get("causal") else "no",
+                      _ms(row.get("forward_s")), _ms(row.get("forward_backward_s")), _x(row.get("speedup_forward_vs_sdpa")),
+                      _x(row.get("speedup_forward_backward_vs_sdpa")), f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
+                      _x(row.get("density_bound")), _mib(row.get("peak_forward_bytes")),
                       _num(row.get("useful_gflops")), row.get("error", {True: "", False: "FAILED check", None: "unchecked"}[row.get("correct", True)]))
 
     fits: list[dict] = []
     speed.write_lines(speed.run(setting), Path(args.out) if args.out else None, echo)
     console.print(table)
     for fit in fits:
-        console.print(f"{fit['mechanism']} ({fit['backend']}) over N={fit['sizes']}: time ~ N^{_num2(fit['time_exponent'])}, "
-                      f"peak memory ~ N^{_num2(fit['memory_exponent'])}")
+        console.print(f"{fit['mechanism']} ({fit['backend']}, {'causal' if fit['causal'] else 'non-causal'}) over "
+                      f"N={fit['sizes']}: time ~ N^{_num2(fit['time_exponent'])}, peak memory ~ "
+                      f"N^{_num2(fit['memory_exponent'])}, beats SDPA from N={fit['crossover_n'] or 'never'}")
     if args.out:
         console.print(f"results: {args.out}")
 
@@ -240,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--batch", type=int, default=1)
     sp.add_argument("--heads", type=int, default=8)
     sp.add_argument("--dim", type=int, default=64)
-    sp.add_argument("--causal", action="store_true")
-    sp.add_argument("--repeats", type=int, default=5, help="timed runs per figure (median), after one warm-up")
+    sp.add_argument("--causal", nargs="?", const="yes", default="no", choices=tuple(CAUSAL_MODES),
+                    help="causal attention (vs SDPA's causal kernel); 'both' runs every size both ways")
+    sp.add_argument("--repeats", type=int, default=5,
+                    help="interleaved (SDPA, mechanism) pairs per figure, after two warm-ups each; ratios are medians")
     sp.add_argument("--no-backward", action="store_true", help="time the forward only")
     sp.add_argument("--sdpa-max-n", type=int, default=16384, help="skip the dense SDPA reference above this N")
     sp.add_argument("--out", help="write JSON lines here")

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.patterns.algebra import BlockList, Pattern, TileGrid, evaluate_tiles
 from attnzoo.spec import MaskMod, ScoreMod
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_flash = flash_attention_cpu
+_flash_backward = flash_attention_cpu_backward
 
 #: How each tile is computed: no mask, causal, causal on reversed rows, or an explicit mask.
 KINDS = ("full", "tril", "triu", "mask")

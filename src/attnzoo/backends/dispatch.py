@@ -25,6 +25,7 @@ from torch import Tensor
 from attnzoo._checks import check_causal, check_choice, check_key_padding_mask, check_positive_int, check_qkv
 from attnzoo.backends import blocked as blocked_backend
 from attnzoo.backends import flex as flex_backend
+from attnzoo.backends import structured as structured_backend
 from attnzoo.backends.reference import reference_attention
 from attnzoo.patterns import Pattern, causal as causal_pattern, full
 from attnzoo.spec import ScoreMod
@@ -56,6 +57,9 @@ class Choice:
 
     backend: str
     skipped: dict[str, list[str]]
+    #: For ``blocked``: ``"structured"`` (windows / sub-sequences, see ``backends.structured``)
+    #: or ``"tiles"`` (the generic tile plan).
+    path: str | None = None
 
 
 _LAST = threading.local()
@@ -125,6 +129,12 @@ def attend(
                                    score_mod=score_mod, scale=scale)
     if name == "flex":
         return flex_backend.flex_attend(call)
+    structure = structure_for(call)
+    if structure is not None:
+        _LAST.choice = Choice(_LAST.choice.backend, _LAST.choice.skipped, "structured")
+        return structured_backend.structured_attention(q, k, v, structure, scale=scale,
+                                                       key_padding_mask=key_padding_mask)
+    _LAST.choice = Choice(_LAST.choice.backend, _LAST.choice.skipped, "tiles")
     plan = plan_for(call)
     return blocked_backend.blocked_attention(
         q, k, v, plan, mask_mod=pattern.mask_mod_for(q.shape[2], k.shape[2]), scale=scale,
@@ -152,6 +162,26 @@ def _choose(backend: str, call: Call) -> str:
 
 
 _PLANS: OrderedDict[tuple, blocked_backend.Plan] = OrderedDict()
+_STRUCTURES: OrderedDict[tuple, structured_backend.Structure | None] = OrderedDict()
+#: dtypes PyTorch's CPU flash kernel runs.
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def structure_for(call: Call) -> structured_backend.Structure | None:
+    """The structured plan for this call (cached by the pattern's value and the sizes), or None
+    where the call needs the generic tile plan: a pattern without window structure, a
+    ``score_mod``, cross-attention of unequal lengths, value and key head sizes that differ,
+    or a dtype the CPU flash kernel does not run."""
+    q, v = call.q, call.v
+    if call.score_mod is not None or q.shape[-1] != v.shape[-1] or q.dtype not in _FLASH_DTYPES:
+        return None
+    key = (call.pattern, q.shape[2], call.k.shape[2], q.shape[1])
+    if key not in _STRUCTURES:
+        _STRUCTURES[key] = structured_backend.structure(call.pattern, q.shape[2], call.k.shape[2], q.shape[1])
+        if len(_STRUCTURES) > 64:
+            _STRUCTURES.popitem(last=False)
+    _STRUCTURES.move_to_end(key)
+    return _STRUCTURES[key]
 
 
 def plan_for(call: Call) -> blocked_backend.Plan:

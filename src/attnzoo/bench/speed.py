@@ -2,6 +2,11 @@
 registered mechanisms, each against dense ``scaled_dot_product_attention`` measured in the same
 run (this machine is shared and noisy, so only same-run ratios are meaningful).
 
+Every ratio comes from the mechanism and SDPA timed *interleaved* (SDPA, mechanism, SDPA, ...)
+after both are warmed up: the median of the pairwise ratios, with its spread. Rows carry the
+pattern's ``density`` (pairs attended / pairs SDPA computes) and the ``density_bound`` 1/density,
+and each fit line the ``crossover_n`` (smallest N from which the mechanism beats SDPA).
+
 Before timing, each mechanism is checked against its reference at a small size; a mechanism
 that fails the check is reported as failed and gets no speed-up figure.
 """
@@ -41,7 +46,8 @@ class Setting:
     batch: int = 1
     heads: int = 8
     dim: int = 64
-    causal: bool = False
+    #: run every size non-causal, causal, or both: ``(False,)``, ``(True,)``, ``(False, True)``.
+    causal_modes: tuple[bool, ...] = (False,)
     repeats: int = 5
     backward: bool = True
     sdpa_max_n: int = 16384
@@ -103,6 +109,25 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _clock(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(reference: Callable[[], Any], fn: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Time ``reference`` and ``fn`` alternately (A, B, A, B, ...) after warming both up twice,
+    so both see the same machine state; the ratio is the median of the pairwise ratios
+    ``reference / fn`` (> 1: ``fn`` is faster), with its spread (min, max)."""
+    for _ in range(2):
+        reference()
+        fn()
+    pairs = [(_clock(reference), _clock(fn)) for _ in range(repeats)]
+    ratios = sorted(a / b for a, b in pairs)
+    return {"reference_s": statistics.median(a for a, _ in pairs), "s": statistics.median(b for _, b in pairs),
+            "ratio": statistics.median(ratios), "spread": [ratios[0], ratios[-1]]}
+
+
 def matmul_gflops(n: int = 2048, repeats: int = 3) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     return 2 * n**3 / median_time(lambda: a @ b, repeats) / 1e9
@@ -119,22 +144,24 @@ def _build(name: str, config: dict[str, Any], backend: str) -> torch.nn.Module:
     return attnzoo.build(name, **config)
 
 
-def _fwd_bwd(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+def _fwd_bwd(module: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    for x in (q, k, v):
+        x.grad = None
     module(q, k, v, causal=causal).sum().backward()
 
 
-def check(name: str, config: dict[str, Any], backend: str, setting: Setting) -> tuple[float, str]:
+def check(name: str, config: dict[str, Any], backend: str, setting: Setting, causal: bool) -> tuple[float, str]:
     """Max abs difference at ``CHECK_N`` against the mechanism's reference, and how it was
     checked: the ``reference`` backend where the mechanism has a backend switch, else its
     ``implied_attention(q, k) @ v`` (the matrix its reference computes)."""
     fast = _build(name, config, backend).eval()
     q, k, v = _inputs(Setting(mechanisms=(), batch=1, heads=setting.heads, dim=setting.dim), CHECK_N, False)
     with torch.no_grad():
-        out = fast(q, k, v, causal=setting.causal)
+        out = fast(q, k, v, causal=causal)
         if "backend" in config_fields(name):
-            want, how = _build(name, config, "reference")(q, k, v, causal=setting.causal), "reference backend"
+            want, how = _build(name, config, "reference")(q, k, v, causal=causal), "reference backend"
         elif callable(getattr(fast, "implied_attention", None)):
-            want, how = fast.implied_attention(q, k, causal=setting.causal) @ v, "implied_attention @ v"
+            want, how = fast.implied_attention(q, k, causal=causal) @ v, "implied_attention @ v"
         else:
             return float("nan"), "unchecked"
     return float((out - want).abs().max()), how
@@ -150,39 +177,62 @@ def useful_pairs(module: torch.nn.Module, n: int, causal: bool) -> float | None:
         return n * (n + 1) / 2 if causal else float(n * n)
     if causal:
         pattern = pattern & attnzoo.patterns.causal()
-    return pattern.density(n, block=128) * n * n
+    return pattern.resolve_heads(2 * getattr(pattern, "n_groups", 1)).density(n, block=128) * n * n
 
 
-def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Setting, sdpa: dict[int, dict]) -> dict[str, Any]:
+def density(pairs: float | None, n: int, causal: bool) -> float | None:
+    """Pairs attended over the pairs dense SDPA computes at the same causality (its causal
+    kernel skips the upper triangle): ``1 / density`` is the speed-up bound."""
+    if pairs is None:
+        return None
+    return pairs / (n * (n + 1) / 2 if causal else float(n * n))
+
+
+def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Setting, causal: bool) -> dict[str, Any]:
+    """Time one mechanism at one size against dense SDPA, interleaved (see ``interleaved``)."""
     row: dict[str, Any] = {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
-                           "batch": setting.batch, "heads": setting.heads, "dim": setting.dim, "causal": setting.causal}
+                           "batch": setting.batch, "heads": setting.heads, "dim": setting.dim, "causal": causal}
     if attnzoo.describe(name).capabilities.kind == "mixer":
-        return _run_mixer(row, name, config, n, setting)
+        return _run_mixer(row, name, config, n, setting, causal)
     module = _build(name, config, backend).eval()
-    row["max_abs_error_vs_reference"], row["checked_by"] = check(name, config, backend, setting)
+    row["max_abs_error_vs_reference"], row["checked_by"] = check(name, config, backend, setting, causal)
     row["correct"] = row["max_abs_error_vs_reference"] < 1e-3
     q, k, v = _inputs(setting, n, False)
+    forward = lambda: module(q, k, v, causal=causal)  # noqa: E731
     with torch.no_grad():
-        row["forward_s"] = median_time(lambda: module(q, k, v, causal=setting.causal), setting.repeats)
-        row["peak_forward_bytes"] = peak_memory(lambda: module(q, k, v, causal=setting.causal))
-    row["backend_ran"] = getattr(attnzoo.last_choice(), "backend", None) if hasattr(module, "pattern") else name
-    pairs = useful_pairs(module, n, setting.causal)
+        timed = interleaved(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), forward, setting.repeats)
+        row["forward_s"], row["sdpa_forward_s"] = timed["s"], timed["reference_s"]
+        row["peak_forward_bytes"] = peak_memory(forward)
+    choice = attnzoo.last_choice() if hasattr(module, "pattern") else None
+    row["backend_ran"] = name if choice is None else choice.backend + (f" ({choice.path})" if choice.path else "")
+    pairs = useful_pairs(module, n, causal)
+    row["density"] = density(pairs, n, causal)
+    if row["density"]:
+        row["density_bound"] = 1 / row["density"]
     if pairs is not None:
         row["useful_gflops"] = 4 * pairs * setting.dim * setting.batch * setting.heads / row["forward_s"] / 1e9
+    if row["correct"]:
+        row["speedup_forward_vs_sdpa"], row["speedup_forward_spread"] = timed["ratio"], timed["spread"]
     if setting.backward and backend != "flex":
         qg, kg, vg = _inputs(setting, n, True)
-        row["forward_backward_s"] = median_time(lambda: _fwd_bwd(module, qg, kg, vg, setting.causal), setting.repeats)
-    if n in sdpa and row["correct"]:
-        row["speedup_forward_vs_sdpa"] = sdpa[n]["forward_s"] / row["forward_s"]
-        if "forward_backward_s" in row and "forward_backward_s" in sdpa[n]:
-            row["speedup_forward_backward_vs_sdpa"] = sdpa[n]["forward_backward_s"] / row["forward_backward_s"]
+        timed = interleaved(lambda: _fwd_bwd(_sdpa, qg, kg, vg, causal), lambda: _fwd_bwd(module, qg, kg, vg, causal),
+                            setting.repeats)
+        row["forward_backward_s"], row["sdpa_forward_backward_s"] = timed["s"], timed["reference_s"]
+        if row["correct"]:
+            row["speedup_forward_backward_vs_sdpa"] = timed["ratio"]
+            row["speedup_forward_backward_spread"] = timed["spread"]
     blocks_ms = _blocks_ms(module, n)
     if blocks_ms is not None:
         row["blocks_ms"] = blocks_ms
     return row
 
 
-def _run_mixer(row: dict[str, Any], name: str, config: dict[str, Any], n: int, setting: Setting) -> dict[str, Any]:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _run_mixer(row: dict[str, Any], name: str, config: dict[str, Any], n: int, setting: Setting,
+               causal: bool) -> dict[str, Any]:
     """Token mixers take the layer input ``x (B, N, H * D)``: time that. There is no reference
     to check against, so no speed-up is claimed (``correct`` is None)."""
     width = setting.heads * setting.dim
@@ -190,8 +240,8 @@ def _run_mixer(row: dict[str, Any], name: str, config: dict[str, Any], n: int, s
     module = attnzoo.build(name, **{**sizes, **config}).eval()
     x = torch.randn(setting.batch, n, width)
     with torch.no_grad():
-        row["forward_s"] = median_time(lambda: module(x, causal=setting.causal), setting.repeats)
-        row["peak_forward_bytes"] = peak_memory(lambda: module(x, causal=setting.causal))
+        row["forward_s"] = median_time(lambda: module(x, causal=causal), setting.repeats)
+        row["peak_forward_bytes"] = peak_memory(lambda: module(x, causal=causal))
     row.update(backend_ran=name, correct=None, checked_by="unchecked (token mixer: no reference)")
     return row
 
@@ -208,36 +258,38 @@ def _blocks_ms(module: torch.nn.Module, n: int) -> float | None:
     return (time.perf_counter() - start) * 1e3
 
 
-def sdpa_row(n: int, setting: Setting) -> dict[str, Any]:
+def sdpa_row(n: int, setting: Setting, causal: bool) -> dict[str, Any]:
+    """Dense SDPA's own times at ``n`` (warmed up twice), for plots; the ratios in the
+    mechanism rows come from their own interleaved pairs, not from this row."""
     q, k, v = _inputs(setting, n, False)
-    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=setting.causal)  # noqa: E731
-    row = {"kind": "sdpa", "n": n, "causal": setting.causal, "forward_s": median_time(sdpa, setting.repeats),
-           "peak_forward_bytes": peak_memory(sdpa)}
+    with torch.no_grad():
+        _sdpa(q, k, v, causal)
+        row = {"kind": "sdpa", "n": n, "causal": causal, "forward_s": median_time(lambda: _sdpa(q, k, v, causal), setting.repeats),
+               "peak_forward_bytes": peak_memory(lambda: _sdpa(q, k, v, causal))}
     if setting.backward:
         qg, kg, vg = _inputs(setting, n, True)
-        row["forward_backward_s"] = median_time(
-            lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=setting.causal).sum().backward(), setting.repeats)
+        _fwd_bwd(_sdpa, qg, kg, vg, causal)
+        row["forward_backward_s"] = median_time(lambda: _fwd_bwd(_sdpa, qg, kg, vg, causal), setting.repeats)
     return row
 
 
 def run(setting: Setting) -> Iterator[dict[str, Any]]:
-    """Yield the meta line, then one SDPA line per size and one line per mechanism, backend and
-    size. Failures are reported as lines with an ``error`` field, not raised."""
+    """Yield the meta line, then per causality and size one SDPA line and one line per
+    mechanism and backend, then the fits. Failures are lines with an ``error`` field."""
     yield {"kind": "meta", **machine(), "matmul_2048_gflops": matmul_gflops(), **setting.extra}
-    sdpa: dict[int, dict] = {}
     done: list[dict[str, Any]] = []
-    for n in setting.sizes:
-        if n <= setting.sdpa_max_n:
-            sdpa[n] = sdpa_row(n, setting)
-            yield sdpa[n]
-        for name, config in setting.mechanisms:
-            for backend in setting.backends:
-                try:
-                    done.append(run_one(name, config, backend, n, setting, sdpa))
-                    yield done[-1]
-                except (ValueError, TypeError, RuntimeError) as error:
-                    yield {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
-                           "error": f"{type(error).__name__}: {error}"}
+    for causal in setting.causal_modes:
+        for n in setting.sizes:
+            if n <= setting.sdpa_max_n:
+                yield sdpa_row(n, setting, causal)
+            for name, config in setting.mechanisms:
+                for backend in setting.backends:
+                    try:
+                        done.append(run_one(name, config, backend, n, setting, causal))
+                        yield done[-1]
+                    except (ValueError, TypeError, RuntimeError) as error:
+                        yield {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
+                               "causal": causal, "error": f"{type(error).__name__}: {error}"}
     yield from fits(done)
 
 
@@ -255,15 +307,30 @@ def fits(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """One line per (mechanism, config, backend) measured at two or more sizes."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault(json.dumps([row["mechanism"], row["config"], row["backend"]], default=str), []).append(row)
+        key = [row["mechanism"], row["config"], row["backend"], row.get("causal", False)]
+        groups.setdefault(json.dumps(key, default=str), []).append(row)
     for group in groups.values():
         if len(group) < 2:
             continue
         sizes = [r["n"] for r in group]
         yield {"kind": "fit", "mechanism": group[0]["mechanism"], "config": group[0]["config"],
-               "backend": group[0]["backend"], "sizes": sizes,
+               "backend": group[0]["backend"], "causal": group[0].get("causal", False), "sizes": sizes,
+               "crossover_n": crossover(group),
                "time_exponent": fitted_exponent(sizes, [r["forward_s"] for r in group]),
                "memory_exponent": fitted_exponent(sizes, [r.get("peak_forward_bytes") for r in group])}
+
+
+def crossover(rows: list[dict[str, Any]]) -> int | None:
+    """The smallest N in the sweep from which the mechanism beats SDPA (forward+backward where
+    measured, else forward) at that N and every larger N measured; None if it never does."""
+    metric = "speedup_forward_backward_vs_sdpa" if any("speedup_forward_backward_vs_sdpa" in r for r in rows) \
+        else "speedup_forward_vs_sdpa"
+    best = None
+    for row in sorted(rows, key=lambda r: r["n"], reverse=True):
+        if (row.get(metric) or 0) < 1:
+            break
+        best = row["n"]
+    return best
 
 
 def write_lines(rows: Iterator[dict[str, Any]], out: Path | None, echo: Callable[[dict], None]) -> list[dict]:

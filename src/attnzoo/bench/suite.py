@@ -70,7 +70,7 @@ PRESETS: dict[str, Preset] = {
 def _speed_rows(preset: Preset, command: str) -> Iterator[dict[str, Any]]:
     setting = speed.Setting(
         mechanisms=tuple((name, {}) for name in attnzoo.names()), backends=("auto",), sizes=preset.speed_sizes,
-        batch=1, heads=8, dim=64, causal=False, repeats=preset.speed_repeats, backward=preset.backward,
+        batch=1, heads=8, dim=64, causal_modes=(False,), repeats=preset.speed_repeats, backward=preset.backward,
         sdpa_max_n=max(preset.speed_sizes), extra={"command": command},
     )
     return speed.run(setting)

@@ -174,6 +174,23 @@ class Pattern:
         pairs = area[tiles.full].sum() + count_pairs(self, tiles.select(~tiles.full)).double().sum()
         return float(pairs) / (n * n * tiles.n_groups)
 
+    def _value(self) -> tuple | None:
+        """What makes two patterns of one class equal; None compares by identity. Plans are
+        cached by it, so ``local(64) & causal()`` built afresh per call reuses its plan."""
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(self) is not type(other):
+            return False
+        mine = self._value()
+        return mine is not None and mine == other._value()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        value = self._value()
+        return id(self) if value is None else hash((type(self).__name__, value))
+
     def __or__(self, other: Pattern) -> Pattern:
         return combine(self, other, union=True)
 
@@ -215,6 +232,9 @@ class Union(Pattern):
         self.parts = tuple(parts)
         self.name = " | ".join(_wrap(p) for p in self.parts)
 
+    def _value(self) -> tuple:
+        return self.parts
+
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         mods = [p.mask_mod_for(n_q, n_kv) for p in self.parts]
 
@@ -237,6 +257,9 @@ class Intersection(Pattern):
     def __init__(self, parts: Sequence[Pattern]) -> None:
         self.parts = tuple(parts)
         self.name = " & ".join(_wrap(p) for p in self.parts)
+
+    def _value(self) -> tuple:
+        return self.parts
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         mods = [p.mask_mod_for(n_q, n_kv) for p in self.parts]
@@ -282,6 +305,9 @@ class PerHead(Pattern):
         if heads is not None and heads % self.n_groups:
             raise ValueError(f"per_head with {self.n_groups} patterns needs a multiple of {self.n_groups} heads, got {heads}")
         self.name = "per_head[" + ", ".join(p.name for p in self.patterns) + "]"
+
+    def _value(self) -> tuple:
+        return self.patterns, self.heads
 
     def resolve_heads(self, heads: int) -> PerHead:
         return PerHead(self.patterns, heads)

@@ -49,6 +49,9 @@ class Band(Pattern):
         self.lo, self.hi, self.modulus = lo, hi, modulus
         self.name = name or f"band({lo}, {hi}, mod {modulus})"
 
+    def _value(self) -> tuple:
+        return self.lo, self.hi, self.modulus
+
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         lo, hi, mod = self.lo, self.hi, self.modulus
 
@@ -150,6 +153,9 @@ class GlobalTokens(Pattern):
         self.indices = index
         self.name = f"global_tokens({index.tolist() if index.numel() <= 8 else f'{index.numel()} tokens'})"
 
+    def _value(self) -> tuple:
+        return tuple(self.indices.tolist())
+
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         top = int(self.indices.max())
         table = _index_table(self.indices, top + 1)
@@ -193,6 +199,9 @@ class PeriodicColumns(Pattern):
             raise ValueError(f"need 0 <= first <= last < period, got {first}, {last}, {period}")
         self.period, self.first, self.last = period, first, last
         self.name = f"columns({first}..{last} mod {period})"
+
+    def _value(self) -> tuple:
+        return self.period, self.first, self.last
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         def columns(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -243,6 +252,9 @@ class Random(Pattern):
         check_positive_int(r, "r")
         self.r, self.seed = r, seed
         self.name = f"random({r}, seed={seed})"
+
+    def _value(self) -> tuple:
+        return self.r, self.seed
 
     def table(self, n_q: int, n_kv: int) -> Tensor:
         """``(N_q, min(r, N_kv))``: the keys of each query row."""
@@ -302,6 +314,9 @@ class BlockLocal(Pattern):
         self.size = size
         self.name = f"block_local({size})"
 
+    def _value(self) -> tuple:
+        return (self.size,)
+
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         def block_local(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return torch.div(q_idx, self.size, rounding_mode="floor") == torch.div(kv_idx, self.size, rounding_mode="floor")
@@ -330,6 +345,9 @@ class RandomBlocks(Pattern):
         check_positive_int(block, "block")
         self.r, self.block, self.seed = r, block, seed
         self.name = f"random_blocks({r}, {block}, seed={seed})"
+
+    def _value(self) -> tuple:
+        return self.r, self.block, self.seed
 
     def table(self, n_kv: int) -> Tensor:
         n_blocks = -(-n_kv // self.block)
@@ -378,6 +396,9 @@ class Graph(Pattern):
         self.n = n
         self.edge_keys = torch.unique(edge_index[0] * n + edge_index[1])  # sorted by (query, key)
         self.name = f"graph({n} nodes, {self.edge_keys.numel()} edges)"
+
+    def _value(self) -> tuple:
+        return self.n, tuple(self.edge_keys.tolist())
 
     def neighbours(self) -> Tensor:
         """``(n, max degree)``: the keys each query attends, padded with -1."""

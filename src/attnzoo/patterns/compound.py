@@ -61,6 +61,9 @@ class BlockBand(Pattern):
         self.size, self.reach = block, reach
         self.name = f"block_band({block}, ±{reach})"
 
+    def _value(self) -> tuple:
+        return self.size, self.reach
+
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         def block_band(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             qb = torch.div(q_idx, self.size, rounding_mode="floor")
@@ -84,6 +87,9 @@ class GlobalBlocks(Pattern):
     def __init__(self, block: int, first: int, last: int) -> None:
         self.size, self.first, self.last = block, first, last
         self.name = f"global_blocks(first {first}, last {last}, block {block})"
+
+    def _value(self) -> tuple:
+        return self.size, self.first, self.last
 
     def _tokens(self, n_kv: int) -> GlobalTokens:
         n_blocks = -(-n_kv // self.size)
@@ -157,6 +163,9 @@ class Block2D(GridPattern):
         self.h, self.w, self.query_block, self.margin = h, w, tuple(query_block), tuple(memory_margin)
         self.name = f"block2d({h}x{w}, query_block={self.query_block}, margin={self.margin})"
 
+    def _value(self) -> tuple:
+        return self.h, self.w, self.query_block, self.margin
+
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         self._check(n_q, n_kv)
         (qh, qw), (mh, mw), w = self.query_block, self.margin, self.w
@@ -201,6 +210,9 @@ class Axial(GridPattern):
         self.h, self.w = h, w
         self.inner = BlockLocal(w) | strided(w)
         self.name = f"axial({h}x{w})"
+
+    def _value(self) -> tuple:
+        return self.h, self.w
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         self._check(n_q, n_kv)

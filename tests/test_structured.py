@@ -1,0 +1,147 @@
+"""The blocked backend's structured path (windows of K/V, de-interleaved sub-sequences): exact
+against independent oracles, forward and gradients, on awkward sizes; nothing N x N; plans
+cached by the pattern's value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oracles as O
+from attnzoo import patterns as P
+from attnzoo.backends import dispatch, structured
+from attnzoo.backends.dispatch import attend, last_choice
+from conftest import LargestTensor
+
+# (pattern, its independent oracle (n) -> (n, n) or (heads, n, n) bool)
+CASES = {
+    "window": (P.sliding_window(8, 8), lambda n: O.sliding_window_oracle(n, n, 8, 8)),
+    "causal_window": (P.sliding_window(16, 0), lambda n: O.sliding_window_oracle(n, n, 16, 0)),
+    "ahead": (P.sliding_window(0, 40), lambda n: O.sliding_window_oracle(n, n, 0, 40)),
+    "dilated": (P.dilated(4, 4, 2), lambda n: O.dilated_oracle(n, n, 4, 4, 2)),
+    "strided": (P.strided(5), lambda n: O.strided_oracle(n, n, 5)),
+    "block_local": (P.block_local(16), lambda n: O.block_local_oracle(n, n, 16)),
+    "sparse_transformer_strided": (P.sparse_transformer_strided(8),
+                                   lambda n: O.sparse_transformer_strided_oracle(n, 8, 4)),
+}
+
+
+def _inputs(n: int, heads: int = 4, batch: int = 2, dim: int = 8, dtype: torch.dtype = torch.float64):
+    g = torch.Generator().manual_seed(n)
+    return [torch.randn(batch, heads, n, dim, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
+
+
+def _padding(n: int) -> torch.Tensor:
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[0, n - 7 :] = False  # right padding
+    mask[1, :5] = False  # left padding
+    return mask
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_structured_forward_equals_the_double_loop_oracle(name, causal):
+    pattern, oracle = CASES[name]
+    n = 75  # not a multiple of any window block, the stride or the block size
+    q, k, v = _inputs(n)
+    padding = _padding(n)
+    out = attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=padding, backend="blocked")
+    assert last_choice().path == "structured"
+    mask = oracle(n)
+    mask = mask if mask.ndim == 3 else mask[None]
+    if causal:
+        mask = mask & O.causal_oracle(n, n)
+    bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))[None]
+    want = O.attention_oracle(q.detach(), k.detach(), v.detach(), key_padding_mask=padding, score_bias=bias)
+    # The oracle's -inf bias makes a row that sees no key 0/0; such rows must be zeros.
+    sees_a_key = (mask[None] & padding[:, None, None, :]).any(-1, keepdim=True)
+    want = torch.where(sees_a_key, want, 0.0)
+    torch.testing.assert_close(out.detach(), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("n", [100, 257])
+def test_structured_gradients_equal_the_dense_reference(name, n):
+    pattern, _ = CASES[name]
+    for causal in (False, True):
+        q, k, v = _inputs(n)
+        padding = _padding(n)
+        grad = torch.randn(2, 4, n, 8, dtype=torch.float64)
+        outs = []
+        for backend in ("blocked", "reference"):
+            out = attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=padding, backend=backend)
+            outs.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+        for fast, ref in zip(*outs):
+            torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16():
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = _inputs(100, dtype=dtype)
+        padding = torch.ones(2, 100, dtype=torch.bool)
+        padding[1] = False
+        for pattern in (P.local(8), P.strided(4)):
+            out = attend(q, k, v, pattern=pattern, key_padding_mask=padding, backend="blocked")
+            assert last_choice().path == "structured"
+            out.sum().backward()
+            assert out[1].abs().max() == 0 and k.grad[1].abs().max() == 0 and q.grad[1].abs().max() == 0
+            want = attend(*(x.detach().double() for x in (q, k, v)), pattern=pattern, key_padding_mask=padding,
+                          backend="reference")
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out.detach().double(), want, rtol=tol, atol=tol)
+            q.grad = k.grad = v.grad = None
+
+
+def test_patterns_without_window_structure_run_on_the_tile_plan():
+    q, k, v = _inputs(64)
+    for pattern in (P.longformer(4), P.random(4), P.sliding_window(40, 40)):  # the last covers every key at N=64
+        attend(q, k, v, pattern=pattern, backend="blocked")
+        assert last_choice().path == "tiles"
+    # A score_mod needs the tile plan's einsum path.
+    attend(q, k, v, pattern=P.local(4), backend="blocked", score_mod=lambda s, b, h, i, j: s)
+    assert last_choice().path == "tiles"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_structured_path_allocates_nothing_n_by_n(causal):
+    n = 4096
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
+    with LargestTensor() as probe:
+        attend(q, k, v, pattern=P.local(64), causal=causal, backend="blocked").sum().backward()
+    assert last_choice().path == "structured"
+    # Windows hold N * width scores per head: far below one N x N matrix.
+    assert probe.numel < n * n // 8, probe.numel
+
+
+def test_plans_are_cached_by_pattern_value(monkeypatch):
+    calls = {"structure": 0, "blocks": 0}
+    real_structure, real_blocks = structured.structure, P.Pattern.blocks
+
+    def counted_structure(*args, **kwargs):
+        calls["structure"] += 1
+        return real_structure(*args, **kwargs)
+
+    def counted_blocks(self, *args, **kwargs):
+        calls["blocks"] += 1
+        return real_blocks(self, *args, **kwargs)
+
+    monkeypatch.setattr(structured, "structure", counted_structure)
+    monkeypatch.setattr(P.Pattern, "blocks", counted_blocks)
+    dispatch._STRUCTURES.clear()
+    dispatch._PLANS.clear()
+    q, k, v = _inputs(96, dtype=torch.float32)
+    for _ in range(3):  # patterns rebuilt on every call, causal=True and-ed in by attend
+        attend(q, k, v, pattern=P.sliding_window(5, 5), causal=True, backend="blocked")
+        attend(q, k, v, pattern=P.bigbird(16, 3, 2, 1), causal=True, backend="blocked")
+    assert calls == {"structure": 2, "blocks": 1}
+
+
+def test_pattern_equality_is_by_value():
+    assert P.local(4) == P.local(4) and hash(P.local(4)) == hash(P.local(4))
+    assert P.local(4) & P.causal() == P.local(4) & P.causal()
+    assert P.bigbird(16, 3, 2, 1, seed=3) == P.bigbird(16, 3, 2, 1, seed=3)
+    assert P.bigbird(16, 3, 2, 1, seed=3) != P.bigbird(16, 3, 2, 1, seed=4)
+    assert P.local(4) != P.local(5) and P.local(4) != P.sliding_window(4, 3)
+    assert P.per_head([P.local(2), P.strided(3)]) == P.per_head([P.local(2), P.strided(3)])
+    assert P.global_tokens([0, 3]) == P.global_tokens([3, 0])
+    assert P.random(4, seed=1) != P.random(4, seed=2)
