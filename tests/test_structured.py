@@ -23,6 +23,12 @@ CASES = {
     "block_local": (P.block_local(16), lambda n: O.block_local_oracle(n, n, 16)),
     "sparse_transformer_strided": (P.sparse_transformer_strided(8),
                                    lambda n: O.sparse_transformer_strided_oracle(n, 8, 4)),
+    # Unions with global tokens: window part + global columns + global rows.
+    "longformer": (P.longformer(8, (0, 40)), lambda n: O.longformer_oracle(n, n, 8, (0, 40))),
+    "longformer_dilated": (P.longformer(4, (3,), 2), lambda n: O.longformer_oracle(n, n, 4, (3,), 2)),
+    "etc": (P.etc(8, 3), lambda n: O.etc_oracle(n, n, 8, 3)),
+    "star": (P.star(0), lambda n: O.star_oracle(n, n, 0)),
+    "global": (P.global_tokens([0, 5]), lambda n: O.global_tokens_oracle(n, n, [0, 5])),
 }
 
 
@@ -94,7 +100,7 @@ def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16
 
 def test_patterns_without_window_structure_run_on_the_tile_plan():
     q, k, v = _inputs(64)
-    for pattern in (P.longformer(4), P.random(4), P.sliding_window(40, 40)):  # the last covers every key at N=64
+    for pattern in (P.bigbird(16, 3, 2, 1), P.random(4), P.axial(8, 8), P.sliding_window(40, 40)):  # the last: all keys
         attend(q, k, v, pattern=pattern, backend="blocked")
         assert last_choice().path == "tiles"
     # A score_mod needs the tile plan's einsum path.

@@ -33,7 +33,9 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.patterns.algebra import Intersection, Pattern, PerHead
-from attnzoo.patterns.atomic import Band, BlockLocal
+from attnzoo.patterns.algebra import Union as PatternUnion
+from attnzoo.patterns.atomic import Band, BlockLocal, GlobalTokens
+from attnzoo.patterns.compound import GlobalBlocks
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,24 @@ class Windows:
 
 
 @dataclass(frozen=True)
+class WithGlobals:
+    """A window part (or none) united with global tokens (Longformer, ETC, Star): every row
+    also attends the global keys ``tokens`` where ``columns (N, g)`` allows it (pairs the
+    window already holds are excluded, so each pair counts once), merged by log-sum-exp; the
+    global tokens' own rows attend every key (causally when ``causal``) and replace theirs."""
+
+    windows: Windows | None
+    tokens: Tensor
+    columns: Tensor
+    causal: bool
+
+
+@dataclass(frozen=True)
 class Structure:
     """One part per head group: ``heads`` (None = all heads) and how they run."""
 
     n: int
-    parts: tuple[tuple[Tensor | None, Windows], ...]
+    parts: tuple[tuple[Tensor | None, Windows | WithGlobals], ...]
 
 
 def structure(pattern: Pattern, n_q: int, n_kv: int, heads: int) -> Structure | None:
@@ -73,13 +88,47 @@ def structure(pattern: Pattern, n_q: int, n_kv: int, heads: int) -> Structure | 
         groups = pattern.resolve_heads(heads).head_groups()
         parts = []
         for index, part in enumerate(pattern.patterns):
-            windows = _windows(part, n_q)
-            if windows is None:
+            plan = _part(part, n_q)
+            if plan is None:
                 return None
-            parts.append(((groups == index).nonzero().flatten(), windows))
+            parts.append(((groups == index).nonzero().flatten(), plan))
         return Structure(n_q, tuple(parts))
-    windows = _windows(pattern, n_q)
-    return None if windows is None else Structure(n_q, ((None, windows),))
+    plan = _part(pattern, n_q)
+    return None if plan is None else Structure(n_q, ((None, plan),))
+
+
+def _part(pattern: Pattern, n: int) -> Windows | WithGlobals | None:
+    return _windows(pattern, n) or _with_globals(pattern, n)
+
+
+def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
+    """``window | global tokens`` (optionally ``& causal()``), with at most one window part."""
+    causal = False
+    if isinstance(pattern, Intersection) and len(pattern.parts) == 2:
+        inner, other = pattern.parts
+        inner, other = (inner, other) if isinstance(other, Band) else (other, inner)
+        if not (isinstance(other, Band) and (other.lo, other.hi, other.modulus) == (None, 0, 1)):
+            return None
+        pattern, causal = inner, True
+    parts = pattern.parts if isinstance(pattern, PatternUnion) else (pattern,)
+    tokens = [p for p in parts if isinstance(p, (GlobalTokens, GlobalBlocks))]
+    others = [p for p in parts if not isinstance(p, (GlobalTokens, GlobalBlocks))]
+    if not tokens or len(others) > 1:
+        return None
+    window = None
+    if others:
+        window = _windows(others[0] & Band(None, 0, 1) if causal else others[0], n)
+        if window is None:
+            return None
+    indices = [(p._tokens(n) if isinstance(p, GlobalBlocks) else p).indices for p in tokens]
+    index = torch.cat(indices).unique()
+    index = index[index < n]
+    rows, cols = torch.arange(n)[:, None], index[None, :]
+    columns = torch.ones(n, index.numel(), dtype=torch.bool) if not causal else cols <= rows
+    if others:
+        zero = torch.zeros((), dtype=torch.long)
+        columns = columns & ~others[0].mask_mod_for(n, n)(zero, zero, rows, cols)
+    return WithGlobals(window, index, columns, causal)
 
 
 def _windows(pattern: Pattern, n: int) -> Windows | None:
@@ -239,20 +288,46 @@ def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor
     return _merge(rows, w.stride, n), _Saved(qx, kx, vx, out, lse, mask, False)
 
 
-def _part_backward(w: Windows, saved: _Saved, grad: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _to_kernel(x: Tensor, w: Windows, saved: _Saved) -> Tensor:
+    """``(B, H, N, D)`` rows -> the kernel layout of ``saved.out`` (zero rows where padded)."""
+    sub = -(-x.shape[2] // w.stride)
+    x = _split(x, w.stride, sub)
+    if w.dense:
+        return x
+    return F.pad(x, (0, 0, 0, saved.q.shape[1] * w.block - sub)).reshape(saved.out.shape[:-1] + (x.shape[-1],))
+
+
+def _part_backward(w: Windows, saved: _Saved, grad: Tensor, scale: float, out: Tensor | None = None,
+                   lse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v gradients of one part. ``out``/``lse`` (``(B, H, N, Dv)``, ``(B, H, N)``) replace
+    the part's own when it is one term of a union: the kernel's backward then uses the union's
+    softmax (``delta = rowsum(dO * O)`` over the whole union)."""
     n, sub = grad.shape[2], -(-grad.shape[2] // w.stride)
-    g = _split(grad, w.stride, sub)
-    bb, h = g.shape[:2]
-    if not w.dense:
-        blocks = saved.q.shape[1]
-        g = F.pad(g, (0, 0, 0, blocks * w.block - sub)).reshape(saved.out.shape)
-    dq, dk, dv = flash_attention_cpu_backward(g.contiguous(), saved.q, saved.k, saved.v, saved.out, saved.lse, 0.0,
+    heads = grad.shape[1]
+    g = _to_kernel(grad, w, saved).contiguous()
+    kernel_out = saved.out if out is None else _to_kernel(out, w, saved).contiguous()
+    kernel_lse = saved.lse if lse is None else _to_kernel(lse[..., None], w, saved)[..., 0].contiguous()
+    dq, dk, dv = flash_attention_cpu_backward(g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0,
                                               saved.is_causal, attn_mask=saved.mask, scale=scale)
     if w.dense:
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
-    dq = dq.reshape(bb, h, -1, dq.shape[-1])[:, :, :sub]
-    dk, dv = (_overlap_add(x, w, sub).view(bb, h, sub, -1) for x in (dk, dv))
+    bb = dq.shape[0] // heads
+    dq = dq.reshape(bb, heads, -1, dq.shape[-1])[:, :, :sub]
+    dk, dv = (_overlap_add(x, w, sub).view(bb, heads, sub, -1) for x in (dk, dv))
     return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
+
+
+def _part_lse(w: Windows, saved: _Saved, n: int, heads: int) -> Tensor:
+    """The part's log-sum-exp ``(B, H, N)``, ``-inf`` where a row sees no key of the part (the
+    kernel reports 0 there)."""
+    lse = saved.lse
+    if saved.mask is not None:
+        lse = lse.masked_fill((saved.mask == float("-inf")).all(-1).expand_as(lse), float("-inf"))
+    if w.dense:
+        return _merge(lse[..., None], w.stride, n)[..., 0]
+    sub = -(-n // w.stride)
+    bb = lse.shape[0] // heads
+    return _merge(lse.reshape(bb, heads, -1)[:, :, :sub, None], w.stride, n)[..., 0]
 
 
 def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
@@ -283,15 +358,99 @@ class _PartAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, key_valid: Tensor | None, scale: float) -> Tensor:
+    """Scores of every row against the global keys ``(B, H, N, g)``, ``-inf`` where not allowed."""
+    allowed = part.columns.to(q.device)[None, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, part.tokens.to(q.device)]
+    cd = _compute_dtype(q)
+    scores = torch.matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * scale
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def _finite(lse: Tensor, fill: float) -> Tensor:
+    return torch.where(torch.isinf(lse), fill, lse)
+
+
+class _UnionAttention(torch.autograd.Function):
+    """Window part + global columns, merged by log-sum-exp; backward gives both parts the
+    union's output and log-sum-exp (see ``_part_backward``)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, part: WithGlobals,  # type: ignore[override]
+                key_valid: Tensor | None, scale: float) -> Tensor:
+        scores = _column_scores(part, q, k, key_valid, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        saved, out_w = None, None
+        if part.windows is not None:
+            out_w, saved = _part_forward(part.windows, q, k, v, key_valid, scale)
+            lse_w = _part_lse(part.windows, saved, q.shape[2], q.shape[1]).to(lse.dtype)
+            lse = torch.logaddexp(lse, lse_w)
+        probs = torch.exp(scores - _finite(lse, 0.0)[..., None])
+        out = torch.matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
+        if out_w is not None:
+            out = out + out_w.to(out.dtype) * torch.exp(lse_w - _finite(lse, 0.0))[..., None]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, probs)
+        ctx.part, ctx.saved, ctx.scale = part, saved, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse, probs = ctx.saved_tensors
+        part, scale = ctx.part, ctx.scale
+        if part.windows is not None:
+            lse_k = _finite(lse, float("inf")).to(ctx.saved.lse.dtype)  # rows that see nothing: p = 0
+            dq, dk, dv = (x.to(probs.dtype) for x in _part_backward(part.windows, ctx.saved, grad, scale, out, lse_k))
+        else:
+            dq, dk, dv = (torch.zeros(x.shape, dtype=probs.dtype, device=x.device) for x in (q, k, v))
+        del ctx.saved
+        index = part.tokens.to(q.device)
+        g = grad.to(probs.dtype)
+        delta = (g * out.to(probs.dtype)).sum(-1, keepdim=True)
+        d_scores = probs * (torch.matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
+        dq = dq + torch.matmul(d_scores, k[:, :, index].to(probs.dtype))
+        dk = dk.index_add(2, index, torch.matmul(d_scores.transpose(-1, -2), q.to(probs.dtype)))
+        dv = dv.index_add(2, index, torch.matmul(probs.transpose(-1, -2), g))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float) -> Tensor:
+    """The global tokens' rows: each attends every (real, and with ``causal`` earlier) key.
+    ``(B, H, g, Dv)``; O(g N) memory; differentiable by autograd."""
+    index = part.tokens.to(q.device)
+    cd = _compute_dtype(q)
+    scores = torch.matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * scale
+    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+    if part.causal:
+        allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
+    allowed = allowed[None, None] if key_valid is None else allowed[None, None] & key_valid[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: zeros
+    return torch.matmul(weights, v.to(cd)).to(q.dtype)
+
+
+def _run_part(part: Windows | WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
+              scale: float) -> Tensor:
+    if isinstance(part, Windows):
+        return _PartAttention.apply(q, k, v, part, key_valid, scale)
+    out = _UnionAttention.apply(q, k, v, part, key_valid, scale)
+    return out.index_copy(2, part.tokens.to(q.device), _global_rows(part, q, k, v, key_valid, scale))
+
+
 def structured_attention(q: Tensor, k: Tensor, v: Tensor, plan: Structure, *, scale: float,
                          key_padding_mask: Tensor | None = None) -> Tensor:
     """Exact attention over ``plan`` (see the module docstring). ``(B, H, N, D)`` in and out;
     rows with no visible key give zeros and zero gradient."""
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
-        return _PartAttention.apply(q, k, v, plan.parts[0][1], key_padding_mask, scale)
+        return _run_part(plan.parts[0][1], q, k, v, key_padding_mask, scale)
     pieces = []
-    for heads, w in plan.parts:
-        pieces.append((heads, _PartAttention.apply(q[:, heads], k[:, heads], v[:, heads], w, key_padding_mask, scale)))
+    for heads, part in plan.parts:
+        pieces.append((heads, _run_part(part, q[:, heads], k[:, heads], v[:, heads], key_padding_mask, scale)))
     # Head groups are disjoint: put each group's rows back at its heads (differentiably).
     order = torch.cat([heads for heads, _ in pieces]).argsort()
     return torch.cat([piece for _, piece in pieces], dim=1)[:, order.to(q.device)]
