@@ -29,6 +29,8 @@ CASES = {
     "etc": (P.etc(8, 3), lambda n: O.etc_oracle(n, n, 8, 3)),
     "star": (P.star(0), lambda n: O.star_oracle(n, n, 0)),
     "global": (P.global_tokens([0, 5]), lambda n: O.global_tokens_oracle(n, n, [0, 5])),
+    "sparse_transformer_fixed": (P.sparse_transformer_fixed(16, 4),
+                                 lambda n: O.sparse_transformer_fixed_oracle(n, 16, 4, 4)),
 }
 
 

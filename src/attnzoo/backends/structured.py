@@ -14,6 +14,10 @@ on the generic tile plan in ``blocked.py``):
   with ``m | j - p`` lie in the same residue class, so the sequence is *de-interleaved* into
   ``m`` sub-sequences (a reshape) and the band ``[ceil(lo/m), floor(hi/m)]`` runs on each;
   unbounded bands become dense (or causal) attention over the sub-sequences, unmasked.
+- ``window | global tokens`` (Longformer, ETC, Star, ``global``), ``& causal()`` too: the window
+  call plus every row against the g global keys (pairs the window holds excluded), merged by
+  log-sum-exp; the global tokens' own rows are computed densely and replace theirs. Sparse
+  Transformer's summary columns run the same way (columns, no rows).
 - ``per_head([...])`` of the above: one part per head group.
 
 Backward recomputes from q, k, v, the output and the log-sum-exp through the flash kernel's
@@ -34,7 +38,7 @@ from torch import Tensor
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.patterns.algebra import Intersection, Pattern, PerHead
 from attnzoo.patterns.algebra import Union as PatternUnion
-from attnzoo.patterns.atomic import Band, BlockLocal, GlobalTokens
+from attnzoo.patterns.atomic import Band, BlockLocal, GlobalTokens, PeriodicColumns
 from attnzoo.patterns.compound import GlobalBlocks
 
 
@@ -69,6 +73,8 @@ class WithGlobals:
     tokens: Tensor
     columns: Tensor
     causal: bool
+    #: False for key-only columns (Sparse Transformer's summary columns): no global rows.
+    rows: bool = True
 
 
 @dataclass(frozen=True)
@@ -111,8 +117,8 @@ def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
             return None
         pattern, causal = inner, True
     parts = pattern.parts if isinstance(pattern, PatternUnion) else (pattern,)
-    tokens = [p for p in parts if isinstance(p, (GlobalTokens, GlobalBlocks))]
-    others = [p for p in parts if not isinstance(p, (GlobalTokens, GlobalBlocks))]
+    tokens = [p for p in parts if isinstance(p, (GlobalTokens, GlobalBlocks, PeriodicColumns))]
+    others = [p for p in parts if not isinstance(p, (GlobalTokens, GlobalBlocks, PeriodicColumns))]
     if not tokens or len(others) > 1:
         return None
     window = None
@@ -120,7 +126,7 @@ def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
         window = _windows(others[0] & Band(None, 0, 1) if causal else others[0], n)
         if window is None:
             return None
-    indices = [(p._tokens(n) if isinstance(p, GlobalBlocks) else p).indices for p in tokens]
+    indices = [_column_keys(p, n) for p in tokens]
     index = torch.cat(indices).unique()
     index = index[index < n]
     rows, cols = torch.arange(n)[:, None], index[None, :]
@@ -128,7 +134,19 @@ def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
     if others:
         zero = torch.zeros((), dtype=torch.long)
         columns = columns & ~others[0].mask_mod_for(n, n)(zero, zero, rows, cols)
-    return WithGlobals(window, index, columns, causal)
+    rows = any(not isinstance(p, PeriodicColumns) for p in tokens)
+    if rows and any(isinstance(p, PeriodicColumns) for p in tokens):
+        return None  # rows for some columns only: not this shape
+    return WithGlobals(window, index, columns, causal, rows)
+
+
+def _column_keys(pattern: Pattern, n: int) -> Tensor:
+    if isinstance(pattern, GlobalBlocks):
+        return pattern._tokens(n).indices
+    if isinstance(pattern, PeriodicColumns):
+        j = torch.arange(n)
+        return j[(j % pattern.period >= pattern.first) & (j % pattern.period <= pattern.last)]
+    return pattern.indices
 
 
 def _windows(pattern: Pattern, n: int) -> Windows | None:
@@ -439,6 +457,8 @@ def _run_part(part: Windows | WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_
     if isinstance(part, Windows):
         return _PartAttention.apply(q, k, v, part, key_valid, scale)
     out = _UnionAttention.apply(q, k, v, part, key_valid, scale)
+    if not part.rows:
+        return out
     return out.index_copy(2, part.tokens.to(q.device), _global_rows(part, q, k, v, key_valid, scale))
 
 

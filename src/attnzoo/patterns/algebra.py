@@ -364,8 +364,11 @@ def combine(a: Pattern, b: Pattern, *, union: bool) -> Pattern:
     if merged is not None:
         return merged
     cls = Union if union else Intersection
-    parts = [*(a.parts if isinstance(a, cls) else (a,)), *(b.parts if isinstance(b, cls) else (b,))]
-    return cls(parts)
+    parts: list[Pattern] = []
+    for part in (*(a.parts if isinstance(a, cls) else (a,)), *(b.parts if isinstance(b, cls) else (b,))):
+        if part not in parts:  # A & A == A | A == A (patterns compare by value)
+            parts.append(part)
+    return parts[0] if len(parts) == 1 else cls(parts)
 
 
 def _combine_per_head(a: Pattern, b: Pattern, union: bool) -> PerHead:
