@@ -195,10 +195,12 @@ def _causal_sums(
 def _scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
     """States at each chunk start, ``S_c = g_{c-1} S_{c-1} + U_{c-1}`` ``(B, H, C, m, E)``, and
     the state after the last chunk ``(B, H, m, E)``."""
+    # unbind once: indexing chunk c inside the loop would make every step's backward
+    # zero-fill a gradient the size of all chunks (quadratic in the number of chunks).
     states, s = [], s0
-    for c in range(chunk_sums.shape[2]):
+    for gate, sums in zip(gates.unbind(2), chunk_sums.unbind(2)):
         states.append(s)
-        s = gates[:, :, c, None, None] * s + chunk_sums[:, :, c]
+        s = gate[:, :, None, None] * s + sums
     return torch.stack(states, dim=2), s
 
 
