@@ -276,7 +276,9 @@ def sdpa_row(n: int, setting: Setting, causal: bool) -> dict[str, Any]:
 def run(setting: Setting) -> Iterator[dict[str, Any]]:
     """Yield the meta line, then per causality and size one SDPA line and one line per
     mechanism and backend, then the fits. Failures are lines with an ``error`` field."""
-    yield {"kind": "meta", **machine(), "matmul_2048_gflops": matmul_gflops(), **setting.extra}
+    from attnzoo.bench.train import git_revision
+
+    yield {"kind": "meta", **machine(), "git": git_revision(), "matmul_2048_gflops": matmul_gflops(), **setting.extra}
     done: list[dict[str, Any]] = []
     for causal in setting.causal_modes:
         for n in setting.sizes:
