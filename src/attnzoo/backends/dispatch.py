@@ -26,6 +26,7 @@ from attnzoo._checks import check_causal, check_choice, check_key_padding_mask, 
 from attnzoo.backends import blocked as blocked_backend
 from attnzoo.backends import flex as flex_backend
 from attnzoo.backends import structured as structured_backend
+from attnzoo.backends.windowed import structured_attention
 from attnzoo.backends.reference import reference_attention
 from attnzoo.patterns import Pattern, causal as causal_pattern, full
 from attnzoo.spec import ScoreMod
@@ -132,8 +133,7 @@ def attend(
     structure = structure_for(call)
     if structure is not None:
         _LAST.choice = Choice(_LAST.choice.backend, _LAST.choice.skipped, "structured")
-        return structured_backend.structured_attention(q, k, v, structure, scale=scale,
-                                                       key_padding_mask=key_padding_mask)
+        return structured_attention(q, k, v, structure, scale=scale, key_padding_mask=key_padding_mask)
     _LAST.choice = Choice(_LAST.choice.backend, _LAST.choice.skipped, "tiles")
     plan = plan_for(call)
     return blocked_backend.blocked_attention(

@@ -1,0 +1,280 @@
+"""Runs a ``structured.Structure`` (see ``attnzoo.backends.structured`` for what the plans
+are): zero-copy K/V windows and de-interleaved sub-sequences through PyTorch's CPU flash
+kernel, window parts united with global columns by log-sum-exp, and their backward (the flash
+kernel's backward on the union's output and log-sum-exp; overlapping windows' key gradients
+added back block by block)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
+from attnzoo.backends.blocked import _compute_dtype
+from attnzoo.backends.structured import Structure, Windows, WithGlobals
+
+
+# --- layout: heads, de-interleaving, windows ------------------------------------------------
+
+
+def _split(x: Tensor, stride: int, sub: int) -> Tensor:
+    """``(B, H, N, D)`` -> ``(B * stride, H, sub, D)``: residue class ``r`` of the positions is
+    batch row ``b * stride + r`` (N padded to ``sub * stride`` with zeros)."""
+    if stride == 1:
+        return x
+    x = F.pad(x, (0, 0, 0, sub * stride - x.shape[2]))
+    return rearrange(x, "b h (n m) d -> (b m) h n d", m=stride).contiguous()
+
+
+def _merge(x: Tensor, stride: int, n: int) -> Tensor:
+    """Inverse of ``_split`` (drops the padding)."""
+    if stride == 1:
+        return x
+    return rearrange(x, "(b m) h n d -> b h (n m) d", m=stride)[:, :, :n]
+
+
+def _split_keys(key_valid: Tensor | None, batch: int, n: int, stride: int, sub: int) -> Tensor | None:
+    """Real keys ``(B, N)`` -> ``(B * stride, sub)``; None when every key is real."""
+    if key_valid is None and sub * stride == n:
+        return None
+    if key_valid is None:
+        key_valid = torch.ones(batch, n, dtype=torch.bool)
+    key_valid = F.pad(key_valid, (0, sub * stride - n), value=False)
+    return rearrange(key_valid, "b (n m) -> (b m) n", m=stride)
+
+
+def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
+    """``(BH, n, D)`` -> zero-copy ``(BH, blocks, width, D)`` windows (x padded with zeros)."""
+    front = max(0, -w.start)
+    total = max(front + w.start + (blocks - 1) * w.block + w.width, front + x.shape[1])
+    x = F.pad(x, (0, 0, front, total - front - x.shape[1])).contiguous()
+    first = front + w.start
+    return x[:, first:].as_strided((x.shape[0], blocks, w.width, x.shape[2]),
+                                   (x.stride(0), w.block * x.stride(1), x.stride(1), 1))
+
+
+def _window_mask(w: Windows, key_valid: Tensor | None, heads: int, blocks: int, dtype: torch.dtype) -> Tensor | None:
+    """The pattern mask, with padded keys removed per batch row: ``(1 | B*H, blocks, block, width)``."""
+    mask = None if w.allowed is None else w.allowed.to(dtype)
+    if key_valid is None:
+        return mask
+    valid = _key_windows(key_valid[:, :, None].to(dtype), w, blocks)[..., 0]  # [B, blocks, width]
+    padding = torch.zeros(valid.shape, dtype=dtype).masked_fill_(valid == 0, float("-inf"))[:, :, None, :]
+    mask = padding if mask is None else mask + padding
+    mask = mask.expand(key_valid.shape[0], blocks, w.block, w.width)
+    return mask[:, None].expand(-1, heads, -1, -1, -1).flatten(0, 1)
+
+
+def _dense_mask(w: Windows, key_valid: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
+    if key_valid is None:
+        return None
+    mask = torch.zeros(key_valid.shape, dtype=dtype).masked_fill_(~key_valid, float("-inf"))[:, None, None, :]
+    if w.causal:  # the kernel takes is_causal or a mask, not both: O(n^2) on one sub-sequence
+        mask = mask + torch.full((n, n), float("-inf"), dtype=dtype).triu_(1)
+    return mask
+
+
+# --- forward and backward of one part ------------------------------------------------------
+
+
+@dataclass
+class _Saved:
+    """A part's kernel-layout tensors, kept from forward for backward."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+    mask: Tensor | None
+    is_causal: bool
+
+
+def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
+                  scale: float) -> tuple[Tensor, _Saved]:
+    n, sub = q.shape[2], -(-q.shape[2] // w.stride)
+    qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
+    valid = _split_keys(key_valid, q.shape[0], n, w.stride, sub)
+    if w.dense:
+        mask = _dense_mask(w, valid, sub, q.dtype)
+        is_causal = w.causal and mask is None
+        out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=scale)[:2]
+        return _merge(out, w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
+    bb, h, blocks = qs.shape[0], qs.shape[1], -(-sub // w.block)
+    qx = F.pad(qs, (0, 0, 0, blocks * w.block - sub)).reshape(bb * h, blocks, w.block, q.shape[-1])
+    kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
+    mask = _window_mask(w, valid, h, blocks, q.dtype)
+    out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    rows = out.reshape(bb, h, blocks * w.block, -1)[:, :, :sub]
+    return _merge(rows, w.stride, n), _Saved(qx, kx, vx, out, lse, mask, False)
+
+
+def _to_kernel(x: Tensor, w: Windows, saved: _Saved) -> Tensor:
+    """``(B, H, N, D)`` rows -> the kernel layout of ``saved.out`` (zero rows where padded)."""
+    sub = -(-x.shape[2] // w.stride)
+    x = _split(x, w.stride, sub)
+    if w.dense:
+        return x
+    return F.pad(x, (0, 0, 0, saved.q.shape[1] * w.block - sub)).reshape(saved.out.shape[:-1] + (x.shape[-1],))
+
+
+def _part_backward(w: Windows, saved: _Saved, grad: Tensor, scale: float, out: Tensor | None = None,
+                   lse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v gradients of one part. ``out``/``lse`` (``(B, H, N, Dv)``, ``(B, H, N)``) replace
+    the part's own when it is one term of a union: the kernel's backward then uses the union's
+    softmax (``delta = rowsum(dO * O)`` over the whole union)."""
+    n, sub = grad.shape[2], -(-grad.shape[2] // w.stride)
+    heads = grad.shape[1]
+    g = _to_kernel(grad, w, saved).contiguous()
+    kernel_out = saved.out if out is None else _to_kernel(out, w, saved).contiguous()
+    kernel_lse = saved.lse if lse is None else _to_kernel(lse[..., None], w, saved)[..., 0].contiguous()
+    dq, dk, dv = flash_attention_cpu_backward(g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0,
+                                              saved.is_causal, attn_mask=saved.mask, scale=scale)
+    if w.dense:
+        return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
+    bb = dq.shape[0] // heads
+    dq = dq.reshape(bb, heads, -1, dq.shape[-1])[:, :, :sub]
+    dk, dv = (_overlap_add(x, w, sub).view(bb, heads, sub, -1) for x in (dk, dv))
+    return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
+
+
+def _part_lse(w: Windows, saved: _Saved, n: int, heads: int) -> Tensor:
+    """The part's log-sum-exp ``(B, H, N)``, ``-inf`` where a row sees no key of the part (the
+    kernel reports 0 there)."""
+    lse = saved.lse
+    if saved.mask is not None:
+        lse = lse.masked_fill((saved.mask == float("-inf")).all(-1).expand_as(lse), float("-inf"))
+    if w.dense:
+        return _merge(lse[..., None], w.stride, n)[..., 0]
+    sub = -(-n // w.stride)
+    bb = lse.shape[0] // heads
+    return _merge(lse.reshape(bb, heads, -1)[:, :, :sub, None], w.stride, n)[..., 0]
+
+
+def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
+    """Key gradients ``(BH, blocks, width, D)`` of overlapping windows -> ``(BH, n, D)``."""
+    bh, blocks, width, dim = windows.shape
+    front, per = max(0, -w.start), width // w.block
+    first = (front + w.start) // w.block
+    total = max(first + blocks - 1 + per, -(-(front + n) // w.block))
+    out = windows.new_zeros(bh, total, w.block, dim)
+    parts = windows.view(bh, blocks, per, w.block, dim)
+    for s in range(per):
+        out[:, first + s : first + s + blocks] += parts[:, :, s]
+    return out.view(bh, total * w.block, dim)[:, front : front + n]
+
+
+class _PartAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Windows, key_valid: Tensor | None,  # type: ignore[override]
+                scale: float) -> Tensor:
+        out, saved = _part_forward(w, q, k, v, key_valid, scale)
+        ctx.saved, ctx.w, ctx.scale = saved, w, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        dq, dk, dv = _part_backward(ctx.w, ctx.saved, grad, ctx.scale)
+        del ctx.saved
+        return dq, dk, dv, None, None, None
+
+
+def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, key_valid: Tensor | None, scale: float) -> Tensor:
+    """Scores of every row against the global keys ``(B, H, N, g)``, ``-inf`` where not allowed."""
+    allowed = part.columns.to(q.device)[None, None]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, None, part.tokens.to(q.device)]
+    cd = _compute_dtype(q)
+    scores = torch.matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * scale
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def _finite(lse: Tensor, fill: float) -> Tensor:
+    return torch.where(torch.isinf(lse), fill, lse)
+
+
+class _UnionAttention(torch.autograd.Function):
+    """Window part + global columns, merged by log-sum-exp; backward gives both parts the
+    union's output and log-sum-exp (see ``_part_backward``)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, part: WithGlobals,  # type: ignore[override]
+                key_valid: Tensor | None, scale: float) -> Tensor:
+        scores = _column_scores(part, q, k, key_valid, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        saved, out_w = None, None
+        if part.windows is not None:
+            out_w, saved = _part_forward(part.windows, q, k, v, key_valid, scale)
+            lse_w = _part_lse(part.windows, saved, q.shape[2], q.shape[1]).to(lse.dtype)
+            lse = torch.logaddexp(lse, lse_w)
+        probs = torch.exp(scores - _finite(lse, 0.0)[..., None])
+        out = torch.matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
+        if out_w is not None:
+            out = out + out_w.to(out.dtype) * torch.exp(lse_w - _finite(lse, 0.0))[..., None]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, probs)
+        ctx.part, ctx.saved, ctx.scale = part, saved, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse, probs = ctx.saved_tensors
+        part, scale = ctx.part, ctx.scale
+        if part.windows is not None:
+            lse_k = _finite(lse, float("inf")).to(ctx.saved.lse.dtype)  # rows that see nothing: p = 0
+            dq, dk, dv = (x.to(probs.dtype) for x in _part_backward(part.windows, ctx.saved, grad, scale, out, lse_k))
+        else:
+            dq, dk, dv = (torch.zeros(x.shape, dtype=probs.dtype, device=x.device) for x in (q, k, v))
+        del ctx.saved
+        index = part.tokens.to(q.device)
+        g = grad.to(probs.dtype)
+        delta = (g * out.to(probs.dtype)).sum(-1, keepdim=True)
+        d_scores = probs * (torch.matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
+        dq = dq + torch.matmul(d_scores, k[:, :, index].to(probs.dtype))
+        dk = dk.index_add(2, index, torch.matmul(d_scores.transpose(-1, -2), q.to(probs.dtype)))
+        dv = dv.index_add(2, index, torch.matmul(probs.transpose(-1, -2), g))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float) -> Tensor:
+    """The global tokens' rows: each attends every (real, and with ``causal`` earlier) key.
+    ``(B, H, g, Dv)``; O(g N) memory; differentiable by autograd."""
+    index = part.tokens.to(q.device)
+    cd = _compute_dtype(q)
+    scores = torch.matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * scale
+    allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+    if part.causal:
+        allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
+    allowed = allowed[None, None] if key_valid is None else allowed[None, None] & key_valid[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: zeros
+    return torch.matmul(weights, v.to(cd)).to(q.dtype)
+
+
+def _run_part(part: Windows | WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
+              scale: float) -> Tensor:
+    if isinstance(part, Windows):
+        return _PartAttention.apply(q, k, v, part, key_valid, scale)
+    out = _UnionAttention.apply(q, k, v, part, key_valid, scale)
+    if not part.rows:
+        return out
+    return out.index_copy(2, part.tokens.to(q.device), _global_rows(part, q, k, v, key_valid, scale))
+
+
+def structured_attention(q: Tensor, k: Tensor, v: Tensor, plan: Structure, *, scale: float,
+                         key_padding_mask: Tensor | None = None) -> Tensor:
+    """Exact attention over ``plan`` (see the module docstring). ``(B, H, N, D)`` in and out;
+    rows with no visible key give zeros and zero gradient."""
+    if len(plan.parts) == 1 and plan.parts[0][0] is None:
+        return _run_part(plan.parts[0][1], q, k, v, key_padding_mask, scale)
+    pieces = []
+    for heads, part in plan.parts:
+        pieces.append((heads, _run_part(part, q[:, heads], k[:, heads], v[:, heads], key_padding_mask, scale)))
+    # Head groups are disjoint: put each group's rows back at its heads (differentiably).
+    order = torch.cat([heads for heads, _ in pieces]).argsort()
+    return torch.cat([piece for _, piece in pieces], dim=1)[:, order.to(q.device)]
