@@ -105,7 +105,9 @@ def attend(
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled scores.
         scale: default ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"reference"``, ``"blocked"`` or ``"flex"``.
-        block: tile size of the blocked and flex backends. Default 128.
+        block: tile size of the blocked backend's tile plan and of flex. Default 128. The
+            blocked backend's structured path (windows, sub-sequences) picks its own block per
+            window width (``structured.choose_block``).
 
     Returns:
         ``(B, H, N_q, D_v)``; rows with no visible key are zeros.

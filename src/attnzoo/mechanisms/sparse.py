@@ -28,7 +28,7 @@ class SparseConfig(Config):
 
     Args:
         backend: how to compute (see ``attnzoo.attend``). Default ``"auto"``.
-        block: tile size of the blocked/flex backends. Default 128.
+        block: tile size of the blocked tile plan and of flex (the structured path picks its own). Default 128.
         scale: score scale; default ``1 / sqrt(D)``.
     """
 
