@@ -74,7 +74,10 @@ def _dense_mask(w: Windows, key_valid: Tensor | None, n: int, dtype: torch.dtype
     if key_valid is None:
         return None
     mask = torch.zeros(key_valid.shape, dtype=dtype).masked_fill_(~key_valid, float("-inf"))[:, None, None, :]
-    if w.causal:  # the kernel takes is_causal or a mask, not both: O(n^2) on one sub-sequence
+    if w.causal:
+        # The kernel takes is_causal or a mask, not both: with padding the mask is (B * stride,
+        # 1, n, n) for sub-sequences of n = N / stride, i.e. N^2 / stride in all — the pair count
+        # of the pattern itself (quadratic only for ``causal()`` alone, which is dense anyway).
         mask = mask + torch.full((n, n), float("-inf"), dtype=dtype).triu_(1)
     return mask
 

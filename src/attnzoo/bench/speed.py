@@ -180,7 +180,7 @@ def useful_pairs(module: torch.nn.Module, n: int, causal: bool) -> float | None:
         return n * (n + 1) / 2 if causal else float(n * n)
     if causal:
         pattern = pattern & attnzoo.patterns.causal()
-    return pattern.resolve_heads(2 * getattr(pattern, "n_groups", 1)).density(n, block=128) * n * n
+    return pattern.density(n, block=128) * n * n
 
 
 def density(pairs: float | None, n: int, causal: bool) -> float | None:

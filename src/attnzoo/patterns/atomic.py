@@ -396,9 +396,11 @@ class Graph(Pattern):
         self.n = n
         self.edge_keys = torch.unique(edge_index[0] * n + edge_index[1])  # sorted by (query, key)
         self.name = f"graph({n} nodes, {self.edge_keys.numel()} edges)"
+        # Computed once: plans are looked up by this value on every call (bytes cache their hash).
+        self._identity = (n, self.edge_keys.numpy().tobytes())
 
     def _value(self) -> tuple:
-        return self.n, tuple(self.edge_keys.tolist())
+        return self._identity
 
     def neighbours(self) -> Tensor:
         """``(n, max degree)``: the keys each query attends, padded with -1."""
