@@ -2,22 +2,32 @@
 
 Per hashing round, random rotations put each token in a bucket; tokens are sorted by (bucket,
 position) and split into chunks; a query attends to the keys of its bucket in its own chunk and
-the previous one. Rounds are combined by their log-sum-exp. The fast path runs each round
-through the blocked backend in sorted order (O(N * chunk) memory); ``reference_lsh`` computes
-the same buckets and chunks, then dense attention under the mask they imply.
+the previous one. The rounds are combined into one softmax over the union of the keys they
+found: a key found in ``N_ij`` rounds has ``log N_ij`` subtracted from its score in each
+(Reformer, Appendix A), so it counts once.
+
+Fast path: each round lays the tokens out in sorted order with every bucket starting on a chunk
+boundary (filler slots pad the buckets), so a query's chunk sees exactly its own chunk of slots
+and the one before: one CPU flash-kernel call per round over zero-copy windows of 2c keys, with
+an additive mask (same bucket, real key, not self, causal, ``-log N_ij``). The backward runs the
+flash kernel's backward per round with the union's output and log-sum-exp. O(N c) memory.
+``reference_lsh`` computes the same buckets and chunk ranks by position, densely.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo import patterns as P
-from attnzoo.backends.blocked import blocked_attention, make_plan
+from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.reference import normalize_scores
+from attnzoo.backends.structured import Windows
+from attnzoo.backends.windowed import key_windows, overlap_add
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -32,6 +42,9 @@ class LSHConfig(Config):
         n_buckets: buckets per round: even, or 1 (no hashing: every token in one bucket). Default 8.
         chunk: chunk size c (positions ranked within a bucket). Default 64.
         seed: seed of the random rotations (fixed: the same buckets every call). Default 0.
+        dedupe: subtract ``log N_ij`` from the score of a key found in ``N_ij`` rounds, so the
+            rounds give one softmax over the union of their keys (Reformer, Appendix A). With
+            False a key found twice weighs twice. Default True.
         scale: score scale; default ``1 / sqrt(D)``.
     """
 
@@ -39,6 +52,7 @@ class LSHConfig(Config):
     n_buckets: int = 8
     chunk: int = 64
     seed: int = 0
+    dedupe: bool = True
     scale: float | None = None
 
     def validate(self) -> None:
@@ -49,104 +63,217 @@ class LSHConfig(Config):
             raise ValueError(f"n_buckets must be 1 or even (buckets come from argmax([xR; -xR])), got {self.n_buckets}")
 
 
-@dataclass(frozen=True)
-class Routing:
-    """One hashing round in sorted order, all ``(B, H, N)``: ``order`` sorts positions by
-    (bucket, position); ``bucket``, ``rank`` (position among the bucket's real tokens),
-    ``position`` and ``real`` are read in that order."""
-
-    order: Tensor
-    bucket: Tensor
-    rank: Tensor
-    position: Tensor
-    real: Tensor
-
-
 def rotations(config: LSHConfig, dim: int, device: torch.device) -> Tensor:
     """``(n_hashes, D, n_buckets / 2)`` random rotations, fixed by the seed."""
     g = torch.Generator().manual_seed(config.seed)
     return torch.randn(config.n_hashes, dim, config.n_buckets // 2, generator=g).to(device)
 
 
-def route(keys: Tensor, rotation: Tensor, real: Tensor) -> Routing:
-    """Buckets ``argmax([xR; -xR])`` of the unit keys ``(B, H, N, D)``; padded tokens go to an
-    extra last bucket so they never shift real tokens' ranks."""
-    n, n_buckets = keys.shape[2], max(2 * rotation.shape[-1], 1)
+def buckets(keys: Tensor, rotation: Tensor, real: Tensor) -> Tensor:
+    """``(B, H, N)`` buckets ``argmax([xR; -xR])`` of the unit keys ``(B, H, N, D)``; padded
+    tokens go to an extra last bucket ``n_buckets`` so they never shift real tokens' ranks."""
+    n_buckets = max(2 * rotation.shape[-1], 1)
     if rotation.shape[-1]:
         projected = keys.float() @ rotation.float()  # [B, H, N, n_buckets/2]
         bucket = torch.cat([projected, -projected], dim=-1).argmax(-1)
     else:
         bucket = torch.zeros(keys.shape[:3], dtype=torch.long, device=keys.device)
-    bucket = torch.where(real[:, None, :], bucket, n_buckets)
-    position = torch.arange(n, device=keys.device).expand_as(bucket)
-    order = torch.argsort(bucket * n + position, dim=-1)
-    bucket_s, position_s = bucket.gather(-1, order), position.gather(-1, order)
-    # rank within the bucket = sorted index - index where the bucket starts
-    rank = torch.arange(n, device=keys.device) - torch.searchsorted(bucket_s, bucket_s)
-    return Routing(order, bucket_s, rank, position_s, real[:, None, :].expand_as(bucket).gather(-1, order))
+    return torch.where(real[:, None, :], bucket, n_buckets)
 
 
-def visible_in_order(r: Routing, chunk: int, causal: bool):  # noqa: ANN201 - returns a MaskMod
-    """Pairs of sorted indices ``(s, t)``: same bucket, key in the query's rank-chunk or the one
-    before, key real, not the query itself (and ``t <= s`` when causal, which is position
-    order inside a bucket)."""
-    last = r.bucket.shape[-1] - 1
-
-    def mask(b: Tensor, h: Tensor, qs: Tensor, ks: Tensor) -> Tensor:
-        # The kernel also asks about its padding rows/columns (beyond N); clamp to index safely.
-        qs, ks = qs.clamp(max=last), ks.clamp(max=last)
-        same = r.bucket[b, h, qs] == r.bucket[b, h, ks]
-        group = torch.div(r.rank[b, h, qs], chunk, rounding_mode="floor")
-        rank_k = r.rank[b, h, ks]
-        near = (rank_k >= (group - 1) * chunk) & (rank_k < (group + 1) * chunk)
-        ok = same & near & r.real[b, h, ks] & (qs != ks)
-        return ok & (ks <= qs) if causal else ok
-
-    return mask
+# --- the paper's rule, by position: the reference ------------------------------------------
 
 
-def combine_rounds(outs: list[Tensor], lses: list[Tensor], v: Tensor, real: Tensor) -> Tensor:
-    """``sum_r softmax_r(lse_r) * out_r``; a row that saw no key in any round attends to itself
-    (its own value; zero if it is padding)."""
-    lse = torch.stack(lses, dim=-1)  # [B, H, N, rounds]
-    total = torch.logsumexp(lse, dim=-1, keepdim=True)
-    weights = torch.where(torch.isinf(total), 0.0, torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)))
-    out = (torch.stack(outs, dim=-1) * weights[..., None, :].to(outs[0].dtype)).sum(-1)
-    alone = torch.isinf(total[..., 0])[..., None] & real[:, None, :, None]
-    return torch.where(alone, v, out)
+def visible(bucket: Tensor, real: Tensor, chunk: int, causal: bool) -> Tensor:
+    """``(B, H, N, N)``: query i sees key j in this round when they share a bucket, j is real,
+    j's rank in the bucket falls in i's rank-chunk or the one before, j != i (and j <= i when
+    causal). Ranks count the bucket's real tokens by position."""
+    n = bucket.shape[-1]
+    i, j = torch.arange(n, device=bucket.device)[:, None], torch.arange(n, device=bucket.device)[None, :]
+    same = (bucket[..., :, None] == bucket[..., None, :]) & real[:, None, None, :]
+    rank = (same & (j < i)).sum(-1)  # [B, H, N]: real tokens of my bucket before me
+    group = torch.div(rank, chunk, rounding_mode="floor")[..., :, None]
+    rank_k = rank[..., None, :]
+    near = (rank_k >= (group - 1) * chunk) & (rank_k < (group + 1) * chunk)
+    ok = same & near & (i != j)
+    return ok & (j <= i) if causal else ok
 
 
 def reference_lsh(q: Tensor, v: Tensor, config: LSHConfig, *, causal: bool = False,
                   key_padding_mask: Tensor | None = None, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """LSH attention as the paper reads, densely: per round, the N x N mask of (same bucket, key
-    in the query's chunk or the previous one, key real, not self, causal), masked softmax, and
-    the rounds combined by their log-sum-exp. Keys are the unit-normalised queries (shared QK).
-    ``return_weights`` also gives the combined ``(B, H, N, N)`` attention matrix."""
+    """LSH attention as the paper reads, densely: per round, the N x N mask of ``visible``;
+    each round's masked scores less ``log N_ij`` (``dedupe``), the rounds combined by their
+    log-sum-exp. A row that sees nothing attends to itself (zero if it is padding). Keys are
+    the unit-normalised queries (shared QK). ``return_weights`` also gives the combined
+    ``(B, H, N, N)`` attention matrix."""
     real = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     keys = F.normalize(q, dim=-1)
     scale = q.shape[-1] ** -0.5 if config.scale is None else config.scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = torch.einsum("bhid,bhjd->bhij", q.to(compute), keys.to(compute)) * scale
-    outs, lses, probs = [], [], []
-    for rotation in rotations(config, q.shape[-1], q.device):
-        r = route(keys, rotation, real)
-        inverse = torch.argsort(r.order, dim=-1)
-        b = torch.arange(q.shape[0], device=q.device).view(-1, 1, 1, 1)
-        h = torch.arange(q.shape[1], device=q.device).view(1, -1, 1, 1)
-        s = inverse[..., :, None].expand(*inverse.shape, inverse.shape[-1])  # sorted index of query i
-        t = inverse[..., None, :].expand_as(s)  # sorted index of key j
-        visible = visible_in_order(r, config.chunk, causal)(b, h, s, t)
-        lses.append(torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1))
-        probs.append(normalize_scores(scores, visible, "softmax"))
-        outs.append(probs[-1] @ v.to(compute))
-    out = combine_rounds(outs, lses, v.to(compute), real).to(q.dtype)
-    if not return_weights:
-        return out
-    total = torch.logsumexp(torch.stack(lses, -1), -1, keepdim=True)
-    w = sum(p * torch.nan_to_num(torch.exp(lse[..., None] - total), nan=0.0) for p, lse in zip(probs, lses))
-    alone = torch.isinf(total[..., 0]) & real[:, None, :]
-    eye = torch.eye(q.shape[2], dtype=w.dtype, device=q.device)
-    return out, torch.where(alone[..., None], eye, w)
+    masks = [visible(buckets(keys, rot, real), real, config.chunk, causal) for rot in rotations(config, q.shape[-1], q.device)]
+    found = torch.stack(masks).sum(0).clamp(min=1).to(compute)  # N_ij
+    if config.dedupe:
+        scores = scores - found.log()
+    lses = torch.stack([torch.logsumexp(scores.masked_fill(~m, float("-inf")), dim=-1) for m in masks], -1)
+    total = torch.logsumexp(lses, -1, keepdim=True)  # [B, H, N, 1]
+    share = torch.nan_to_num(torch.exp(lses - total), nan=0.0)  # each round's share of the row
+    weights = sum(normalize_scores(scores, m, "softmax") * share[..., r, None] for r, m in enumerate(masks))
+    alone = torch.isinf(total) & real[:, None, :, None]  # sees nothing in any round
+    weights = torch.where(alone, torch.eye(q.shape[2], dtype=compute, device=q.device), weights)
+    out = (weights @ v.to(compute)).to(q.dtype)
+    return (out, weights) if return_weights else out
+
+
+# --- the fast path: chunk-aligned sorted layout --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Round:
+    """One hashing round laid out for the kernel. Real tokens are sorted by (bucket, position)
+    into ``length`` slots per (batch, head) row, each bucket starting on a chunk boundary
+    (filler slots pad it), so a bucket's rank-chunks are whole chunks of slots and chunk ``i``
+    sees chunk ``i - 1`` (if the same bucket) and itself. Indices are flat over the ``B * H``
+    rows: ``keys`` the token behind each slot with c leading dummies (the window before the
+    first chunk), ``queries`` the same without them, ``slot`` each position's slot, ``own`` /
+    ``prev`` the position's key entries in the kernel's ``(BH, chunks, 2c)`` windows, ``code``
+    a number per position whose difference (query - key) is 0 or 1 exactly when this round
+    shows the key to the query. ``mask (BH, chunks, c, 2c)`` is the additive mask, ``empty``
+    the rows that see nothing."""
+
+    length: int
+    keys: Tensor
+    queries: Tensor
+    slot: Tensor
+    own: Tensor
+    prev: Tensor
+    code: Tensor
+    mask: Tensor | None = None
+    empty: Tensor | None = None
+
+
+def _windows(x: Tensor, chunk: int) -> Tensor:
+    """``(BH, c + L, ...)`` -> zero-copy ``(BH, L / c, 2c, ...)``: chunk i's keys are slots
+    ``(i - 1) c .. (i + 1) c`` (the leading c entries stand before slot 0)."""
+    x = x.contiguous()
+    chunks = x.shape[1] // chunk - 1
+    return x.as_strided((x.shape[0], chunks, 2 * chunk, *x.shape[2:]),
+                        (x.stride(0), chunk * x.stride(1), *x.stride()[1:]))
+
+
+def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, Tensor, Tensor]:
+    """The round's slots for ``bucket (B, H, N)`` (``n_buckets`` = padding), and per slot
+    ``(BH, L)`` its position (0 in filler slots), whether it is filled, and its chunk's bucket."""
+    (b, h, n), dev = bucket.shape, bucket.device
+    order = torch.argsort(bucket * n + torch.arange(n, device=dev), dim=-1)  # by (bucket, position)
+    bucket_s = bucket.gather(-1, order)
+    counts = torch.zeros(b, h, n_buckets + 1, dtype=torch.long, device=dev).scatter_add_(-1, bucket, torch.ones_like(bucket))
+    rank = torch.arange(n, device=dev) - (counts.cumsum(-1) - counts).gather(-1, bucket_s)
+    room = torch.div(counts + chunk - 1, chunk, rounding_mode="floor") * chunk
+    room[..., -1] = 0  # padding tokens take no slots
+    length = max(int(room.sum(-1).max()), chunk)
+    slot_s = torch.where(bucket_s < n_buckets, (room.cumsum(-1) - room).gather(-1, bucket_s) + rank, length)
+    position = torch.zeros(b, h, length + 1, dtype=torch.long, device=dev).scatter_(-1, slot_s, order)[..., :length]
+    filled = torch.zeros(b, h, length + 1, dtype=torch.bool, device=dev).scatter_(-1, slot_s, True)[..., :length]
+    slot_bucket = torch.full((b, h, length + 1), -1, dtype=torch.long, device=dev).scatter_(-1, slot_s, bucket_s)
+    slot = torch.empty_like(order).scatter_(-1, order, slot_s).clamp_(max=length - 1)  # padding: fixed by the caller
+    chunks, c, o = length // chunk, torch.div(slot, chunk, rounding_mode="floor"), slot % chunk
+    rows = torch.arange(b * h, device=dev).view(b, h, 1)
+    keys = F.pad(position + rows * n, (chunk, 0))  # [B, H, c + L]; dummies read position 0 of row 0
+    r = Round(length=length, keys=keys.flatten(), queries=keys[..., chunk:].flatten(), slot=(rows * length + slot).flatten(),
+              own=(((rows * chunks + c) * 2 + 1) * chunk + o).flatten(),
+              # the next chunk's window holds the key in its first half; the last chunk has none
+              # (it points at chunk 0's first dummy, whose gradient is zero: always masked)
+              prev=torch.where(c + 1 < chunks, (rows * chunks + c + 1) * 2 * chunk + o, rows * chunks * 2 * chunk).flatten(),
+              code=bucket * (chunks + 2) + c)
+    return r, position.flatten(0, 1), filled.flatten(0, 1), slot_bucket[..., :length:chunk].flatten(0, 1)
+
+
+def round_mask(r: Round, position: Tensor, filled: Tensor, chunk_bucket: Tensor, others: list[Round], *,
+               chunk: int, causal: bool, dedupe: bool, dtype: torch.dtype) -> Round:
+    """``r`` with its additive mask (0, or ``-log N_ij`` with ``dedupe``, where visible; -inf
+    elsewhere: other buckets, filler slots, self, the future) and its empty rows."""
+    bh, chunks = position.shape[0], r.length // chunk
+    same_prev = F.pad(chunk_bucket[:, 1:] == chunk_bucket[:, :-1], (1, 0), value=False)  # [BH, chunks]
+    key_ok = _windows(F.pad(filled, (chunk, 0), value=False), chunk).clone()  # [BH, chunks, 2c]
+    key_ok[..., :chunk] &= same_prev[..., None]
+    inf = float("-inf")
+    own = torch.ones(chunk, chunk, dtype=torch.bool, device=filled.device)
+    own = own.tril(-1) if causal else own.fill_diagonal_(False)
+    fixed = torch.zeros(chunk, 2 * chunk, dtype=dtype, device=filled.device)
+    fixed[:, chunk:].masked_fill_(~own, inf)
+    mask = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device).masked_fill_(~key_ok[:, :, None], inf) + fixed
+    mask.masked_fill_(~filled.view(bh, chunks, chunk, 1), inf)  # filler rows see nothing
+    if dedupe and others:
+        found = torch.zeros(mask.shape, dtype=torch.uint8, device=mask.device)
+        key_pos = _windows(F.pad(position, (chunk, 0)), chunk)
+        for o in others:
+            code = o.code.flatten(0, 1)
+            code_q = code.gather(1, position).view(bh, chunks, chunk, 1)
+            code_k = code.gather(1, key_pos.flatten(1)).view(bh, chunks, 1, 2 * chunk)
+            found += torch.bitwise_right_shift(code_q - code_k, 1) == 0  # difference 0 or 1
+        mask -= torch.log1p(found.to(dtype))
+    return dataclasses.replace(r, mask=mask, empty=mask.amax(-1) == inf)
+
+
+def _rows(x: Tensor, index: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Rows ``index`` of ``x`` flattened to ``(-1, x.shape[-1])``, viewed as ``shape + (D,)``."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, index).view(*shape, x.shape[-1])
+
+
+def _round_forward(q: Tensor, keys: Tensor, v: Tensor, r: Round, chunk: int, scale: float) -> tuple[Tensor, ...]:
+    """One round's kernel inputs ``(qx, kx, vx)`` and its output and log-sum-exp by position."""
+    bh, chunks, by_position = r.mask.shape[0], r.length // chunk, q.shape[:3]
+    qx = _rows(q, r.queries, (bh, chunks, chunk))
+    kx, vx = (_windows(_rows(x, r.keys, (bh, chunk + r.length)), chunk) for x in (keys, v))  # [BH, chunks, 2c, D]
+    out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=r.mask, scale=scale)[:2]
+    lse = lse.masked_fill(r.empty, float("-inf"))  # the kernel reports 0 for a row with no key
+    return (qx, kx, vx), _rows(out, r.slot, by_position), _rows(lse[..., None], r.slot, by_position)[..., 0]
+
+
+class _Rounds(torch.autograd.Function):
+    """All rounds, combined into one softmax by log-sum-exp; returns ``(out, lse)``. Backward:
+    each round's flash backward with the union's output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, keys: Tensor, v: Tensor, rounds: list[Round],  # type: ignore[override]
+                real: Tensor | None, chunk: int, scale: float) -> tuple[Tensor, Tensor]:
+        kernel, outs, lses = [], [], []
+        for r in rounds:
+            inputs, out, lse = _round_forward(q, keys, v, r, chunk, scale)
+            kernel.append(inputs)
+            outs.append(out)
+            lses.append(lse)
+        stacked = torch.stack(lses)  # [rounds, B, H, N]
+        total = torch.logsumexp(stacked, 0)
+        share = torch.exp(stacked - torch.where(torch.isinf(total), 0.0, total))[..., None]
+        out = (torch.stack(outs) * share.to(outs[0].dtype)).sum(0)
+        if real is not None:  # padding tokens have no slot: they read another's, and see nothing
+            real = real[:, None, :]
+            out, total = out * real[..., None], total.masked_fill(~real, float("-inf"))
+        ctx.rounds, ctx.kernel, ctx.chunk, ctx.scale, ctx.real = rounds, kernel, chunk, scale, real
+        ctx.save_for_backward(out, total)
+        ctx.mark_non_differentiable(total)
+        return out, total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        out, total = ctx.saved_tensors
+        # A row that sees nothing has p = 0 everywhere: exp(-inf - (+inf)), not exp(-inf + inf).
+        total = torch.where(torch.isinf(total), float("inf"), total)[..., None]
+        grad, dq, dk, dv = grad.contiguous(), 0, 0, 0
+        for r, (qx, kx, vx) in zip(ctx.rounds, ctx.kernel):
+            rows = qx.shape[:3]
+            g, o, lse = (_rows(x, r.queries, rows) for x in (grad, out, total))
+            gq, gk, gv = flash_attention_cpu_backward(g, qx, kx, vx, o, lse[..., 0], 0.0, False, attn_mask=r.mask,
+                                                      scale=ctx.scale)
+            dq = dq + _rows(gq, r.slot, grad.shape[:3])
+            dk = dk + _rows(gk, r.own, grad.shape[:3]) + _rows(gk, r.prev, grad.shape[:3])
+            dv = dv + _rows(gv, r.own, grad.shape[:3]) + _rows(gv, r.prev, grad.shape[:3])
+        if ctx.real is not None:
+            dq, dk, dv = (x * ctx.real[..., None] for x in (dq, dk, dv))
+        del ctx.kernel, ctx.rounds
+        return dq, dk, dv, None, None, None, None
 
 
 @register(
@@ -162,7 +289,10 @@ def reference_lsh(q: Tensor, v: Tensor, config: LSHConfig, *, causal: bool = Fal
         "chunks are taken within each bucket by position rank (Reformer chunks the whole sorted "
         "sequence, which lets future tokens move chunk boundaries); this makes routing causal",
         "a token attends to itself only when it sees nothing else in any round",
-        "rotations are fixed by the seed: the same input always gets the same buckets",
+        "rounds are combined as one softmax over the union of their keys (log N_ij subtracted, "
+        "Reformer Appendix A); dedupe=False weighs a key found in several rounds once per round",
+        "rotations are fixed by the seed: the same input always gets the same buckets, in every "
+        "head and layer (Reformer draws fresh rotations per forward pass)",
     ),
 )
 class LSHAttention(Attention):
@@ -172,26 +302,24 @@ class LSHAttention(Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
                 score_mod: ScoreMod | None) -> Tensor:
-        cfg, (batch, heads, n, _) = self.config, q.shape
+        cfg, (batch, _, n, dim) = self.config, q.shape
         real = torch.ones(batch, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
-        keys = F.normalize(q, dim=-1)
-        scale = q.shape[-1] ** -0.5 if cfg.scale is None else cfg.scale
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        # In sorted order a query's visible keys lie at most 2c - 1 before and c - 1 after it.
-        band = P.sliding_window(2 * cfg.chunk - 1, 0 if causal else cfg.chunk - 1)
-        tiles = band.blocks(n, n, cfg.chunk)
-        plan = make_plan(tiles.with_full(torch.zeros_like(tiles.full)), torch.zeros(heads, dtype=torch.long))
-        outs, lses = [], []
-        for rotation in rotations(cfg, q.shape[-1], q.device):
-            r = route(keys, rotation, real)
-            order = r.order[..., None]
-            sort = lambda x: x.gather(2, order.expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
-            out, lse = blocked_attention(sort(q), sort(keys), sort(v), plan, scale=scale, return_lse=True,
-                                         mask_mod=visible_in_order(r, cfg.chunk, causal))
-            inverse = torch.argsort(r.order, dim=-1)
-            outs.append(out.gather(2, inverse[..., None].expand_as(out)).to(compute))
-            lses.append(lse.gather(2, inverse).to(compute))
-        return combine_rounds(outs, lses, v.to(compute), real).to(q.dtype)
+        qc, vc = q.to(compute), v.to(compute)
+        keys = F.normalize(qc, dim=-1)
+        scale = dim ** -0.5 if cfg.scale is None else cfg.scale
+        with torch.no_grad():
+            laid = [layout(buckets(keys, rot, real), cfg.n_buckets, cfg.chunk) for rot in rotations(cfg, dim, q.device)]
+            plain = [r for r, *_ in laid]
+            rounds = [round_mask(r, *slots, [o for o in plain if o is not r], chunk=cfg.chunk, causal=causal,
+                                 dedupe=cfg.dedupe, dtype=compute) for r, *slots in laid]
+        # The flash kernel needs one head size for q, k and v: zero columns change no score.
+        width = max(dim, v.shape[-1])
+        pad = lambda x: x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))  # noqa: E731
+        out, total = _Rounds.apply(pad(qc), pad(keys), pad(vc), rounds, key_padding_mask, cfg.chunk, scale)
+        out = out[..., : v.shape[-1]]
+        alone = torch.isinf(total)[..., None] & real[:, None, :, None]  # sees nothing in any round
+        return torch.where(alone, vc, out).to(q.dtype)
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         """The combined ``(B, H, N, N)`` attention of a forward pass on ``q`` (small N)."""
