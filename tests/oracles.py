@@ -69,6 +69,7 @@ __all__ = [
     "axial_oracle",
     "graph_oracle",
     "per_head_oracle",
+    "oracle_lama_weights",
 ]
 
 
@@ -687,3 +688,46 @@ def per_head_oracle(masks: Sequence[Tensor], heads: int) -> Tensor:
             for j in range(n_kv):
                 M[h, i, j] = bool(src[i, j])
     return M
+
+
+# --------------------------------------------------------------------------
+# LAMA pooling (Mehta et al., 2019): low-rank bilinear pooling in the
+# Hadamard-product form of Kim et al. (2017)
+# --------------------------------------------------------------------------
+
+def oracle_lama_weights(x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Optional[Tensor] = None,
+                        key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Pooling weights alpha (B, heads, N) of LAMA, written from
+
+        s_hi = sum_r p[r, h] * tanh(sum_d u[d, r] x_i[d]) * tanh(sum_d v[d, r] c[d])
+        alpha_h = softmax over the real tokens i of s_h   (padding: weight 0)
+
+    ``x`` (B, N, dim); ``u``, ``v`` (dim, r); ``p`` (r, heads); ``c`` (dim,) a fixed context, or
+    None for the mean of the real tokens of each sequence (the zero vector when there is none).
+    A sequence with no real token gets all-zero weights.
+    """
+    x, u, v, p = (t.to(F64) for t in (x, u, v, p))
+    B, N, dim = x.shape
+    rank, heads = p.shape
+    rows = []
+    for b in range(B):
+        real = [i for i in range(N) if key_padding_mask is None or bool(key_padding_mask[b, i])]
+        if c is not None:
+            ctx = c.to(F64)
+        elif real:
+            ctx = sum(x[b, i] for i in real) / len(real)
+        else:
+            ctx = torch.zeros(dim, dtype=F64)
+        ctx_features = [torch.tanh(torch.dot(v[:, r], ctx)) for r in range(rank)]
+        heads_rows = []
+        for h in range(heads):
+            scores = {}
+            for i in real:
+                scores[i] = sum(p[r, h] * torch.tanh(torch.dot(u[:, r], x[b, i])) * ctx_features[r]
+                                for r in range(rank))
+            top = max(float(s.detach()) for s in scores.values()) if scores else 0.0
+            total = sum(torch.exp(s - top) for s in scores.values())
+            heads_rows.append(torch.stack([torch.exp(scores[i] - top) / total if i in scores
+                                           else torch.zeros((), dtype=F64) for i in range(N)]))
+        rows.append(torch.stack(heads_rows))
+    return torch.stack(rows)
