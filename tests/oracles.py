@@ -70,6 +70,7 @@ __all__ = [
     "graph_oracle",
     "per_head_oracle",
     "oracle_lama_weights",
+    "oracle_axial_attention",
 ]
 
 
@@ -731,3 +732,57 @@ def oracle_lama_weights(x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Optional[
                                            else torch.zeros((), dtype=F64) for i in range(N)]))
         rows.append(torch.stack(heads_rows))
     return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------
+# Axial attention (Ho et al., 2019): a row pass, then a column pass
+# --------------------------------------------------------------------------
+
+def _linear_oracle(W: Tensor, b: Optional[Tensor], x: Tensor) -> Tensor:
+    """y = W x + b for one vector x (the nn.Linear convention)."""
+    y = torch.stack([torch.dot(W[o], x) for o in range(W.shape[0])])
+    return y if b is None else y + b
+
+
+def _axial_pass_oracle(x: Tensor, h: int, w: int, heads: int, params: Sequence[Optional[Tensor]],
+                       along_row: bool, causal: bool) -> Tensor:
+    Wq, bq, Wk, bk, Wv, bv, Wo, bo = (None if t is None else t.to(F64) for t in params)
+    B, N, dim = x.shape
+    d = Wq.shape[0] // heads
+    out_rows = []
+    for b in range(B):
+        q = [_linear_oracle(Wq, bq, x[b, n]) for n in range(N)]
+        k = [_linear_oracle(Wk, bk, x[b, n]) for n in range(N)]
+        v = [_linear_oracle(Wv, bv, x[b, n]) for n in range(N)]
+        tokens = []
+        for n in range(N):
+            r, c = n // w, n % w
+            if along_row:
+                keys = [r * w + c2 for c2 in range(w) if not causal or c2 <= c]
+            else:
+                keys = [r2 * w + c for r2 in range(h) if not causal or r2 <= r]
+            per_head = []
+            for head in range(heads):
+                s = slice(head * d, (head + 1) * d)
+                scores = [torch.dot(q[n][s], k[j][s]) / math.sqrt(d) for j in keys]
+                top = max(float(t.detach()) for t in scores)
+                e = [torch.exp(t - top) for t in scores]
+                total = sum(e)
+                per_head.append(sum(e_j / total * v[j][s] for e_j, j in zip(e, keys)))
+            tokens.append(_linear_oracle(Wo, bo, torch.cat(per_head)))
+        out_rows.append(torch.stack(tokens))
+    return torch.stack(out_rows)
+
+
+def oracle_axial_attention(x: Tensor, h: int, w: int, heads: int, row: Sequence[Optional[Tensor]],
+                           column: Sequence[Optional[Tensor]], causal: bool = False) -> Tensor:
+    """Axial attention on an h x w grid, x (B, h*w, dim) in raster order (token n is row n // w,
+    column n % w). ``row`` and ``column`` are each pass's (Wq, bq, Wk, bk, Wv, bv, Wo, bo), with
+    W (out, in) and y = W x + b; heads split q, k, v into ``heads`` contiguous slices of width d
+    and scores are q.k / sqrt(d).
+
+    Row pass: token (r, c) attends (r, c') for every c' (c' <= c when causal).
+    Column pass, on the row pass's output: (r, c) attends (r', c) (r' <= r when causal).
+    """
+    y = _axial_pass_oracle(x.to(F64), h, w, heads, row, along_row=True, causal=causal)
+    return _axial_pass_oracle(y, h, w, heads, column, along_row=False, causal=causal)

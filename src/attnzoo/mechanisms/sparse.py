@@ -231,7 +231,8 @@ class Block2DConfig(SparseConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class AxialConfig(SparseConfig):
-    """``axial(h, w)``: same row or column of a row-major ``h x w`` grid."""
+    """``axial(h, w)``: same row or column of a row-major ``h x w`` grid, one softmax over both
+    (criss-cross); Ho et al.'s two-pass axial attention is ``attnzoo.nn.AxialAttention``."""
 
     h: int = 32
     w: int = 32
@@ -282,8 +283,12 @@ _register("sparse_transformer_fixed", SparseTransformerFixedConfig, "Block-local
           "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))
 _register("block2d", Block2DConfig, "Image Transformer 2-D block-local attention.", "Parmar et al. 2018, " + ARXIV + "1802.05751",
           cross=False, notes=(SELF_ONLY,))
-_register("axial", AxialConfig, "Same row or same column of a 2-D grid.", "Ho et al. 2019, " + ARXIV + "1912.12180",
-          cross=False, notes=(SELF_ONLY,))
+_register("axial", AxialConfig, "Same row or same column of a 2-D grid under one softmax (criss-cross-like).",
+          "Huang et al. 2019 (CCNet criss-cross attention), " + ARXIV + "1811.11721", cross=False,
+          notes=(SELF_ONLY, "one softmax over the union of the row and the column (h + w - 1 keys), the criss-cross "
+                 "pattern; not Ho et al. 2019's axial attention (" + ARXIV + "1912.12180), which is a row pass then "
+                 "a column pass, each with its own softmax and projections: that is attnzoo.nn.AxialAttention",
+                 "causal=True intersects the pattern with j <= i"))
 _register("graph", GraphConfig, "Attention along the edges of a graph.", "Velickovic et al. 2018 (GAT), " + ARXIV + "1710.10903",
           cross=False, notes=(SELF_ONLY,))
 _register("pattern", PatternConfig, "Any attnzoo.patterns.Pattern (per_head for mixed heads).", "see attnzoo.patterns")
