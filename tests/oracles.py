@@ -71,6 +71,7 @@ __all__ = [
     "per_head_oracle",
     "oracle_lama_weights",
     "oracle_axial_attention",
+    "oracle_gat_attention",
 ]
 
 
@@ -786,3 +787,50 @@ def oracle_axial_attention(x: Tensor, h: int, w: int, heads: int, row: Sequence[
     """
     y = _axial_pass_oracle(x.to(F64), h, w, heads, row, along_row=True, causal=causal)
     return _axial_pass_oracle(y, h, w, heads, column, along_row=False, causal=causal)
+
+
+# --------------------------------------------------------------------------
+# GAT additive scores (Velickovic et al., 2018) along a graph's edges
+# --------------------------------------------------------------------------
+
+def oracle_gat_attention(q: Tensor, k: Tensor, v: Tensor, edges: Sequence[Sequence[int]], n: int,
+                         a: Tensor, *, self_loops: bool = True, causal: bool = False,
+                         key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """GAT attention with q_i, k_j as the projected features W h_i, W h_j, by a loop over edges:
+
+        e_ij    = LeakyReLU(a[h, 0] . q_i + a[h, 1] . k_j), negative slope 0.2
+        alpha_i = softmax over the edges (i, j) of node i of e_ij
+        out_i   = sum over those edges of alpha_ij v_j
+
+    ``edges`` are (query i, key j) pairs (duplicates count once), plus (i, i) when
+    ``self_loops``; ``causal`` drops edges with j > i; padded keys (``key_padding_mask[b, j]``
+    False) are dropped. A node left with no edge outputs zeros. ``a`` is (H, 2, D).
+    """
+    q, k, v, a = (t.to(F64) for t in (q, k, v, a))
+    B, H, N, _ = q.shape
+    if N != n:
+        raise ValueError(f"inputs have N={N}, graph has n={n}")
+    edge_set = {(int(i), int(j)) for i, j in edges} | ({(i, i) for i in range(n)} if self_loops else set())
+    out = []
+    for b in range(B):
+        per_head = []
+        for h in range(H):
+            scores: dict = {i: [] for i in range(n)}
+            for i, j in sorted(edge_set):
+                if causal and j > i:
+                    continue
+                if key_padding_mask is not None and not bool(key_padding_mask[b, j]):
+                    continue
+                e = torch.dot(a[h, 0], q[b, h, i]) + torch.dot(a[h, 1], k[b, h, j])
+                scores[i].append((j, torch.where(e > 0, e, 0.2 * e)))
+            rows = []
+            for i in range(n):
+                if not scores[i]:
+                    rows.append(torch.zeros(v.shape[-1], dtype=F64))
+                    continue
+                top = max(float(e.detach()) for _, e in scores[i])
+                total = sum(torch.exp(e - top) for _, e in scores[i])
+                rows.append(sum(torch.exp(e - top) / total * v[b, h, j] for j, e in scores[i]))
+            per_head.append(torch.stack(rows))
+        out.append(torch.stack(per_head))
+    return torch.stack(out)
