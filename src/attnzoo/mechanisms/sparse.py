@@ -176,7 +176,7 @@ class BigBirdConfig(SparseConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class StarConfig(SparseConfig):
-    """``star(relay)``: neighbours within 1 and one relay token."""
+    """``star(relay)``: neighbours within 1 (no wrap-around) and one relay token."""
 
     relay: int = 0
 
@@ -275,7 +275,11 @@ _register("random", RandomConfig, "Random keys per query (fixed per seed and len
 _register("block_local", BlockLocalConfig, "Attention inside non-overlapping blocks.", "Qiu et al. 2019 (BlockBERT), " + ARXIV + "1911.02972")
 _register("longformer", LongformerConfig, "Sliding window + global tokens (+ dilation per head).", "Beltagy et al. 2020, " + ARXIV + "2004.05150")
 _register("bigbird", BigBirdConfig, "Block window + global blocks + random blocks.", "Zaheer et al. 2020, " + ARXIV + "2007.14062")
-_register("star", StarConfig, "Ring of neighbours + one relay token.", "Guo et al. 2019 (Star-Transformer), " + ARXIV + "1902.09113")
+_register("star", StarConfig, "Neighbours within 1 (a band, no wrap) + one relay token.",
+          "Guo et al. 2019 (Star-Transformer), " + ARXIV + "1902.09113",
+          notes=("causal=True intersects the pattern with j <= i",
+                 "satellites see |i - j| <= 1 without wrap-around: the first and last satellites are not linked, "
+                 "so the paper's ring of satellites is a band here; the relay links everything"))
 _register("etc", ETCConfig, "External global tokens + sliding window.", "Ainslie et al. 2020 (ETC), " + ARXIV + "2004.08483")
 _register("sparse_transformer_strided", SparseTransformerStridedConfig, "Local heads + strided heads.",
           "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))

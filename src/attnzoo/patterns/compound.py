@@ -108,7 +108,9 @@ class GlobalBlocks(Pattern):
 def star(relay: int = 0) -> Pattern:
     """Star-Transformer (Guo et al. 2019, https://arxiv.org/abs/1902.09113):
     ``local(1) | global_tokens([relay])`` — each satellite sees its neighbours and the relay,
-    the relay sees all. Prepend the relay with ``attnzoo.nn.GlobalTokens(dim, 1)``."""
+    the relay sees all. Prepend the relay with ``attnzoo.nn.GlobalTokens(dim, 1)``. The band
+    does not wrap: the first and last satellites are not neighbours (the paper's satellites form
+    a ring), so this is the paper's ring cut open between them."""
     return local(1) | global_tokens([relay])
 
 
