@@ -69,6 +69,9 @@ __all__ = [
     "axial_oracle",
     "graph_oracle",
     "per_head_oracle",
+    "oracle_lama_weights",
+    "oracle_axial_attention",
+    "oracle_gat_attention",
 ]
 
 
@@ -687,3 +690,147 @@ def per_head_oracle(masks: Sequence[Tensor], heads: int) -> Tensor:
             for j in range(n_kv):
                 M[h, i, j] = bool(src[i, j])
     return M
+
+
+# --------------------------------------------------------------------------
+# LAMA pooling (Mehta et al., 2019): low-rank bilinear pooling in the
+# Hadamard-product form of Kim et al. (2017)
+# --------------------------------------------------------------------------
+
+def oracle_lama_weights(x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Optional[Tensor] = None,
+                        key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Pooling weights alpha (B, heads, N) of LAMA, written from
+
+        s_hi = sum_r p[r, h] * tanh(sum_d u[d, r] x_i[d]) * tanh(sum_d v[d, r] c[d])
+        alpha_h = softmax over the real tokens i of s_h   (padding: weight 0)
+
+    ``x`` (B, N, dim); ``u``, ``v`` (dim, r); ``p`` (r, heads); ``c`` (dim,) a fixed context, or
+    None for the mean of the real tokens of each sequence (the zero vector when there is none).
+    A sequence with no real token gets all-zero weights.
+    """
+    x, u, v, p = (t.to(F64) for t in (x, u, v, p))
+    B, N, dim = x.shape
+    rank, heads = p.shape
+    rows = []
+    for b in range(B):
+        real = [i for i in range(N) if key_padding_mask is None or bool(key_padding_mask[b, i])]
+        if c is not None:
+            ctx = c.to(F64)
+        elif real:
+            ctx = sum(x[b, i] for i in real) / len(real)
+        else:
+            ctx = torch.zeros(dim, dtype=F64)
+        ctx_features = [torch.tanh(torch.dot(v[:, r], ctx)) for r in range(rank)]
+        heads_rows = []
+        for h in range(heads):
+            scores = {}
+            for i in real:
+                scores[i] = sum(p[r, h] * torch.tanh(torch.dot(u[:, r], x[b, i])) * ctx_features[r]
+                                for r in range(rank))
+            top = max(float(s.detach()) for s in scores.values()) if scores else 0.0
+            total = sum(torch.exp(s - top) for s in scores.values())
+            heads_rows.append(torch.stack([torch.exp(scores[i] - top) / total if i in scores
+                                           else torch.zeros((), dtype=F64) for i in range(N)]))
+        rows.append(torch.stack(heads_rows))
+    return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------
+# Axial attention (Ho et al., 2019): a row pass, then a column pass
+# --------------------------------------------------------------------------
+
+def _linear_oracle(W: Tensor, b: Optional[Tensor], x: Tensor) -> Tensor:
+    """y = W x + b for one vector x (the nn.Linear convention)."""
+    y = torch.stack([torch.dot(W[o], x) for o in range(W.shape[0])])
+    return y if b is None else y + b
+
+
+def _axial_pass_oracle(x: Tensor, h: int, w: int, heads: int, params: Sequence[Optional[Tensor]],
+                       along_row: bool, causal: bool) -> Tensor:
+    Wq, bq, Wk, bk, Wv, bv, Wo, bo = (None if t is None else t.to(F64) for t in params)
+    B, N, dim = x.shape
+    d = Wq.shape[0] // heads
+    out_rows = []
+    for b in range(B):
+        q = [_linear_oracle(Wq, bq, x[b, n]) for n in range(N)]
+        k = [_linear_oracle(Wk, bk, x[b, n]) for n in range(N)]
+        v = [_linear_oracle(Wv, bv, x[b, n]) for n in range(N)]
+        tokens = []
+        for n in range(N):
+            r, c = n // w, n % w
+            if along_row:
+                keys = [r * w + c2 for c2 in range(w) if not causal or c2 <= c]
+            else:
+                keys = [r2 * w + c for r2 in range(h) if not causal or r2 <= r]
+            per_head = []
+            for head in range(heads):
+                s = slice(head * d, (head + 1) * d)
+                scores = [torch.dot(q[n][s], k[j][s]) / math.sqrt(d) for j in keys]
+                top = max(float(t.detach()) for t in scores)
+                e = [torch.exp(t - top) for t in scores]
+                total = sum(e)
+                per_head.append(sum(e_j / total * v[j][s] for e_j, j in zip(e, keys)))
+            tokens.append(_linear_oracle(Wo, bo, torch.cat(per_head)))
+        out_rows.append(torch.stack(tokens))
+    return torch.stack(out_rows)
+
+
+def oracle_axial_attention(x: Tensor, h: int, w: int, heads: int, row: Sequence[Optional[Tensor]],
+                           column: Sequence[Optional[Tensor]], causal: bool = False) -> Tensor:
+    """Axial attention on an h x w grid, x (B, h*w, dim) in raster order (token n is row n // w,
+    column n % w). ``row`` and ``column`` are each pass's (Wq, bq, Wk, bk, Wv, bv, Wo, bo), with
+    W (out, in) and y = W x + b; heads split q, k, v into ``heads`` contiguous slices of width d
+    and scores are q.k / sqrt(d).
+
+    Row pass: token (r, c) attends (r, c') for every c' (c' <= c when causal).
+    Column pass, on the row pass's output: (r, c) attends (r', c) (r' <= r when causal).
+    """
+    y = _axial_pass_oracle(x.to(F64), h, w, heads, row, along_row=True, causal=causal)
+    return _axial_pass_oracle(y, h, w, heads, column, along_row=False, causal=causal)
+
+
+# --------------------------------------------------------------------------
+# GAT additive scores (Velickovic et al., 2018) along a graph's edges
+# --------------------------------------------------------------------------
+
+def oracle_gat_attention(q: Tensor, k: Tensor, v: Tensor, edges: Sequence[Sequence[int]], n: int,
+                         a: Tensor, *, self_loops: bool = True, causal: bool = False,
+                         key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """GAT attention with q_i, k_j as the projected features W h_i, W h_j, by a loop over edges:
+
+        e_ij    = LeakyReLU(a[h, 0] . q_i + a[h, 1] . k_j), negative slope 0.2
+        alpha_i = softmax over the edges (i, j) of node i of e_ij
+        out_i   = sum over those edges of alpha_ij v_j
+
+    ``edges`` are (query i, key j) pairs (duplicates count once), plus (i, i) when
+    ``self_loops``; ``causal`` drops edges with j > i; padded keys (``key_padding_mask[b, j]``
+    False) are dropped. A node left with no edge outputs zeros. ``a`` is (H, 2, D).
+    """
+    q, k, v, a = (t.to(F64) for t in (q, k, v, a))
+    B, H, N, _ = q.shape
+    if N != n:
+        raise ValueError(f"inputs have N={N}, graph has n={n}")
+    edge_set = {(int(i), int(j)) for i, j in edges} | ({(i, i) for i in range(n)} if self_loops else set())
+    out = []
+    for b in range(B):
+        per_head = []
+        for h in range(H):
+            scores: dict = {i: [] for i in range(n)}
+            for i, j in sorted(edge_set):
+                if causal and j > i:
+                    continue
+                if key_padding_mask is not None and not bool(key_padding_mask[b, j]):
+                    continue
+                e = torch.dot(a[h, 0], q[b, h, i]) + torch.dot(a[h, 1], k[b, h, j])
+                scores[i].append((j, torch.where(e > 0, e, 0.2 * e)))
+            rows = []
+            for i in range(n):
+                if not scores[i]:
+                    rows.append(torch.zeros(v.shape[-1], dtype=F64))
+                    continue
+                top = max(float(e.detach()) for _, e in scores[i])
+                total = sum(torch.exp(e - top) for _, e in scores[i])
+                rows.append(sum(torch.exp(e - top) / total * v[b, h, j] for j, e in scores[i]))
+            per_head.append(torch.stack(rows))
+        out.append(torch.stack(per_head))
+    return torch.stack(out)

@@ -7,7 +7,8 @@ import torch
 
 import attnzoo
 from attnzoo.mechanisms.graph import degree_buckets, reference_graph_attention
-from conftest import grads, padding_mask
+from conftest import LargestTensor as Largest, grads, padding_mask
+from oracles import oracle_gat_attention
 from tolerances import assert_close_to_golden, assert_same
 
 
@@ -59,3 +60,57 @@ def test_implied_attention_and_errors():
         module(torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))
     with pytest.raises(ValueError, match=r"\[0, n=3\)"):
         attnzoo.build("graph_attention", edges=((0, 5),), n=3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gat_score_matches_the_edge_loop_oracle(causal, padded):
+    n, heads, d = 9, 2, 4
+    edges = star_plus_ring(n)[::2]  # uneven degrees, some nodes without a self-loop partner
+    module = attnzoo.build("graph_attention", edges=edges, n=n, score="gat", heads=heads, head_dim=d).double()
+    q, k, v = (torch.randn(2, heads, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = padding_mask(2, n) if padded else None
+    out = module(q, k, v, causal=causal, key_padding_mask=mask)
+    expected = oracle_gat_attention(q, k, v, edges, n, module.attention_vector, causal=causal, key_padding_mask=mask)
+    assert_same(out, expected)
+    inputs = (q, k, v, module.attention_vector)
+    for got, want, name in zip(grads(out, inputs), grads(expected, inputs), ("q", "k", "v", "a")):
+        assert_same(got, want, what=f"d{name}")
+    dense = reference_graph_attention(q, k, v, module.graph, causal=causal, key_padding_mask=mask,
+                                      attention_vector=module.attention_vector)
+    assert_same(dense, out, what="dense reference")
+    assert_same(module.implied_attention(q, k, causal=causal, key_padding_mask=mask) @ v, out)
+
+
+def test_gat_score_is_additive_not_dot_product():
+    # GAT's e_ij = LeakyReLU(a_1.q_i + a_2.k_j): with LeakyReLU monotone, every query ranks its
+    # neighbours by a_2.k_j alone, so all queries on a complete graph get the same argmax key.
+    n = 6
+    edges = tuple((i, j) for i in range(n) for j in range(n))
+    gat = attnzoo.build("graph_attention", edges=edges, n=n, score="gat", heads=1, head_dim=4).double()
+    q, k = torch.randn(2, 1, 1, n, 4, dtype=torch.float64).unbind(0)
+    assert gat.implied_attention(q, k)[0, 0].argmax(-1).unique().numel() == 1
+    dot = attnzoo.build("graph_attention", edges=edges, n=n).double()
+    assert dot.implied_attention(q, k)[0, 0].argmax(-1).unique().numel() > 1
+
+
+def test_gat_config_checks():
+    with pytest.raises(ValueError, match="scale applies to score='dot' only"):
+        attnzoo.build("graph_attention", score="gat", scale=0.5)
+    with pytest.raises(ValueError, match="head_dim must be >= 1"):
+        attnzoo.build("graph_attention", score="gat", head_dim=0)
+    module = attnzoo.build("graph_attention", edges=star_plus_ring(5), n=5, score="gat", heads=2, head_dim=4)
+    with pytest.raises(ValueError, match="built for heads=2, head_dim=4 but q has H=3, D=4"):
+        module(*(torch.randn(1, 3, 5, 4) for _ in range(3)))
+    assert module.attention_vector.shape == (2, 2, 4)
+    assert attnzoo.build("graph_attention").attention_vector is None
+
+
+def test_gat_score_allocates_nothing_quadratic():
+    n = 2048
+    ring = tuple((i, (i + d) % n) for i in range(n) for d in (-1, 1))
+    module = attnzoo.build("graph_attention", edges=ring, n=n, score="gat", heads=2, head_dim=8)
+    q, k, v = (torch.randn(1, 2, n, 8) for _ in range(3))
+    with Largest() as largest:
+        module(q, k, v)
+    assert largest.numel < n * n // 8

@@ -12,6 +12,7 @@ from attnzoo.nn import LAMAPooling
 from attnzoo.mechanisms.low_rank import (iterative_pinv, landmark_segments, reference_compressed,
                                          reference_linformer, reference_nystrom)
 from conftest import LargestTensor as Largest, grads, make_qkv, padding_mask
+from oracles import oracle_lama_weights
 from tolerances import assert_path_close_to_golden, assert_same
 
 B, H, N, D = 2, 3, 37, 8
@@ -257,25 +258,77 @@ def test_bad_config_choices_and_per_head_mismatch():
     for field in ("dim", "heads", "rank"):
         with pytest.raises(ValueError, match=field):
             LAMAPooling(**{"dim": 4, "heads": 2, "rank": 2, field: 0})
+    with pytest.raises(ValueError, match="context must be one of"):
+        LAMAPooling(4, context="max")
 
 
-def test_lama_pooling_matches_a_double_loop_and_ignores_padding():
-    pool = LAMAPooling(6, heads=3, rank=2).double()
-    x = torch.randn(B, 11, 6, dtype=torch.float64)
+def _lama_params(pool: LAMAPooling) -> tuple[torch.Tensor, ...]:
+    return tuple(t for t in (pool.u, pool.v, pool.p, pool.c) if t is not None)
+
+
+@pytest.mark.parametrize("context", ["learned", "mean"])
+def test_lama_pooling_matches_the_oracle_forward_and_gradients(context):
+    pool = LAMAPooling(6, heads=3, rank=4, context=context).double()
+    x = torch.randn(3, 9, 6, dtype=torch.float64, requires_grad=True)
+    mask = torch.arange(9)[None] < torch.tensor([[0], [5], [9]])
+    for key_padding_mask in (None, mask):
+        expected = oracle_lama_weights(x, pool.u, pool.v, pool.p, pool.c, key_padding_mask)
+        assert_same(pool.weights(x, key_padding_mask), expected, what="weights")
+        out = pool(x, key_padding_mask=key_padding_mask)
+        golden = torch.einsum("bhn,bnd->bhd", expected, x.double())
+        assert_same(out, golden)
+        inputs = (x, *_lama_params(pool))
+        for got, want in zip(grads(out, inputs), grads(golden, inputs)):
+            assert_same(got, want, what="gradient")
+
+
+def test_lama_pooling_respects_padding():
+    pool = LAMAPooling(6, heads=3, rank=4, context="mean").double()
+    x = torch.randn(2, 11, 6, dtype=torch.float64, requires_grad=True)
     mask = torch.arange(11)[None] < torch.tensor([[0], [8]])
     out = pool(x, key_padding_mask=mask)
-    assert out.shape == (B, 3, 6) and torch.equal(out[0], torch.zeros(3, 6, dtype=torch.float64))
-    expected = torch.zeros(3, 6, dtype=torch.float64)
-    for h in range(3):
-        w = pool.u[h] @ pool.v[h].T  # (dim, dim), rank 2
-        s = torch.stack([pool.context[h] @ w @ x[1, i] for i in range(8)])
-        alpha = torch.softmax(s, 0)
-        expected[h] = sum(alpha[i] * x[1, i] for i in range(8))
-    assert_same(out[1], expected)
-    x2 = x.clone()
-    x2[1, 8:] = 100 * torch.randn(3, 6, dtype=torch.float64)
+    weights = pool.weights(x, mask)
+    assert torch.equal(weights[:, :, 8:], torch.zeros_like(weights[:, :, 8:]))
+    assert torch.equal(out[0], torch.zeros(3, 6, dtype=torch.float64)) and torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.equal(x.grad[0], torch.zeros_like(x.grad[0]))
+    assert torch.equal(x.grad[1, 8:], torch.zeros_like(x.grad[1, 8:]))
+    # Padded tokens change nothing, not even the data-derived context.
+    x2 = x.detach().clone()
+    x2[:, 8:] = 100 * torch.randn(2, 3, 6, dtype=torch.float64)
     assert_same(pool(x2, key_padding_mask=mask), out)
-    assert_same(pool(x[1:, :8]), out[1:])
+    assert_same(pool(x.detach()[1:, :8]), out[1:])
+
+
+def test_lama_weights_are_not_a_linear_probe():
+    # Any linear probe alpha = softmax_i(x_i . w) gives log(alpha_3/alpha_2) = log(alpha_2/alpha_1)
+    # for three evenly spaced tokens x_1, x_1 + d, x_1 + 2d, whatever w is; LAMA must not.
+    pool = LAMAPooling(8, heads=4, rank=6).double()
+    start, step = torch.randn(8, dtype=torch.float64), 2 * torch.randn(8, dtype=torch.float64)
+    x = torch.stack([start, start + step, start + 2 * step])[None]
+    log_alpha = pool.weights(x).log()[0]  # (heads, 3)
+    gap = (log_alpha[:, 2] - log_alpha[:, 1]) - (log_alpha[:, 1] - log_alpha[:, 0])
+    assert gap.abs().max() > 1e-2
+    # Inputs that agree on x . w for every w in a fixed set of directions W get the same weights
+    # from every probe built from W, but not from LAMA.
+    directions = torch.randn(8, 5, dtype=torch.float64)
+    x = torch.randn(1, 7, 8, dtype=torch.float64)
+    basis, _ = torch.linalg.qr(directions, mode="complete")
+    x_prime = x + 3 * torch.randn(1, 7, 3, dtype=torch.float64) @ basis[:, 5:].T  # moves off span(W)
+    assert_same(x_prime @ directions, x @ directions)
+    probe = directions @ torch.randn(5, dtype=torch.float64)
+    assert_same(torch.softmax(x_prime @ probe, -1), torch.softmax(x @ probe, -1))
+    assert (pool.weights(x_prime) - pool.weights(x)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_lama_rank_bounds_the_heads_log_weights(rank):
+    # log alpha_hi = s_hi - logsumexp_i(s_h) and s = P^T diag(tanh(V^T c)) tanh(U^T X): after
+    # centring over tokens the (heads, N) matrix has rank <= rank, and a generic one reaches it.
+    pool = LAMAPooling(8, heads=5, rank=rank).double()
+    log_alpha = pool.weights(torch.randn(2, 12, 8, dtype=torch.float64)).log()
+    centred = log_alpha - log_alpha.mean(-1, keepdim=True)
+    assert torch.linalg.matrix_rank(centred, rtol=1e-9).tolist() == [rank, rank]
 
 
 def test_lama_pooling_trains():

@@ -63,6 +63,7 @@ def test_longformer_bigbird():
 def test_star_etc():
     s = star_oracle(5, 5, relay=0)
     assert s[3].nonzero().flatten().tolist() == [0, 2, 3, 4] and s[0].all()
+    assert not s[1, 4] and not s[4, 1]  # first and last satellites: a band, no wrap
     e = etc_oracle(6, 6, 1, 2)
     assert e[4].nonzero().flatten().tolist() == [0, 1, 3, 4, 5] and e[1].all()
 

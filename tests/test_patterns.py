@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnzoo import patterns as P
+from attnzoo import describe, patterns as P
 from attnzoo.patterns.algebra import Pattern
 import oracles as O
 
@@ -188,3 +188,11 @@ def test_resolved_per_head_patterns_evaluate_each_group_with_its_own_heads():
     assert resolved.group_heads().tolist() == [0, 3]
     assert resolved.density(40, 8) == pytest.approx(pattern.dense(40).float().mean().item())
     check_blocks(resolved & P.local(6), 40, 40, 8, (pattern & P.local(6)).dense(40), exact_full=True)
+
+
+def test_star_pattern_is_a_band_without_wrap_and_says_so():
+    n = 8  # relay 0, satellites 1..7
+    dense = P.star(0).dense(n)
+    assert not dense[1, n - 1] and not dense[n - 1, 1] and dense[1, 2] and dense[n - 1, 0]
+    spec = describe("star")
+    assert "no wrap" in spec.summary and any("not linked" in note for note in spec.notes)

@@ -95,6 +95,23 @@ def test_mix_is_alpha_synthesized_plus_dot_product(mix_with):
     assert_same(zero(q, k, v), torch.softmax(dot, dim=-1) @ v)
 
 
+def test_mix_alpha_is_learned_per_head():
+    module = _build("mix", alpha=0.25)
+    assert isinstance(module.alpha, torch.nn.Parameter) and torch.equal(module.alpha, torch.full((H,), 0.25, dtype=torch.float64))
+    q, k, v = _qkv()
+    loss = module(q, k, v).square().sum()
+    loss.backward()
+    assert module.alpha.grad is not None and bool((module.alpha.grad != 0).all())
+    with torch.no_grad():
+        module.alpha[0] = 0.0  # head 0 becomes plain dot-product attention, head 1 is untouched
+    dot = q @ k.transpose(-1, -2) / D**0.5
+    scores = module.scores(q, k)
+    assert_same(scores[:, 0], dot[:, 0])
+    assert_same(scores[:, 1], 0.25 * module.synthesized_scores(q)[:, 1] + 0.75 * dot[:, 1])
+    fixed = _build("mix", alpha=0.25, learn_alpha=False)
+    assert "alpha" not in dict(fixed.named_parameters()) and "alpha" in dict(fixed.named_buffers())
+
+
 @pytest.mark.parametrize(("variant", "mix_with"), ALL)
 def test_matches_the_plain_reference(variant, mix_with):
     module = _build(variant, mix_with)

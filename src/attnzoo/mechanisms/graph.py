@@ -4,16 +4,25 @@ gather (never a dense N x N mask), for any degree distribution.
 Nodes are bucketed by degree (powers of two); each bucket gathers its nodes' neighbour keys and
 values into ``(B, H, nodes, max degree of the bucket, D)``, so a hub does not pad every other
 node's neighbour list to its own degree: memory is O(E * D) with at most 2x padding.
+
+Two scores along an edge (i, j): ``score="dot"`` (default), the Transformer's ``q_i . k_j / sqrt(D)``
+on the graph's neighbourhoods; ``score="gat"``, GAT's additive score (Velickovic et al. 2018, eq. 3)
+``e_ij = LeakyReLU_0.2(a^T [W h_i || W h_j])`` with ``q_i, k_j`` as the projected features
+``W h_i, W h_j``: ``a^T [q_i || k_j] = a_1 . q_i + a_2 . k_j``, one learned ``a`` per head. Both
+terms are computed once per node and added per edge, so GAT is O(E) too.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from attnzoo.backends.reference import normalize_scores, reference_attention
+from attnzoo.backends.reference import normalize_scores, reference_attention, visible_pairs
 from attnzoo.mechanisms.base import Attention
 from attnzoo.patterns.atomic import Graph
 from attnzoo.registry import Config, register
@@ -28,15 +37,26 @@ class GraphAttentionConfig(Config):
         edges: ``(query, key)`` pairs: node ``query`` attends to node ``key``. Default a 2-cycle.
         n: number of nodes; inputs must have N = n. Default 2.
         self_loops: add ``(i, i)`` for every node. Default True.
-        scale: score scale; default ``1 / sqrt(D)``.
+        scale: score scale of ``score="dot"``; default ``1 / sqrt(D)``.
+        score: ``"dot"`` (default) or ``"gat"`` (see the module docstring).
+        heads, head_dim: H and D of the inputs, the shape of GAT's per-head ``a`` (``"gat"``
+            only; ``MultiHeadAttention`` fills them in). Defaults 8, 64.
     """
 
     edges: tuple[tuple[int, int], ...] = ((0, 1), (1, 0))
     n: int = 2
     self_loops: bool = True
     scale: float | None = None
+    score: Literal["dot", "gat"] = "dot"
+    heads: int = 8
+    head_dim: int = 64
 
     def validate(self) -> None:
+        for name in ("heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.score == "gat" and self.scale is not None:
+            raise ValueError("scale applies to score='dot' only; GAT's additive score is not scaled, drop scale=")
         self.graph()
 
     def graph(self) -> Graph:
@@ -58,22 +78,40 @@ def degree_buckets(graph: Graph) -> list[tuple[Tensor, Tensor]]:
     return out
 
 
+NEGATIVE_SLOPE = 0.2  # GAT's LeakyReLU slope (Velickovic et al. 2018, section 2.1)
+
+
+def gat_terms(q: Tensor, k: Tensor, attention_vector: Tensor) -> tuple[Tensor, Tensor]:
+    """``(a_1 . q_i, a_2 . k_j)`` per node, each ``(B, H, N)``: GAT's score split in its two halves."""
+    a = attention_vector.to(q.dtype)  # [H, 2, D]
+    return torch.einsum("bhnd,hd->bhn", q, a[:, 0]), torch.einsum("bhnd,hd->bhn", k, a[:, 1])
+
+
 def graph_attention(q: Tensor, k: Tensor, v: Tensor, graph: Graph, *, causal: bool = False,
-                    key_padding_mask: Tensor | None = None, scale: float | None = None) -> Tensor:
+                    key_padding_mask: Tensor | None = None, scale: float | None = None,
+                    attention_vector: Tensor | None = None) -> Tensor:
     """Attention of each node over its neighbours only.
+
+    ``attention_vector``: GAT's ``a`` as ``(H, 2, D)``; when given, the score of edge (i, j) is
+    ``LeakyReLU(a[h, 0] . q_i + a[h, 1] . k_j)`` instead of ``q_i . k_j * scale``.
 
     Shapes:
         q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)`` with N = ``graph.n`` -> ``(B, H, N, Dv)``.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if attention_vector is not None:
+        from_query, from_key = gat_terms(q.to(compute), k.to(compute), attention_vector)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=compute)
     for nodes, neighbours in degree_buckets(graph):
         nodes, neighbours = nodes.to(q.device), neighbours.to(q.device)
         keys = neighbours.clamp(min=0)
-        q_b = q[:, :, nodes].to(compute)  # [B, H, Nb, D]
-        k_b, v_b = k[:, :, keys].to(compute), v[:, :, keys].to(compute)  # [B, H, Nb, d, D]
-        scores = torch.einsum("bhnd,bhnkd->bhnk", q_b, k_b) * scale
+        v_b = v[:, :, keys].to(compute)  # [B, H, Nb, d, Dv]
+        if attention_vector is None:
+            q_b, k_b = q[:, :, nodes].to(compute), k[:, :, keys].to(compute)  # [B, H, Nb, D], [B, H, Nb, d, D]
+            scores = torch.einsum("bhnd,bhnkd->bhnk", q_b, k_b) * scale
+        else:
+            scores = F.leaky_relu(from_query[:, :, nodes, None] + from_key[:, :, keys], NEGATIVE_SLOPE)  # [B, H, Nb, d]
         visible = (neighbours >= 0)[None, None]
         if causal:
             visible = visible & (neighbours <= nodes[:, None])[None, None]
@@ -86,10 +124,24 @@ def graph_attention(q: Tensor, k: Tensor, v: Tensor, graph: Graph, *, causal: bo
 
 def reference_graph_attention(q: Tensor, k: Tensor, v: Tensor, graph: Graph, *, causal: bool = False,
                               key_padding_mask: Tensor | None = None, scale: float | None = None,
+                              attention_vector: Tensor | None = None,
                               return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """Masked dense attention over the adjacency matrix (the oracle for ``graph_attention``)."""
-    return reference_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                               mask_mod=graph.mask_mod_for(graph.n, graph.n), return_weights=return_weights)
+    """Masked dense attention over the adjacency matrix (the oracle for ``graph_attention``);
+    with ``attention_vector``, GAT's dense ``(N, N)`` score matrix
+    ``e_ij = LeakyReLU(a_1 . q_i + a_2 . k_j)`` masked to the edges."""
+    mask_mod = graph.mask_mod_for(graph.n, graph.n)
+    if attention_vector is None:
+        return reference_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                   mask_mod=mask_mod, return_weights=return_weights)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    from_query, from_key = gat_terms(q.to(compute), k.to(compute), attention_vector)
+    scores = F.leaky_relu(from_query[..., :, None] + from_key[..., None, :], NEGATIVE_SLOPE)  # [B, H, N, N]
+    batch, heads, n, _ = q.shape
+    visible = visible_pairs(batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask,
+                            mask_mod=mask_mod, device=q.device)
+    weights = normalize_scores(scores, visible, "softmax")
+    out = torch.einsum("bhij,bhjd->bhid", weights, v.to(compute)).to(q.dtype)
+    return (out, weights) if return_weights else out
 
 
 @register(
@@ -101,7 +153,11 @@ def reference_graph_attention(q: Tensor, k: Tensor, v: Tensor, graph: Graph, *, 
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(time="O(E D)", memory="O(E D)", subquadratic_memory=True),
     notes=("edges are (query, key) pairs; causal keeps edges with key <= query",
-           "nodes are bucketed by degree so a hub does not pad every neighbour list"),
+           "nodes are bucketed by degree so a hub does not pad every neighbour list",
+           "score='dot' (default): the scaled dot product q_i.k_j/sqrt(D) along the edges - Transformer "
+           "scores on GAT's neighbourhoods, not GAT's score; score='gat': GAT's additive score "
+           "LeakyReLU_0.2(a_1.q_i + a_2.k_j) with one learned a per head (needs heads, head_dim), "
+           "q and k standing for GAT's shared projection W h (here they may differ), O(E)"),
 )
 class GraphAttention(Attention):
     """Graph attention; see the module docstring."""
@@ -111,19 +167,32 @@ class GraphAttention(Attention):
     def __init__(self, config: GraphAttentionConfig) -> None:
         super().__init__(config)
         self.graph = config.graph()
+        self.attention_vector = None
+        if config.score == "gat":
+            # GAT's a in R^{2D} per head: Glorot-uniform for a map from 2D inputs to 1 output.
+            bound = math.sqrt(6.0 / (2 * config.head_dim + 1))
+            self.attention_vector = nn.Parameter(torch.empty(config.heads, 2, config.head_dim).uniform_(-bound, bound))
 
     def _check_n(self, n: int) -> None:
         if n != self.graph.n:
             raise ValueError(f"graph_attention was built for n={self.graph.n} nodes, got N={n}; set n= in the config")
 
+    def _check(self, q: Tensor) -> None:
+        self._check_n(q.shape[2])
+        if self.attention_vector is not None and q.shape[1::2] != self.attention_vector.shape[0::2]:
+            heads, _, head_dim = self.attention_vector.shape
+            raise ValueError(f"graph_attention (score='gat') was built for heads={heads}, head_dim={head_dim} but q has "
+                             f"H={q.shape[1]}, D={q.shape[3]}; build it with heads={q.shape[1]}, head_dim={q.shape[3]}")
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
                 score_mod: ScoreMod | None) -> Tensor:
-        self._check_n(q.shape[2])
+        self._check(q)
         return graph_attention(q, k, v, self.graph, causal=causal, key_padding_mask=key_padding_mask,
-                               scale=self.config.scale)
+                               scale=self.config.scale, attention_vector=self.attention_vector)
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
-        self._check_n(q.shape[2])
+        self._check(q)
         v = q.new_zeros(q.shape[:3] + (1,))
         return reference_graph_attention(q, k, v, self.graph, causal=causal, key_padding_mask=key_padding_mask,
-                                         scale=self.config.scale, return_weights=True)[1]
+                                         scale=self.config.scale, attention_vector=self.attention_vector,
+                                         return_weights=True)[1]

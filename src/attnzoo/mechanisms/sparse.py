@@ -176,7 +176,7 @@ class BigBirdConfig(SparseConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class StarConfig(SparseConfig):
-    """``star(relay)``: neighbours within 1 and one relay token."""
+    """``star(relay)``: neighbours within 1 (no wrap-around) and one relay token."""
 
     relay: int = 0
 
@@ -231,7 +231,8 @@ class Block2DConfig(SparseConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class AxialConfig(SparseConfig):
-    """``axial(h, w)``: same row or column of a row-major ``h x w`` grid."""
+    """``axial(h, w)``: same row or column of a row-major ``h x w`` grid, one softmax over both
+    (criss-cross); Ho et al.'s two-pass axial attention is ``attnzoo.nn.AxialAttention``."""
 
     h: int = 32
     w: int = 32
@@ -274,7 +275,11 @@ _register("random", RandomConfig, "Random keys per query (fixed per seed and len
 _register("block_local", BlockLocalConfig, "Attention inside non-overlapping blocks.", "Qiu et al. 2019 (BlockBERT), " + ARXIV + "1911.02972")
 _register("longformer", LongformerConfig, "Sliding window + global tokens (+ dilation per head).", "Beltagy et al. 2020, " + ARXIV + "2004.05150")
 _register("bigbird", BigBirdConfig, "Block window + global blocks + random blocks.", "Zaheer et al. 2020, " + ARXIV + "2007.14062")
-_register("star", StarConfig, "Ring of neighbours + one relay token.", "Guo et al. 2019 (Star-Transformer), " + ARXIV + "1902.09113")
+_register("star", StarConfig, "Neighbours within 1 (a band, no wrap) + one relay token.",
+          "Guo et al. 2019 (Star-Transformer), " + ARXIV + "1902.09113",
+          notes=("causal=True intersects the pattern with j <= i",
+                 "satellites see |i - j| <= 1 without wrap-around: the first and last satellites are not linked, "
+                 "so the paper's ring of satellites is a band here; the relay links everything"))
 _register("etc", ETCConfig, "External global tokens + sliding window.", "Ainslie et al. 2020 (ETC), " + ARXIV + "2004.08483")
 _register("sparse_transformer_strided", SparseTransformerStridedConfig, "Local heads + strided heads.",
           "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))
@@ -282,8 +287,12 @@ _register("sparse_transformer_fixed", SparseTransformerFixedConfig, "Block-local
           "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))
 _register("block2d", Block2DConfig, "Image Transformer 2-D block-local attention.", "Parmar et al. 2018, " + ARXIV + "1802.05751",
           cross=False, notes=(SELF_ONLY,))
-_register("axial", AxialConfig, "Same row or same column of a 2-D grid.", "Ho et al. 2019, " + ARXIV + "1912.12180",
-          cross=False, notes=(SELF_ONLY,))
+_register("axial", AxialConfig, "Same row or same column of a 2-D grid under one softmax (criss-cross-like).",
+          "Huang et al. 2019 (CCNet criss-cross attention), " + ARXIV + "1811.11721", cross=False,
+          notes=(SELF_ONLY, "one softmax over the union of the row and the column (h + w - 1 keys), the criss-cross "
+                 "pattern; not Ho et al. 2019's axial attention (" + ARXIV + "1912.12180), which is a row pass then "
+                 "a column pass, each with its own softmax and projections: that is attnzoo.nn.AxialAttention",
+                 "causal=True intersects the pattern with j <= i"))
 _register("graph", GraphConfig, "Attention along the edges of a graph.", "Velickovic et al. 2018 (GAT), " + ARXIV + "1710.10903",
           cross=False, notes=(SELF_ONLY,))
 _register("pattern", PatternConfig, "Any attnzoo.patterns.Pattern (per_head for mixed heads).", "see attnzoo.patterns")

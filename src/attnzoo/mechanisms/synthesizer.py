@@ -17,8 +17,12 @@ not come from token-token interactions. In attnzoo's ``(q, k, v)`` interface it 
   times. ``factor`` sets ``a`` (default: the largest divisor of ``max_len`` <= sqrt(max_len)).
 * ``factorized_random``: ``R = R1 R2^T`` with ``R1, R2`` of shape ``(max_len, rank)`` per
   head (rank <= ``rank``); ``fixed=True`` keeps them as buffers.
-* ``mix``: ``alpha * S + (1 - alpha) * q k^T / sqrt(D)`` where ``S`` is the synthesized score
-  of ``mix_with`` (``"random"``, the paper's R+V, by default; or ``"dense"``, D+V).
+* ``mix``: ``alpha_h * S + (1 - alpha_h) * q k^T / sqrt(D)`` where ``S`` is the synthesized
+  score of ``mix_with`` (``"random"``, the paper's R+V, by default; or ``"dense"``, D+V). As in
+  the paper's mixture of synthesizers, the mixing weight is learned: ``alpha`` is a parameter,
+  one per head, initialised to ``config.alpha`` and used as is (no sigmoid), so the two weights
+  sum to 1 as the paper requires but are not clamped to [0, 1] in training.
+  ``learn_alpha=False`` keeps it fixed (a buffer).
 
 Then ``Y = softmax(scores + masks) V``. ``causal=True`` masks future keys; this is causal in the
 strong sense because dense scores of row ``i`` depend only on ``q_i``, random scores on no input,
@@ -67,7 +71,9 @@ class SynthesizerConfig(Config):
         rank: rank k of ``R1 R2^T`` in ``factorized_random``. Default 8.
         factor: ``a`` of ``factorized_dense`` (must divide max_len); default None picks the
             largest divisor of max_len that is <= sqrt(max_len).
-        alpha: ``mix`` weight of the synthesized scores, in [0, 1]. Default 0.5.
+        alpha: ``mix`` weight of the synthesized scores, in [0, 1]: the initial value of the
+            learned per-head weight. Default 0.5.
+        learn_alpha: ``mix`` only: learn alpha (default True, as in the paper) or keep it fixed.
         mix_with: the synthesized scores ``mix`` adds to q k^T / sqrt(D): ``"random"``
             (default) or ``"dense"``.
     """
@@ -81,6 +87,7 @@ class SynthesizerConfig(Config):
     factor: int | None = None
     alpha: float = 0.5
     mix_with: Literal["random", "dense"] = "random"
+    learn_alpha: bool = True
 
     def validate(self) -> None:
         for name in ("max_len", "head_dim", "heads", "rank"):
@@ -121,7 +128,9 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
         "self-attention only, N <= max_len; inputs must have `heads` heads (and `head_dim` for "
         "variants that read q) - in MultiHeadAttention pass a built module",
         "dense/factorized_dense synthesize from the per-head query q_i (the paper uses x_i)",
-        "mix = alpha * synthesized(mix_with) + (1 - alpha) * q k^T / sqrt(D)",
+        "mix = alpha_h * synthesized(mix_with) + (1 - alpha_h) * q k^T / sqrt(D), alpha_h learned per head "
+        "(the paper learns the mixture weights; per head is this library's choice) from config.alpha, "
+        "unconstrained (no sigmoid); learn_alpha=False fixes it",
         "a query with no visible key returns zeros",
     ),
 )
@@ -152,6 +161,12 @@ class SynthesizerAttention(Attention):
             std = c.rank**-0.25  # entries of R1 R2^T then have unit variance
             self._tensor("r1", torch.randn(h, n, c.rank) * std)
             self._tensor("r2", torch.randn(h, n, c.rank) * std)
+        if c.variant == "mix":
+            alpha = torch.full((h,), float(c.alpha))
+            if c.learn_alpha:
+                self.alpha = nn.Parameter(alpha)
+            else:
+                self.register_buffer("alpha", alpha)
 
     def _tensor(self, name: str, value: Tensor) -> None:
         if self.config.fixed:
@@ -201,7 +216,7 @@ class SynthesizerAttention(Attention):
         """The pre-mask scores ``(B or 1, H, N, N)`` the softmax is taken over."""
         s = self.synthesized_scores(q)
         if self.config.variant == "mix":
-            alpha = self.config.alpha
+            alpha = self.alpha.to(s.dtype)[:, None, None]  # one weight per head: [H, 1, 1]
             dot = torch.einsum("bhid,bhjd->bhij", q.to(s.dtype), k.to(s.dtype)) * q.shape[-1] ** -0.5
             s = alpha * s + (1.0 - alpha) * dot
         return s

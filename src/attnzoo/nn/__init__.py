@@ -1,10 +1,11 @@
 """Layers built on the registry: multi-head attention, encoder blocks, a causal LM."""
 
 from attnzoo.nn.attention import MHAState, MultiHeadAttention
+from attnzoo.nn.axial import AxialAttention
 from attnzoo.nn.cbam import CBAM
 from attnzoo.nn.global_tokens import GlobalTokens
 from attnzoo.nn.pooling import LAMAPooling
 from attnzoo.nn.sharnn import SHARNN
 from attnzoo.nn.transformer import CausalLM, LMState, TransformerEncoder, TransformerEncoderLayer
 
-__all__ = ["CBAM", "CausalLM", "GlobalTokens", "LAMAPooling", "LMState", "MHAState", "MultiHeadAttention", "SHARNN", "TransformerEncoder", "TransformerEncoderLayer"]
+__all__ = ["AxialAttention", "CBAM", "CausalLM", "GlobalTokens", "LAMAPooling", "LMState", "MHAState", "MultiHeadAttention", "SHARNN", "TransformerEncoder", "TransformerEncoderLayer"]

@@ -108,7 +108,9 @@ class GlobalBlocks(Pattern):
 def star(relay: int = 0) -> Pattern:
     """Star-Transformer (Guo et al. 2019, https://arxiv.org/abs/1902.09113):
     ``local(1) | global_tokens([relay])`` — each satellite sees its neighbours and the relay,
-    the relay sees all. Prepend the relay with ``attnzoo.nn.GlobalTokens(dim, 1)``."""
+    the relay sees all. Prepend the relay with ``attnzoo.nn.GlobalTokens(dim, 1)``. The band
+    does not wrap: the first and last satellites are not neighbours (the paper's satellites form
+    a ring), so this is the paper's ring cut open between them."""
     return local(1) | global_tokens([relay])
 
 
@@ -200,9 +202,14 @@ def block2d(h: int, w: int, query_block: tuple[int, int] = (8, 8), memory_margin
 
 
 class Axial(GridPattern):
-    """Same row or same column of a row-major ``h x w`` grid (Ho et al. 2019,
-    https://arxiv.org/abs/1912.12180): ``block_local(w) | strided(w)`` on exactly ``h * w``
-    positions."""
+    """Same row or same column of a row-major ``h x w`` grid: ``block_local(w) | strided(w)`` on
+    exactly ``h * w`` positions.
+
+    Attention over this pattern is one softmax over the row and the column together (h + w - 1
+    keys): the criss-cross pattern of CCNet (Huang et al. 2019, https://arxiv.org/abs/1811.11721).
+    It is not the axial attention of Ho et al. 2019 (https://arxiv.org/abs/1912.12180), a row
+    pass then a column pass with a softmax each, which is ``attnzoo.nn.AxialAttention``. The
+    name stays ``axial`` because configs and benchmarks refer to it."""
 
     def __init__(self, h: int, w: int) -> None:
         check_positive_int(h, "h")
@@ -224,5 +231,5 @@ class Axial(GridPattern):
 
 
 def axial(h: int, w: int) -> Axial:
-    """Axial attention pattern; see ``Axial``."""
+    """Row-or-column (criss-cross) pattern on an ``h x w`` grid; see ``Axial``."""
     return Axial(h, w)
