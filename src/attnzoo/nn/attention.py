@@ -68,7 +68,6 @@ class MultiHeadAttention(nn.Module):
         groups = _resolve_groups(mechanism, mechanism_config, heads, self.head_dim)
         self.mechanisms = nn.ModuleList(attn for attn, _ in groups)
         self.group_heads = tuple(n for _, n in groups)
-        self.attn = self.mechanisms[0]  # the mechanism of a one-group layer
         self.positional = build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim)
         for attn in self.mechanisms:
             _check_positional(self.positional, attn)
@@ -81,6 +80,20 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(self.kv_dim, inner, bias=bias)
         self.out_proj = nn.Linear(inner, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
+
+    @property
+    def attn(self) -> Attention:
+        """The mechanism of a one-group layer (the first group's otherwise)."""
+        return self.mechanisms[0]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        # Older layers registered the first mechanism twice, as ``attn.*`` and ``mechanisms.0.*``
+        # (the same tensors): their checkpoints still load, the old alias read as the new key.
+        old, new = prefix + "attn.", prefix + "mechanisms.0."
+        for key in [k for k in state_dict if k.startswith(old)]:
+            value = state_dict.pop(key)
+            state_dict.setdefault(new + key[len(old):], value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(
         self, x: Tensor, context: Tensor | None = None, *, causal: bool = False, key_padding_mask: Tensor | None = None
