@@ -246,7 +246,8 @@ class _Run:
     def save(self, name: str = "last.safetensors", optimizer: bool = True) -> None:
         if self.dist.main:
             meta = {"config": dataclasses.asdict(self.cfg), "state": self.state}
-            checkpoint.save(self.run_dir / name, self.model, self.optimizer if optimizer else None, meta)
+            checkpoint.save(self.run_dir / name, self.model, self.optimizer if optimizer else None, meta,
+                            keep_previous=name == "last.safetensors")
         self.dist.barrier()
 
     def train_step(self) -> float:
