@@ -61,3 +61,60 @@ def test_checkpoint_stores_a_tied_weight_once_and_keeps_it_tied(tmp_path):
     clone = attnzoo.nn.SHARNN(vocab_size=11, dim=8, depth=1)
     checkpoint.load(tmp_path / "lm.safetensors", clone)
     assert clone.head.weight is clone.embed.weight and torch.equal(clone.embed.weight, lm.embed.weight)
+
+
+# --- empty inputs: one guard at the mechanisms' common entry point ----------------------------
+
+
+def _empty_cases(name: str) -> list[tuple[int, int, int]]:
+    """(B, N_q, N_kv): no batch; no query (against keys where the mechanism takes N_q != N_kv)."""
+    cross = attnzoo.describe(name).capabilities.cross_attention
+    return [(0, N, N), (2, 0, N if cross else 0)]
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_empty_batch_or_no_query_gives_an_empty_output(name):
+    attn = attnzoo.build(name, **sized(name, N))
+    head_dim = attnzoo.registry.config_fields(name).get("head_dim", (None, 8))[1] or 8
+    heads = attnzoo.registry.config_fields(name).get("heads", (None, 2))[1] or 2
+    for b, n_q, n_kv in _empty_cases(name):
+        q = torch.randn(b, heads, n_q, head_dim, requires_grad=True)
+        k, v = torch.randn(b, heads, n_kv, head_dim), torch.randn(b, heads, n_kv, head_dim)
+        out = attn(q, k, v)
+        assert out.shape == (b, heads, n_q, head_dim), (b, n_q, n_kv)
+        out.sum().backward()  # still on the graph: a training loop over an empty batch runs
+        assert q.grad is not None and q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("name", attnzoo.names(kind="mixer"))
+def test_token_mixers_give_empty_outputs_for_empty_inputs(name):
+    mixer = attnzoo.build(name, dim=32, **sized(name, N))
+    for shape in ((0, N, 32), (2, 0, 32)):
+        assert mixer(torch.randn(shape)).shape == shape
+
+
+def test_a_query_without_any_key_is_still_refused():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 0, 8)
+    with pytest.raises(ValueError, match="N_kv >= 1"):
+        attnzoo.build("softmax")(q, k, k)
+
+
+def test_layers_pass_empty_batches_and_sequences_through():
+    mha = MultiHeadAttention(32, 2, positional="rope")
+    assert mha(torch.randn(0, 5, 32)).shape == (0, 5, 32)
+    assert mha(torch.randn(2, 0, 32)).shape == (2, 0, 32)
+    encoder = attnzoo.nn.TransformerEncoder(32, 1, 2, "local", left=2, right=2)
+    assert encoder(torch.randn(0, 5, 32), causal=True).shape == (0, 5, 32)
+
+
+# --- refusals name what can stand in ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", attnzoo.names(kind="attention", causal=False))
+def test_causal_refusal_suggests_only_attention_mechanisms_that_are_causal(name):
+    q = torch.randn(1, 2, N, 8)
+    with pytest.raises(ValueError, match="does not support causal=True") as error:
+        attnzoo.build(name, **sized(name, N))(q, q, q, causal=True)
+    suggested = str(error.value).split("mechanisms that do: ", 1)[1].split(", ")
+    assert suggested == attnzoo.names(kind="attention", causal=True)
+    assert not set(suggested) & set(attnzoo.names(kind="mixer"))

@@ -28,8 +28,9 @@ def check_tensor(x: object, name: str, ndim: int, layout: str) -> Tensor:
     return x
 
 
-def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True) -> None:
-    """Validate ``q (B, H, N_q, D)``, ``k (B, H, N_kv, D)``, ``v (B, H, N_kv, D_v)``."""
+def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True, allow_empty: bool = False) -> None:
+    """Validate ``q (B, H, N_q, D)``, ``k (B, H, N_kv, D)``, ``v (B, H, N_kv, D_v)``. N_kv = 0 is
+    refused unless ``allow_empty`` and the output is empty anyway (B = 0 or N_q = 0)."""
     check_tensor(q, "q", 4, "(B, H, N_q, D)")
     check_tensor(k, "k", 4, "(B, H, N_kv, D)")
     check_tensor(v, "v", 4, "(B, H, N_kv, D_v)")
@@ -48,8 +49,8 @@ def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True) 
         raise ValueError(f"q and k must share the head dimension D, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same length N_kv, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[2] == 0:
-        raise ValueError("k and v must hold at least one position (N_kv >= 1)")
+    if k.shape[2] == 0 and not (allow_empty and (q.shape[0] == 0 or q.shape[2] == 0)):
+        raise ValueError("k and v must hold at least one position (N_kv >= 1) for N_q >= 1 queries")
     if not cross_attention and q.shape[2] != k.shape[2]:
         raise ValueError(
             f"this mechanism is self-attention only: q and k must have the same length, got "
