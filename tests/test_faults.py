@@ -118,3 +118,47 @@ def test_causal_refusal_suggests_only_attention_mechanisms_that_are_causal(name)
     suggested = str(error.value).split("mechanisms that do: ", 1)[1].split(", ")
     assert suggested == attnzoo.names(kind="attention", causal=True)
     assert not set(suggested) & set(attnzoo.names(kind="mixer"))
+
+
+# --- dtype and device at the layer boundary ----------------------------------------------------
+
+LAYERS = {  # a float32 layer with parameters, and a matching input
+    "MultiHeadAttention": (lambda: MultiHeadAttention(16, 2, "linformer", max_len=8), (2, 8, 16)),
+    "TransformerEncoderLayer": (lambda: attnzoo.nn.TransformerEncoderLayer(16, 2), (2, 8, 16)),
+    "TransformerEncoderLayer(gmlp)": (lambda: attnzoo.nn.TransformerEncoderLayer(16, 2, "gmlp", max_len=8), (2, 8, 16)),
+    "CBAM": (lambda: attnzoo.nn.CBAM(8, reduction=2), (2, 8, 4, 4)),
+    "SingleHeadAttention": (lambda: attnzoo.nn.sharnn.SingleHeadAttention(16), (2, 8, 16)),
+}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_an_input_of_another_dtype_is_refused_at_the_layer_naming_both(layer, dtype):
+    make, shape = LAYERS[layer]
+    module = make()
+    with pytest.raises(TypeError, match=rf"x is {dtype} on cpu, but \w+'s parameters are torch.float32 on cpu; "
+                                        rf"move the input \(x.to\('cpu', torch.float32\)\)"):
+        module(torch.randn(shape, dtype=dtype))
+    module.to(dtype)(torch.randn(shape, dtype=dtype))  # the fix the message gives works
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_an_input_on_another_device_is_refused_at_the_layer_naming_both(layer):
+    make, shape = LAYERS[layer]
+    with pytest.raises(TypeError, match="x is torch.float32 on meta, but .* on cpu"):
+        make()(torch.randn(shape, device="meta"))
+
+
+def test_tokens_and_context_are_checked_too():
+    lm = attnzoo.nn.CausalLM(vocab_size=10, dim=16, depth=1, heads=2)
+    with pytest.raises(TypeError, match=r"tokens is torch.int64 on meta.*move the input \(tokens.to\('cpu'\)\)"):
+        lm(torch.zeros(1, 4, dtype=torch.long, device="meta"))
+    mha = MultiHeadAttention(16, 2, kv_dim=8)
+    with pytest.raises(TypeError, match="context is torch.float64 on cpu, but MultiHeadAttention's parameters"):
+        mha(torch.randn(1, 4, 16), torch.randn(1, 5, 8, dtype=torch.float64))
+
+
+def test_autocast_may_feed_a_float32_layer_low_precision_inputs():
+    mha = MultiHeadAttention(16, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mha(torch.randn(2, 8, 16, dtype=torch.bfloat16)).shape == (2, 8, 16)

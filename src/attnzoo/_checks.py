@@ -8,7 +8,7 @@ never has to decode a shape error from inside an einsum.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -26,6 +26,27 @@ def check_tensor(x: object, name: str, ndim: int, layout: str) -> Tensor:
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {x.dtype}")
     return x
+
+
+def check_module_input(module: nn.Module, x: Tensor, name: str, *, dtype: bool = True) -> None:
+    """``x`` must be on the device of ``module``'s parameters and (with ``dtype``, outside
+    autocast) of their dtype: the layer says so, instead of a matmul deep inside it."""
+    param = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if param is None:
+        return
+    dtype_ok = not dtype or x.dtype == param.dtype or torch.is_autocast_enabled(x.device.type)
+    if dtype_ok and x.device == param.device:
+        return
+    want = (param.device.type,) + ((param.dtype,) if dtype else ())
+    have = (x.device.type,) + ((x.dtype,) if dtype else ())
+    raise TypeError(
+        f"{name} is {x.dtype} on {x.device}, but {type(module).__name__}'s parameters are {param.dtype} on "
+        f"{param.device}; move the input ({name}.to{_args(want)}) or the module (module.to{_args(have)})"
+    )
+
+
+def _args(values: tuple) -> str:
+    return "(" + ", ".join(repr(v) if isinstance(v, str) else str(v) for v in values) + ")"
 
 
 def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True, allow_empty: bool = False) -> None:

@@ -9,7 +9,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnzoo._checks import check_positive_int, check_tensor
+from attnzoo._checks import check_module_input, check_positive_int, check_tensor
 from attnzoo.mechanisms.base import Attention
 from attnzoo.positional import PositionalEncoding, build_positional
 from attnzoo.registry import build, config_fields
@@ -101,9 +101,11 @@ class MultiHeadAttention(nn.Module):
         check_tensor(x, "x", 3, f"(B, N, dim={self.dim})")
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
+        check_module_input(self, x, "x")
         kv_in = x if context is None else context
         if context is not None:
             check_tensor(context, "context", 3, f"(B, N_kv, kv_dim={self.kv_dim})")
+            check_module_input(self, context, "context")
             if context.shape[-1] != self.kv_dim or context.shape[0] != x.shape[0]:
                 raise ValueError(
                     f"context must have shape (B={x.shape[0]}, N_kv, kv_dim={self.kv_dim}), got {tuple(context.shape)}"
@@ -124,6 +126,7 @@ class MultiHeadAttention(nn.Module):
         """Causal self-attention for the next ``T`` tokens ``x (B, T, dim)`` given everything
         before them in ``state``; equals the matching rows of ``forward(..., causal=True)``."""
         check_tensor(x, "x", 3, f"(B, T, dim={self.dim})")
+        check_module_input(self, x, "x")
         pos = torch.arange(x.shape[1], device=x.device) + state.position
         q, k, v = self._project(x, x, pos, pos)
         if self.positional is not None and self.positional.needs_weights:
