@@ -162,3 +162,150 @@ def test_autocast_may_feed_a_float32_layer_low_precision_inputs():
     mha = MultiHeadAttention(16, 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert mha(torch.randn(2, 8, 16, dtype=torch.bfloat16)).shape == (2, 8, 16)
+
+
+# --- the command line: one error line, exit code 2, nothing trained or written -----------------
+
+TINY = ["bench", "train", "--task", "mqar", "--size", "quick", "--task-set", "n_train=64", "--task-set", "n_val=32",
+        "--task-set", "n_test=32", "--dim", "16", "--depth", "1", "--heads", "2", "--batch-size", "16", "--steps", "4",
+        "--eval-every", "2", "--checkpoint-every", "1", "--warmup", "1", "--quiet"]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from attnzoo.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def _train(capsys, tmp_path: Path, *extra: str, run: str = "run") -> tuple[int, str]:
+    where = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / run),
+             "--results", str(tmp_path / "results.jsonl")]
+    return _cli(capsys, *TINY, *where, *extra)
+
+
+def _one_error(code: int, text: str, *needles: str) -> str:
+    errors = [line for line in text.splitlines() if line.startswith("error:") or ": error:" in line]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in text, text
+    assert all(needle in errors[0] for needle in needles), errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--stop-at", "--max-seconds"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_float_flag_that_is_not_finite_is_a_usage_error(capsys, tmp_path, flag, value):
+    _one_error(*_train(capsys, tmp_path, f"{flag}={value}"), f"argument {flag}", "finite")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "results.jsonl").exists()
+
+
+def test_train_config_refuses_non_finite_floats_naming_them():
+    from attnzoo.bench.train import TrainConfig
+
+    for name in ("lr", "clip", "weight_decay", "dropout", "max_seconds", "stop_at"):
+        with pytest.raises(ValueError, match=f"^{name} must be a finite number, got inf"):
+            TrainConfig(task="mqar", **{name: float("inf")})
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--mechanism", "local", "--set", "left=abc"], ["'left' must be int, got 'abc'"]),
+    (["--mechanism", "local:left=abc"], ["'left' must be int, got 'abc'"]),
+    (["--mechanism", "local", "--set", "lfet=3"], ["unknown config key(s) 'lfet'", "left"]),
+    (["--task-set", "n_train"], ["key=value", "--task-set n_train"]),
+    (["--device", "tpu"], ["device 'tpu'"]),
+    (["--device", "mps"], ["device 'mps'", "cpu or cuda"]),
+    (["--device", "cuda:7"], ["cuda"]),
+])
+def test_bad_values_end_in_one_error_line_before_any_training(capsys, tmp_path, argv, needles):
+    _one_error(*_train(capsys, tmp_path, *argv), *needles)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "results.jsonl").exists()
+
+
+def test_bad_paths_end_in_one_error_line_before_any_training(capsys, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_dir").mkdir()
+    cases = [
+        (["--init-from", str(tmp_path / "missing.safetensors")], "--init-from", "no such checkpoint file"),
+        (["--run-dir", str(tmp_path / "a_file")], "--run-dir", "is a file"),
+        (["--run-dir", str(tmp_path / "a_file" / "run")], "--run-dir", "is a file"),
+    ]
+    for argv, *needles in cases:
+        _one_error(*_train(capsys, tmp_path, *argv), *needles)
+    code, text = _cli(capsys, *TINY, "--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"),
+                      "--results", str(tmp_path / "a_dir"))
+    _one_error(code, text, "--results", "is a directory")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()  # refused before training
+
+
+def test_mechanism_settings_and_set_merge():
+    import argparse
+
+    from attnzoo.bench import train_cli
+    from attnzoo.bench.speed import parse_mechanism
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    args = parser.parse_args(["--task", "mqar", "--mechanism", "local:left=3", "--set", "right=2",
+                              "--task-set", "n_train=64,n_val=32"])
+    cfg = train_cli.config_from_args(args)
+    assert cfg.mechanism == "local" and cfg.config == {"left": 3, "right": 2}
+    assert cfg.task_overrides == {"n_train": 64, "n_val": 32}
+    assert parse_mechanism("global:indices=(0, 5)", ["indices=(3,)"]) == ("global", {"indices": (3,)})  # --set wins
+
+
+def test_show_merges_mechanism_settings_and_set(capsys, tmp_path):
+    code, text = _cli(capsys, "show", "local:left=3", "--set", "right=2", "--n", "16", "--out", str(tmp_path / "l.png"))
+    assert code == 0 and (tmp_path / "l.png").exists(), text
+
+
+def test_a_truncated_checkpoint_names_the_file_and_the_previous_one_resumes(capsys, tmp_path):
+    code, text = _train(capsys, tmp_path, "--steps", "3")
+    assert code == 0, text
+    last, prev = tmp_path / "run" / "last.safetensors", tmp_path / "run" / "last.prev.safetensors"
+    assert checkpoint.read_meta(prev)["state"]["step"] <= checkpoint.read_meta(last)["state"]["step"]
+    last.write_bytes(last.read_bytes()[:1000])
+    error = _one_error(*_train(capsys, tmp_path, "--steps", "3"), str(last), "cannot be read", f"mv {prev} {last}")
+    assert "last.prev" in error
+    prev.replace(last)  # what the message says to do
+    code, text = _train(capsys, tmp_path, "--steps", "3")
+    assert code == 0, text
+    first, again = (json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines())
+    assert again["weight_digests"] == first["weight_digests"]  # resumed to the same result
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(capsys, tmp_path):
+    code, text = _train(capsys, tmp_path, "--steps", "1", run="small")
+    assert code == 0, text
+    _one_error(*_train(capsys, tmp_path, "--steps", "1", "--dim", "32", "--init-from",
+                       str(tmp_path / "small" / "best.safetensors")), "holds another model's weights")
+
+
+# --- a run that diverges stops, fails, and is recorded as failed -------------------------------
+
+
+def test_a_diverging_run_stops_with_an_error_and_a_failed_row(capsys, tmp_path):
+    code, text = _train(capsys, tmp_path, "--lr", "1e30")
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "diverged" in errors[0] and "Traceback" not in text, text
+    (row,) = (json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines())
+    assert row["status"] == "diverged" and row["diverged_step"] >= 1 and "diverged" in row["error"]
+    assert not {"test_accuracy", "val_accuracy", "steps_per_s"} & set(row)
+    # The report shows it as a failed run, not as a result.
+    from attnzoo.bench import report
+
+    cell = report.lra_table([row])["cells"]["softmax"]["mqar"]
+    assert cell["accuracy"] is None and "diverged" in cell["errors"][0]
+    assert "failed: diverged" in report.lra_section([row])
+
+
+def test_the_trainer_stops_before_a_non_finite_step_reaches_the_weights(tmp_path):
+    from attnzoo.bench.train import TrainConfig, TrainingDiverged, train
+
+    cfg = TrainConfig(task="mqar", task_overrides=dict(n_train=64, n_val=32, n_test=32), dim=16, depth=1, heads=2,
+                      batch_size=16, steps=4, eval_every=2, warmup=1, lr=1e30)
+    with pytest.raises(TrainingDiverged, match="diverged: loss nan") as error:
+        train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
+    assert error.value.row["status"] == "diverged"
