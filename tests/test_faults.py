@@ -4,9 +4,6 @@ device at the layer boundary, refusals, and the command line's errors and failed
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
