@@ -8,7 +8,7 @@ never has to decode a shape error from inside an einsum.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -28,8 +28,30 @@ def check_tensor(x: object, name: str, ndim: int, layout: str) -> Tensor:
     return x
 
 
-def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True) -> None:
-    """Validate ``q (B, H, N_q, D)``, ``k (B, H, N_kv, D)``, ``v (B, H, N_kv, D_v)``."""
+def check_module_input(module: nn.Module, x: Tensor, name: str, *, dtype: bool = True) -> None:
+    """``x`` must be on the device of ``module``'s parameters and (with ``dtype``, outside
+    autocast) of their dtype: the layer says so, instead of a matmul deep inside it."""
+    param = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if param is None:
+        return
+    dtype_ok = not dtype or x.dtype == param.dtype or torch.is_autocast_enabled(x.device.type)
+    if dtype_ok and x.device == param.device:
+        return
+    want = (param.device.type,) + ((param.dtype,) if dtype else ())
+    have = (x.device.type,) + ((x.dtype,) if dtype else ())
+    raise TypeError(
+        f"{name} is {x.dtype} on {x.device}, but {type(module).__name__}'s parameters are {param.dtype} on "
+        f"{param.device}; move the input ({name}.to{_args(want)}) or the module (module.to{_args(have)})"
+    )
+
+
+def _args(values: tuple) -> str:
+    return "(" + ", ".join(repr(v) if isinstance(v, str) else str(v) for v in values) + ")"
+
+
+def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True, allow_empty: bool = False) -> None:
+    """Validate ``q (B, H, N_q, D)``, ``k (B, H, N_kv, D)``, ``v (B, H, N_kv, D_v)``. N_kv = 0 is
+    refused unless ``allow_empty`` and the output is empty anyway (B = 0 or N_q = 0)."""
     check_tensor(q, "q", 4, "(B, H, N_q, D)")
     check_tensor(k, "k", 4, "(B, H, N_kv, D)")
     check_tensor(v, "v", 4, "(B, H, N_kv, D_v)")
@@ -48,8 +70,8 @@ def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True) 
         raise ValueError(f"q and k must share the head dimension D, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same length N_kv, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[2] == 0:
-        raise ValueError("k and v must hold at least one position (N_kv >= 1)")
+    if k.shape[2] == 0 and not (allow_empty and (q.shape[0] == 0 or q.shape[2] == 0)):
+        raise ValueError("k and v must hold at least one position (N_kv >= 1) for N_q >= 1 queries")
     if not cross_attention and q.shape[2] != k.shape[2]:
         raise ValueError(
             f"this mechanism is self-attention only: q and k must have the same length, got "

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import attnzoo
@@ -93,7 +94,7 @@ def cmd_show(console: Console, args: argparse.Namespace) -> None:
         return
     if not args.name:
         raise ValueError("name a mechanism to draw (attnzoo list), or pass --all for the gallery")
-    name, config = parse_mechanism(args.name + (":" + ",".join(args.set) if args.set else ""))
+    name, config = parse_mechanism(args.name, args.set)
     config = {**viz.GALLERY_CONFIGS.get(name, {}), **config}
     out = Path(args.out or f"{name}.png")
     module = attnzoo.build(name, **config)
@@ -281,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cmd_demo(console)
     except ValueError as error:
-        console.print(f"[red]error:[/red] {error}")
+        # One line, as argparse's own errors: no wrapping, and brackets in it are not markup.
+        console.print(f"[red]error:[/red] {escape(' '.join(str(error).split()))}", soft_wrap=True)
         return 2
     return 0
 

@@ -116,14 +116,29 @@ def spec_of_config(config: object) -> Spec:
 def make_config(name: str, **values: Any) -> Any:
     """Validate ``values`` against ``name``'s config class and return the config."""
     spec = describe(name)
-    fields = {f.name: f for f in dataclasses.fields(spec.config)}
+    _check_keys(name, values)
+    return spec.config(**values)
+
+
+def check_values(name: str, values: dict[str, Any]) -> None:
+    """Check the keys and value types of part of ``name``'s config (not ranges, not required
+    fields), e.g. settings parsed from a command line before the rest is known. A value of the
+    wrong type is a bad value there: ``ValueError`` naming the key."""
+    _check_keys(name, values)
+    hints = typing.get_type_hints(describe(name).config)
+    for key, value in values.items():
+        if not _matches(value, hints[key]):
+            raise ValueError(f"{name!r}: config key {key!r} must be {_show(hints[key])}, got {value!r}")
+
+
+def _check_keys(name: str, values: dict[str, Any]) -> None:
+    fields = [f.name for f in dataclasses.fields(describe(name).config)]
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(
             f"unknown config key(s) {', '.join(map(repr, unknown))} for {name!r}; "
             f"valid keys: {', '.join(fields) or '(none)'}"
         )
-    return spec.config(**values)
 
 
 def build(name: str, **config: Any) -> nn.Module:

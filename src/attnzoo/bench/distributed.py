@@ -28,14 +28,11 @@ class Distributed:
         when CUDA is used, gloo otherwise) when there is more than one process."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-        use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-        if use_cuda and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device; pass --device cpu")
-        chosen = torch.device(f"cuda:{local}" if use_cuda else "cpu")
-        if use_cuda:
+        chosen = pick_device(device, local, world)
+        if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
         if world > 1 and not torch_dist.is_initialized():
-            torch_dist.init_process_group("nccl" if use_cuda else "gloo")
+            torch_dist.init_process_group("nccl" if chosen.type == "cuda" else "gloo")
         return cls(rank, world, chosen)
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -75,3 +72,27 @@ class Distributed:
     def close(self) -> None:
         if self.world > 1 and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
+
+
+def pick_device(device: str | None, local: int = 0, world: int = 1) -> torch.device:
+    """The device a process trains on: ``device`` ("cpu", "cuda" or "cuda:N"; default cuda when
+    available), under torchrun cuda:LOCAL_RANK. Anything else, or a GPU that is not there, is a
+    ``ValueError`` naming the device, never a silent run on the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name; pass cpu or cuda (or cuda:N)") from None
+    if chosen.type == "cpu":
+        return torch.device("cpu")
+    if chosen.type != "cuda":
+        raise ValueError(f"device {device!r}: the trainer runs on cpu or cuda, not {chosen.type}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA device; pass --device cpu")
+    if chosen.index is not None and world > 1:
+        raise ValueError(f"device {device!r}: under torchrun each process takes cuda:LOCAL_RANK; pass --device cuda")
+    index = local if chosen.index is None else chosen.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device cuda:{index} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import attnzoo
 from attnzoo.bench.monitor import PeakMemory
-from attnzoo.registry import config_fields
+from attnzoo.registry import check_values, config_fields
 
 CHECK_N = 300
 CHECK_MAX_N = 1024
@@ -56,21 +56,34 @@ class Setting:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_mechanism(text: str) -> tuple[str, dict[str, Any]]:
+def parse_mechanism(text: str, settings: tuple[str, ...] | list[str] = ()) -> tuple[str, dict[str, Any]]:
     """``"local:left=256,right=256"`` -> ``("local", {"left": 256, "right": 256})``; values are
-    Python literals (numbers, tuples, strings)."""
+    Python literals (numbers, tuples, strings). ``settings`` (``--set KEY=VALUE`` items) are
+    merged over the ones after the colon. Unknown keys and values of the wrong type raise a
+    ``ValueError`` naming them."""
     name, _, rest = text.partition(":")
+    attnzoo.describe(name)
+    config = parse_settings(rest, where=text)
+    for item in settings:
+        config.update(parse_settings(item, where=f"--set {item}"))
+    check_values(name, config)
+    return name, config
+
+
+def parse_settings(text: str, *, where: str = "") -> dict[str, Any]:
+    """``"left=256,indices=(0, 5)"`` -> ``{"left": 256, "indices": (0, 5)}``: comma-separated
+    ``key=value`` pairs (commas inside parentheses belong to the value); a value that is not a
+    Python literal stays a string."""
     config: dict[str, Any] = {}
-    for item in filter(None, re.split(r",(?![^()]*\))", rest)):
+    for item in filter(None, re.split(r",(?![^()]*\))", text)):
         key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"mechanism settings are key=value pairs, got {item!r} in {text!r}")
+        if not eq or not key.strip():
+            raise ValueError(f"settings are key=value pairs, got {item!r} in {where or text!r}")
         try:
             config[key.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):
             config[key.strip()] = value.strip()
-    attnzoo.describe(name)
-    return name, config
+    return config
 
 
 def machine() -> dict[str, Any]:

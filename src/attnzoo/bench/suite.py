@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 
 import attnzoo
 from attnzoo.bench import profile, speed
 from attnzoo.bench.tasks import load_task
-from attnzoo.bench.train import TrainConfig, train
+from attnzoo.bench.train import TrainConfig, TrainingDiverged, train
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +101,9 @@ def _train_one(task: str, size: str, name: str, values: dict[str, Any], out: Pat
         cfg = TrainConfig.with_preset(task, size, mechanism=name, sized=True, **values)
         row = train(cfg, run_dir=out / "runs" / f"{task}-{size}-{name}", data_dir=data_dir, console=console,
                     progress=sys.stdout.isatty())
+    except TrainingDiverged as error:
+        console.print(f"  {task}/{size} {name}: [yellow]{escape(str(error))}[/yellow]")
+        return error.row
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
         return {"kind": "train", "task": task, "size": size, "mechanism": name, "config": {},
                 "error": f"{type(error).__name__}: {error}"}

@@ -95,8 +95,16 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not (self.lr > 0 and self.clip > 0 and self.warmup >= 0 and 0 <= self.dropout < 1):
-            raise ValueError("lr and clip must be > 0, warmup >= 0 and dropout in [0, 1)")
+        for name in ("lr", "clip", "weight_decay", "dropout", "max_seconds", "stop_at"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not (self.lr > 0 and self.clip > 0):
+            raise ValueError(f"lr and clip must be > 0, got lr={self.lr!r}, clip={self.clip!r}")
+        if not (isinstance(self.warmup, int) and self.warmup >= 0 and 0 <= self.dropout < 1):
+            raise ValueError(f"warmup must be an int >= 0 and dropout in [0, 1), got warmup={self.warmup!r}, "
+                             f"dropout={self.dropout!r}")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be > 0 (or None for no time budget), got {self.max_seconds!r}")
         if self.stop_at is not None and not 0 < self.stop_at <= 1:
@@ -229,6 +237,21 @@ def _load(cfg: TrainConfig, data_dir: str | None, dist: Distributed) -> tuple[Ta
     return loaded
 
 
+class TrainingDiverged(RuntimeError):
+    """A run whose loss or gradient norm went non-finite (NaN or inf); ``row`` is its results row,
+    marked ``status: "diverged"`` with the ``error`` and ``diverged_step``, without accuracies."""
+
+    def __init__(self, message: str, row: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.row = row
+
+
+class _Diverged(Exception):
+    def __init__(self, step: int, loss: float, norm: float) -> None:
+        super().__init__(f"loss {loss} and gradient norm {norm} at step {step}")
+        self.step, self.loss, self.norm = step, loss, norm
+
+
 @dataclass
 class _Run:
     """The live objects of one run (not persisted: ``state`` is what checkpoints carry)."""
@@ -246,7 +269,8 @@ class _Run:
     def save(self, name: str = "last.safetensors", optimizer: bool = True) -> None:
         if self.dist.main:
             meta = {"config": dataclasses.asdict(self.cfg), "state": self.state}
-            checkpoint.save(self.run_dir / name, self.model, self.optimizer if optimizer else None, meta)
+            checkpoint.save(self.run_dir / name, self.model, self.optimizer if optimizer else None, meta,
+                            keep_previous=name == "last.safetensors")
         self.dist.barrier()
 
     def train_step(self) -> float:
@@ -257,9 +281,14 @@ class _Run:
         loss, _, _ = loss_and_counts(self.wrapped, self.info, self.splits["train"], rows, self.dist.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
-        self.optimizer.step()
+        norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip))
         value = float(loss.detach())
+        # Stop before a non-finite loss or gradient reaches the weights. Gradients are averaged
+        # across processes and losses are not: one collective so that every process stops.
+        (diverged,) = self.dist.any(not (math.isfinite(value) and math.isfinite(norm)))
+        if diverged:
+            raise _Diverged(step + 1, value, norm)
+        self.optimizer.step()
         self.state.update(step=step + 1, loss_sum=self.state["loss_sum"] + value, loss_count=self.state["loss_count"] + 1)
         return value
 
@@ -317,7 +346,9 @@ def _loop(run: _Run, reporter: Reporter, interrupt: _Interrupt) -> bool:
 def train(cfg: TrainConfig, *, run_dir: str | Path, data_dir: str | None = None, device: str | None = None,
           progress: bool = True, console: Any = None) -> dict[str, Any] | None:
     """Run (or resume) one training run in ``run_dir``; returns its results row, or None when it
-    was interrupted (its checkpoint is saved: call again with the same arguments to resume)."""
+    was interrupted (its checkpoint is saved: call again with the same arguments to resume).
+    Raises ``TrainingDiverged`` (with the failed row) at the first non-finite loss or gradient,
+    before that step updates the weights."""
     dist = Distributed.from_env(device)
     run_dir = Path(run_dir)
     if dist.main:
@@ -335,9 +366,14 @@ def train(cfg: TrainConfig, *, run_dir: str | Path, data_dir: str | None = None,
     run = _Run(cfg, info, splits, model, dist.wrap(model), optimizer, dist, run_dir, state)
     memory, wall_start = PeakMemory(dist.device), time.perf_counter()
     title = f"{cfg.mechanism} on {cfg.task}/{cfg.size}"
-    with Reporter(enabled=progress and dist.main, total=cfg.steps, start=state["step"], title=title,
-                  console=console) as reporter, _Interrupt() as interrupt:
-        finished = state["finished"] or _loop(run, reporter, interrupt)
+    try:
+        with Reporter(enabled=progress and dist.main, total=cfg.steps, start=state["step"], title=title,
+                      console=console) as reporter, _Interrupt() as interrupt:
+            finished = state["finished"] or _loop(run, reporter, interrupt)
+    except _Diverged as error:
+        row = {**_describe(run), "status": "diverged", "diverged_step": error.step,
+               "error": f"diverged: {error}; lower lr (now {cfg.lr:g})"}
+        raise TrainingDiverged(f"{title} {row['error']}", row) from None
     state["wall_s"] += time.perf_counter() - wall_start
     if not finished:
         return None
@@ -354,18 +390,27 @@ def _results(run: _Run, peak: int | None) -> dict[str, Any]:
     tokens_per_step = cfg.batch_size * info.seq_len
     steps_per_s = state["step"] / state["train_s"] if state["train_s"] else None
     return {
-        "kind": "train", "task": cfg.task, "size": cfg.size, "mechanism": cfg.mechanism,
-        "config": effective_config(cfg, info), "sized": cfg.sized,
+        **_describe(run), "status": "ok",
         "test_accuracy": test, "val_accuracy": state["best_val"], "best_step": state["best_step"],
         "chance": info.chance, "steps": state["step"], "steps_per_s": steps_per_s,
         "tokens_per_s": steps_per_s * tokens_per_step if steps_per_s else None, "peak_memory_bytes": peak,
-        "wall_s": state["wall_s"], "seq_len": info.seq_len, "task_params": info.params,
+        "wall_s": state["wall_s"], "parameters": sum(p.numel() for p in run.model.parameters()),
+        "weight_digests": digests,
+    }
+
+
+def _describe(run: _Run) -> dict[str, Any]:
+    """What every results row says about its run, finished or failed: task, model, optimiser."""
+    cfg, state, info = run.cfg, run.state, run.info
+    return {
+        "kind": "train", "task": cfg.task, "size": cfg.size, "mechanism": cfg.mechanism,
+        "config": effective_config(cfg, info), "sized": cfg.sized, "seq_len": info.seq_len,
+        "task_params": info.params,
         "model": {**{k: getattr(cfg, k) for k in ("dim", "depth", "heads", "ff_mult", "dropout")},
                   "positional": resolve_positional(cfg.positional, info.kind, cfg.mechanism)},
         "optim": {k: getattr(cfg, k) for k in ("batch_size", "steps", "lr", "weight_decay", "warmup", "clip",
                                                 "eval_every", "patience", "stop_at", "max_seconds", "init_from")},
-        "parameters": sum(p.numel() for p in run.model.parameters()), "seed": cfg.seed,
-        "world_size": run.dist.world, "device": str(run.dist.device), "weight_digests": digests,
+        "seed": cfg.seed, "world_size": run.dist.world, "device": str(run.dist.device),
         "history": state["history"], "train_losses": state["losses"], "git": git_revision(),
     }
 

@@ -4,7 +4,9 @@ attention-free token mixer (``TokenMixer``).
 ``Attention.forward`` validates inputs against the mechanism's declared capabilities once, here,
 so each mechanism implements only ``_attend`` with inputs it knows it can honour. A request it
 cannot honour (causal, key padding, a score_mod, cross-attention, a decode step) raises a
-``ValueError`` that says so and names the registered mechanisms that can.
+``ValueError`` that says so and names the registered mechanisms of the same kind that can.
+Empty inputs (B = 0, or no query or no position) never reach ``_attend``/``_mix``: they return
+correctly shaped empty outputs here, after the same checks.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Attention(Mechanism):
         score_mod: ScoreMod | None = None,
     ) -> Tensor:
         caps = self.spec.capabilities
-        check_qkv(q, k, v, cross_attention=caps.cross_attention)
+        check_qkv(q, k, v, cross_attention=caps.cross_attention, allow_empty=True)
         causal = check_causal(causal, q.shape[2], k.shape[2])
         key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
         if causal and not caps.causal:
@@ -61,6 +63,9 @@ class Attention(Mechanism):
             self._refuse("key_padding_mask", "key_padding")
         if score_mod is not None and not caps.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
+        if q.shape[0] == 0 or q.shape[2] == 0:
+            # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
+            return (q @ k.transpose(-1, -2)) @ v
         return self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
 
     def _attend(
@@ -85,7 +90,8 @@ class Attention(Mechanism):
         self._refuse("a decode step", "decode_step")
 
     def _refuse(self, what: str, capability: str) -> None:
-        able = names(**{capability: True})
+        # Only (q, k, v) mechanisms can stand in: token mixers take the layer input, not q, k, v.
+        able = names(kind="attention", **{capability: True})
         raise ValueError(
             f"{self.spec.name!r} does not support {what}; mechanisms that do: {', '.join(able) or '(none yet)'}"
         )
@@ -109,14 +115,14 @@ class TokenMixer(Mechanism):
         check_tensor(x, "x", 3, f"(B, N, dim={dim})")
         if dim is not None and x.shape[-1] != dim:
             raise ValueError(f"x must have last dimension dim={dim}, got shape {tuple(x.shape)}")
-        if x.shape[1] == 0:
-            raise ValueError("x must hold at least one position (N >= 1)")
         causal = check_causal(causal, x.shape[1], x.shape[1])
         key_padding_mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
         if causal and not self.spec.capabilities.causal:
             self._refuse("causal=True", "causal")
         if key_padding_mask is not None and not self.spec.capabilities.key_padding:
             self._refuse("key_padding_mask", "key_padding")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            return x * 0  # empty, shaped like x, on x's autograd graph
         return self._mix(x, causal=causal, key_padding_mask=key_padding_mask)
 
     def _mix(self, x: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:

@@ -49,7 +49,9 @@ class RoutingConfig(Config):
         decay: EMA decay lambda of the centroid update in training mode, in [0, 1] (1 freezes
             the centroids). Default 0.999.
         scale: score scale; default None means ``1 / sqrt(D)``.
-        seed: seed of the random unit centroids drawn on the first forward. Default 0.
+        seed: seed of the random unit centroids. Default 0.
+        heads, head_dim: H and D of the inputs; when both are set (``MultiHeadAttention`` sets
+            them) the centroids are drawn at construction, else on the first forward.
     """
 
     n_clusters: int = 4
@@ -57,6 +59,8 @@ class RoutingConfig(Config):
     decay: float = 0.999
     scale: float | None = None
     seed: int = 0
+    heads: int | None = None
+    head_dim: int | None = None
 
     def validate(self) -> None:
         if self.n_clusters < 1:
@@ -67,6 +71,9 @@ class RoutingConfig(Config):
             raise ValueError(f"decay must be in [0, 1], got {self.decay}")
         if self.scale is not None and not self.scale > 0:
             raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
+        for name in ("heads", "head_dim"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None (taken from the first input), got {getattr(self, name)}")
 
 
 def similarities(q: Tensor, k: Tensor, centroids: Tensor, real: Tensor) -> Pair:
@@ -336,7 +343,8 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(time="O(N (w + C) D), w = N / C", memory="O(N (w + C))", subquadratic_memory=True),
     notes=(
-        "centroids (H, C, D): a buffer made on the first forward; EMA updates in training mode only",
+        "centroids (H, C, D): a buffer made at construction when heads and head_dim are set, else on the "
+        "first forward; EMA updates in training mode only",
         "non-causal: balanced top-w queries and keys per cluster; an unpicked query uses its nearest cluster's keys",
         "causal: per-token nearest-centroid routing; query i sees the w most recent keys j <= i of its cluster",
         "padded query rows are 0; padded keys are never attended and never move centroids",
@@ -349,8 +357,9 @@ class RoutingAttention(Attention):
         q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``; self-attention only.
 
     Notes:
-        The ``centroids`` buffer ``(H, n_clusters, D)`` is made on the first forward (random unit
-        vectors from ``seed``; H and D are known only then), or by ``load_state_dict``.
+        The ``centroids`` buffer ``(H, n_clusters, D)`` (random unit vectors from ``seed``) is made
+        at construction when the config sets ``heads`` and ``head_dim``, else on the first forward
+        (H and D are known only then) or by ``load_state_dict``.
     """
 
     config: RoutingConfig
@@ -358,13 +367,18 @@ class RoutingAttention(Attention):
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)
         self.register_buffer("centroids", None)
+        if config.heads is not None and config.head_dim is not None:
+            self.centroids = self._draw((config.heads, config.n_clusters, config.head_dim))
+
+    def _draw(self, shape: tuple[int, int, int]) -> Tensor:
+        g = torch.Generator().manual_seed(self.config.seed)
+        return F.normalize(torch.randn(shape, generator=g), dim=-1)
 
     def centroids_for(self, q: Tensor) -> Tensor:
         """The centroid buffer for inputs shaped like ``q``, created on the first call."""
         shape = (q.shape[1], self.config.n_clusters, q.shape[3])
         if self.centroids is None:
-            g = torch.Generator().manual_seed(self.config.seed)
-            self.centroids = F.normalize(torch.randn(shape, generator=g), dim=-1).to(q.device)
+            self.centroids = self._draw(shape).to(q.device)
         elif tuple(self.centroids.shape) != shape:
             raise ValueError(f"routing centroids (H, n_clusters, D) = {tuple(self.centroids.shape)} come from earlier "
                              f"inputs; q {tuple(q.shape)} needs {shape}: build a new module for another H or D")

@@ -9,7 +9,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnzoo._checks import check_positive_int, check_tensor
+from attnzoo._checks import check_module_input, check_positive_int, check_tensor
 from attnzoo.mechanisms.base import Attention
 from attnzoo.positional import PositionalEncoding, build_positional
 from attnzoo.registry import build, config_fields
@@ -68,7 +68,6 @@ class MultiHeadAttention(nn.Module):
         groups = _resolve_groups(mechanism, mechanism_config, heads, self.head_dim)
         self.mechanisms = nn.ModuleList(attn for attn, _ in groups)
         self.group_heads = tuple(n for _, n in groups)
-        self.attn = self.mechanisms[0]  # the mechanism of a one-group layer
         self.positional = build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim)
         for attn in self.mechanisms:
             _check_positional(self.positional, attn)
@@ -82,15 +81,31 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(inner, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
+    @property
+    def attn(self) -> Attention:
+        """The mechanism of a one-group layer (the first group's otherwise)."""
+        return self.mechanisms[0]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        # Older layers registered the first mechanism twice, as ``attn.*`` and ``mechanisms.0.*``
+        # (the same tensors): their checkpoints still load, the old alias read as the new key.
+        old, new = prefix + "attn.", prefix + "mechanisms.0."
+        for key in [k for k in state_dict if k.startswith(old)]:
+            value = state_dict.pop(key)
+            state_dict.setdefault(new + key[len(old):], value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(
         self, x: Tensor, context: Tensor | None = None, *, causal: bool = False, key_padding_mask: Tensor | None = None
     ) -> Tensor:
         check_tensor(x, "x", 3, f"(B, N, dim={self.dim})")
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have last dimension dim={self.dim}, got shape {tuple(x.shape)}")
+        check_module_input(self, x, "x")
         kv_in = x if context is None else context
         if context is not None:
             check_tensor(context, "context", 3, f"(B, N_kv, kv_dim={self.kv_dim})")
+            check_module_input(self, context, "context")
             if context.shape[-1] != self.kv_dim or context.shape[0] != x.shape[0]:
                 raise ValueError(
                     f"context must have shape (B={x.shape[0]}, N_kv, kv_dim={self.kv_dim}), got {tuple(context.shape)}"
@@ -111,6 +126,7 @@ class MultiHeadAttention(nn.Module):
         """Causal self-attention for the next ``T`` tokens ``x (B, T, dim)`` given everything
         before them in ``state``; equals the matching rows of ``forward(..., causal=True)``."""
         check_tensor(x, "x", 3, f"(B, T, dim={self.dim})")
+        check_module_input(self, x, "x")
         pos = torch.arange(x.shape[1], device=x.device) + state.position
         q, k, v = self._project(x, x, pos, pos)
         if self.positional is not None and self.positional.needs_weights:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_positive_int, check_tensor
+from attnzoo._checks import check_module_input, check_positive_int, check_tensor
 
 
 class CBAM(nn.Module):
@@ -58,6 +58,7 @@ class CBAM(nn.Module):
         check_tensor(x, "x", 4, f"(B, C={self.channels}, H, W) feature map")
         if x.shape[1] != self.channels:
             raise ValueError(f"x must have {self.channels} channels (dimension 1), got shape {tuple(x.shape)}")
+        check_module_input(self, x, "x")
         if x.shape[2] == 0 or x.shape[3] == 0:
             raise ValueError(f"x must have H >= 1 and W >= 1, got shape {tuple(x.shape)}")
         x = x * self.channel_attention(x)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_positive_int, check_tensor
+from attnzoo._checks import check_module_input, check_positive_int, check_tensor
 
 
 class GlobalTokens(nn.Module):
@@ -28,6 +28,7 @@ class GlobalTokens(nn.Module):
         check_tensor(x, "x", 3, f"(B, N, dim={self.tokens.shape[1]})")
         if x.shape[-1] != self.tokens.shape[1]:
             raise ValueError(f"x must have last dimension {self.tokens.shape[1]}, got {tuple(x.shape)}")
+        check_module_input(self, x, "x", dtype=False)  # the tokens are cast to x's dtype
         tokens = self.tokens.to(x.dtype).expand(x.shape[0], -1, -1)
         if key_padding_mask is not None:
             real = torch.ones(x.shape[0], self.n, dtype=torch.bool, device=x.device)

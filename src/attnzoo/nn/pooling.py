@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_key_padding_mask, check_positive_int, check_tensor
+from attnzoo._checks import check_key_padding_mask, check_module_input, check_positive_int, check_tensor
 from attnzoo.backends.reference import normalize_scores
 
 _CONTEXTS = ("learned", "mean")
@@ -80,5 +80,6 @@ class LAMAPooling(nn.Module):
         check_tensor(x, "x", 3, f"(B, N, dim={self.dim})")
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have width dim={self.dim}, got shape {tuple(x.shape)}")
+        check_module_input(self, x, "x", dtype=False)  # the parameters are cast to x's dtype
         key_padding_mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
         return torch.einsum("bhn,bnd->bhd", self.weights(x, key_padding_mask), x)

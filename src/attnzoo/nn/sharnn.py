@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_positive_int, check_tensor
+from attnzoo._checks import check_module_input, check_positive_int, check_tensor
 
 
 def _check_dropout(p: object) -> float:
@@ -69,6 +69,7 @@ class SingleHeadAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         check_tensor(x, "x", 3, f"(B, N, dim={self.dim})")
+        check_module_input(self, x, "x")
         q = torch.sigmoid(self.q_gate) * self.q_proj(x)
         k = torch.sigmoid(self.k_gate) * x
         v = torch.sigmoid(self.v_gate) * x
@@ -149,6 +150,7 @@ class SHARNN(nn.Module):
             raise ValueError(f"tokens must have 2 dimensions (B, N), got shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TypeError(f"tokens must be an integer tensor (e.g. torch.long), got {tokens.dtype}")
+        check_module_input(self, tokens, "tokens", dtype=False)
         if tokens.shape[1] == 0:
             raise ValueError("tokens must hold at least one position (N >= 1)")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):

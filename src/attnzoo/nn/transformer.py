@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_positive_int
+from attnzoo._checks import check_module_input, check_positive_int
 from attnzoo.mechanisms.base import Attention, TokenMixer
 from attnzoo.nn.attention import MHAState, MultiHeadAttention
 from attnzoo.positional import PositionalEncoding, build_positional
@@ -50,6 +50,8 @@ class TransformerEncoderLayer(nn.Module):
         )
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+        if isinstance(x, Tensor):
+            check_module_input(self, x, "x")
         if self.mixer is not None:
             x = x + self.mixer_dropout(self.mixer(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask))
         else:
@@ -62,6 +64,8 @@ class TransformerEncoderLayer(nn.Module):
 
     def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
         self._no_decode()
+        if isinstance(x, Tensor):
+            check_module_input(self, x, "x")
         h, state = self.attn.step(self.norm1(x), state)
         x = x + h
         return x + self.ff(self.norm2(x)), state
@@ -211,6 +215,7 @@ class CausalLM(nn.Module):
     def _embed(self, tokens: Tensor, start: int) -> Tensor:
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"tokens must be an integer tensor (B, N), got {getattr(tokens, 'shape', type(tokens))}")
+        check_module_input(self, tokens, "tokens", dtype=False)
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.embed.num_embeddings):
             raise ValueError(f"tokens must lie in [0, vocab_size={self.embed.num_embeddings}), got range "
                              f"[{int(tokens.min())}, {int(tokens.max())}]")
