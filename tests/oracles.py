@@ -43,6 +43,8 @@ from torch import Tensor
 F64 = torch.float64
 
 __all__ = [
+    "lsh_union_oracle",
+    "lsh_visible_sets",
     "attention_oracle",
     "attention_weights_oracle",
     "sinusoidal_oracle",
@@ -834,3 +836,115 @@ def oracle_gat_attention(q: Tensor, k: Tensor, v: Tensor, edges: Sequence[Sequen
             per_head.append(torch.stack(rows))
         out.append(torch.stack(per_head))
     return torch.stack(out)
+
+
+# --------------------------------------------------------------------------
+# Reformer LSH attention, rounds combined (Kitaev et al. 2020, Appendix A)
+# --------------------------------------------------------------------------
+# Written from MECHANISMS.md's `lsh` entry and the paper, without reading the
+# implementation. Buckets are given (the oracle does not hash). Shared QK: keys
+# are the unit-normalised queries; s_ij = q_i . k_j / sqrt(D). Round r shows key j
+# to real query i when j is real, in the same bucket, j != i (j < i when causal),
+# and j's rank among its bucket's real tokens (position order) lies in the query's
+# rank-chunk or the one before. dedupe=True: softmax over the union of the rounds'
+# sets; dedupe=False: weights N_ij exp(s_ij). A real query with an empty union
+# outputs v_i; a padded query outputs zeros.
+
+def lsh_visible_sets(buckets, chunk, *, causal=False, key_padding_mask=None):
+    """Per-round visible key sets.
+
+    Returns ``sets[r][b][h][i]`` = Python set of key indices visible to query i in round r
+    (empty set for padded queries).  ``buckets``: LongTensor (R, B, H, N).
+    """
+    R, B, H, N = buckets.shape
+    if key_padding_mask is None:
+        real = [[True] * N for _ in range(B)]
+    else:
+        real = [[bool(key_padding_mask[b, n]) for n in range(N)] for b in range(B)]
+    sets = []
+    for r in range(R):
+        per_b = []
+        for b in range(B):
+            per_h = []
+            for h in range(H):
+                bk = [int(buckets[r, b, h, n]) for n in range(N)]
+                # rank of each real token within its bucket, in position order
+                rank = [None] * N
+                counter = {}
+                for n in range(N):
+                    if not real[b][n]:
+                        continue
+                    rank[n] = counter.get(bk[n], 0)
+                    counter[bk[n]] = rank[n] + 1
+                per_i = []
+                for i in range(N):
+                    vis = set()
+                    if real[b][i]:
+                        g = rank[i] // chunk
+                        lo, hi = (g - 1) * chunk, (g + 1) * chunk
+                        for j in range(N):
+                            if not real[b][j]:
+                                continue
+                            if bk[j] != bk[i]:
+                                continue
+                            if j == i:
+                                continue
+                            if causal and not (j < i):
+                                continue
+                            if not (lo <= rank[j] < hi):
+                                continue
+                            vis.add(j)
+                    per_i.append(vis)
+                per_h.append(per_i)
+            per_b.append(per_h)
+        sets.append(per_b)
+    return sets
+
+
+def lsh_union_oracle(q, v, buckets, chunk, *, causal=False, key_padding_mask=None,
+                     dedupe=True) -> Tensor:
+    """Reference output (B, H, N, Dv) of multi-round LSH attention (see module docstring).
+
+    q: (B, H, N, D) float64; v: (B, H, N, Dv) float64; buckets: LongTensor (R, B, H, N);
+    key_padding_mask: (B, N) bool, True = real token, or None (all real).
+    """
+    B, H, N, D = q.shape
+    Dv = v.shape[-1]
+    R = buckets.shape[0]
+    assert buckets.shape == (R, B, H, N)
+    sets = lsh_visible_sets(buckets, chunk, causal=causal,
+                            key_padding_mask=key_padding_mask)
+    scale = 1.0 / math.sqrt(D)
+    out_b = []
+    for b in range(B):
+        out_h = []
+        for h in range(H):
+            # shared QK: unit-normalised queries as keys (plain division, as specified)
+            keys = [q[b, h, j] / torch.sqrt((q[b, h, j] * q[b, h, j]).sum())
+                    for j in range(N)]
+            rows = []
+            for i in range(N):
+                is_real = key_padding_mask is None or bool(key_padding_mask[b, i])
+                if not is_real:
+                    rows.append(torch.zeros(Dv, dtype=v.dtype, device=v.device))
+                    continue
+                counts = {}  # N_ij over rounds
+                for r in range(R):
+                    for j in sets[r][b][h][i]:
+                        counts[j] = counts.get(j, 0) + 1
+                if not counts:
+                    rows.append(v[b, h, i])  # attends to itself only
+                    continue
+                idx = sorted(counts)
+                logits = []
+                for j in idx:
+                    s = (q[b, h, i] * keys[j]).sum() * scale
+                    if not dedupe:
+                        s = s + math.log(counts[j])  # weight N_ij * exp(s_ij)
+                    logits.append(s)
+                w = torch.softmax(torch.stack(logits), dim=0)
+                vals = torch.stack([v[b, h, j] for j in idx])  # (|U_i|, Dv)
+                rows.append((w.unsqueeze(-1) * vals).sum(0))
+            out_h.append(torch.stack(rows))
+        out_b.append(torch.stack(out_h))
+    return torch.stack(out_b)

@@ -11,7 +11,16 @@ from attnzoo.mechanisms.lsh import reference_lsh
 from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same
 
-CONFIG = dict(n_hashes=3, n_buckets=4, chunk=8)
+CONFIG = dict(n_hashes=3, n_buckets=4, chunk=8, seed=0)
+
+
+def build(**kwargs) -> torch.nn.Module:
+    """An eval-mode module: fixed rotations, so a second call (or the reference) sees the same."""
+    return attnzoo.build("lsh", **{**CONFIG, **kwargs}).eval()
+
+
+def reference(lsh, q, v, **kwargs):
+    return reference_lsh(q, v, lsh.config, lsh.rotations(q.shape[1], q.shape[-1]), **kwargs)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -19,9 +28,9 @@ CONFIG = dict(n_hashes=3, n_buckets=4, chunk=8)
 def test_fast_path_equals_reference_float64(causal, padded):
     q, k, v = make_qkv(2, 3, 45, 45, d=8, d_v=6)
     mask = padding_mask(2, 45) if padded else None
-    lsh = attnzoo.build("lsh", **CONFIG)
+    lsh = build()
     out = lsh(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_lsh(q, v, lsh.config, causal=causal, key_padding_mask=mask)
+    ref = reference(lsh, q, v, causal=causal, key_padding_mask=mask)
     assert_same(out, ref)
     if padded:
         assert torch.equal(out[0], torch.zeros_like(out[0]))
@@ -31,14 +40,14 @@ def test_fast_path_equals_reference_float64(causal, padded):
 
 def test_fp32_within_policy():
     q, k, v = make_qkv(2, 2, 70, 70, d=16, dtype=torch.float32)
-    lsh = attnzoo.build("lsh", **CONFIG)
-    golden = reference_lsh(q.double(), v.double(), lsh.config, causal=True)
-    assert_close_to_golden(lsh(q, k, v, causal=True), reference_lsh(q, v, lsh.config, causal=True), golden.detach())
+    lsh = build()
+    golden = reference(lsh, q.double(), v.double(), causal=True)
+    assert_close_to_golden(lsh(q, k, v, causal=True), reference(lsh, q, v, causal=True), golden.detach())
 
 
 def test_one_bucket_and_one_chunk_is_full_attention_without_self():
     q, k, v = make_qkv(2, 2, 30, 30, requires_grad=False)
-    lsh = attnzoo.build("lsh", n_hashes=2, n_buckets=1, chunk=64)
+    lsh = build(n_hashes=2, n_buckets=1, chunk=64)
     keys = torch.nn.functional.normalize(q, dim=-1)
     not_self = lambda b, h, i, j: i != j  # noqa: E731
     assert_same(lsh(q, k, v), reference_attention(q, keys, v, mask_mod=not_self))
@@ -49,9 +58,9 @@ def test_one_bucket_and_one_chunk_is_full_attention_without_self():
 
 def test_deterministic_per_seed_and_causal_in_the_strong_sense():
     q, k, v = make_qkv(1, 2, 64, 64, requires_grad=False)
-    a = attnzoo.build("lsh", **CONFIG)
+    a = build()
     assert torch.equal(a(q, k, v), a(q, k, v))
-    assert not torch.equal(a(q, k, v), attnzoo.build("lsh", **CONFIG, seed=1)(q, k, v))
+    assert not torch.equal(a(q, k, v), build(seed=1)(q, k, v))
     q2, v2 = q.clone(), v.clone()
     q2[:, :, 40:] = torch.randn_like(q2[:, :, 40:]) * 3  # moves future tokens between buckets
     v2[:, :, 40:] = torch.randn_like(v2[:, :, 40:])
@@ -64,7 +73,7 @@ def test_padded_tokens_change_nothing_real():
     q, k, v = make_qkv(2, 2, 40, 40, requires_grad=False)
     mask = torch.ones(2, 40, dtype=torch.bool)
     mask[:, 30:] = False
-    lsh = attnzoo.build("lsh", **CONFIG)
+    lsh = build()
     q2, v2 = q.clone(), v.clone()
     q2[:, :, 30:], v2[:, :, 30:] = torch.randn(2, 2, 10, 8, dtype=q.dtype), 100.0
     for causal in (False, True):
@@ -79,15 +88,15 @@ def test_error_shrinks_as_hashing_rounds_grow():
     centres = torch.nn.functional.normalize(torch.randn(8, 16, generator=g, dtype=torch.float64), dim=-1)
     q = (centres[torch.randint(0, 8, (256,), generator=g)] * 4 + 0.3 * torch.randn(256, 16, generator=g, dtype=torch.float64))
     q, v = q.view(1, 1, 256, 16), torch.randn(1, 1, 256, 16, generator=g, dtype=torch.float64)
-    full = attnzoo.build("lsh", n_buckets=1, chunk=256)(q, q, v)
-    errors = [float((attnzoo.build("lsh", n_hashes=h, n_buckets=16, chunk=32)(q, q, v) - full).norm() / full.norm())
+    full = build(n_buckets=1, chunk=256)(q, q, v)
+    errors = [float((build(n_hashes=h, n_buckets=16, chunk=32)(q, q, v) - full).norm() / full.norm())
               for h in (1, 2, 4, 8)]
     assert errors == sorted(errors, reverse=True) and errors[-1] < 0.5 * errors[0], errors
 
 
 def test_implied_attention_matches_the_forward():
     q, k, v = make_qkv(1, 2, 24, 24, requires_grad=False)
-    lsh = attnzoo.build("lsh", n_hashes=2, n_buckets=4, chunk=4)
+    lsh = build(n_hashes=2, n_buckets=4, chunk=4)
     weights = lsh.implied_attention(q, k, causal=True)
     assert weights.shape == (1, 2, 24, 24)
     assert_same(weights.to(v.dtype) @ v, lsh(q, k, v, causal=True))
@@ -101,3 +110,64 @@ def test_config_errors():
         attnzoo.build("lsh", chunk=0)
     with pytest.raises(ValueError, match="self-attention only"):
         attnzoo.build("lsh")(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))
+
+
+def test_training_draws_fresh_rotations_per_pass_head_and_layer():
+    q, k, v = make_qkv(1, 2, 64, 64, requires_grad=False)
+    torch.manual_seed(5)
+    a, b = attnzoo.build("lsh", **{**CONFIG, "seed": None}), attnzoo.build("lsh", **{**CONFIG, "seed": None})
+    assert int(a.rotation_seed) != int(b.rotation_seed)  # two layers, two seeds
+    rot = a.rotations(2, 8)
+    assert rot.shape == (3, 2, 8, 2) and not torch.equal(rot[:, 0], rot[:, 1])  # per head
+    assert not torch.equal(a(q, k, v), a(q, k, v))  # training: a fresh draw every pass
+    torch.manual_seed(1)
+    first = a(q, k, v, causal=True)
+    torch.manual_seed(1)
+    assert torch.equal(a(q, k, v, causal=True), first)  # ...from torch's global RNG
+    a.eval()
+    assert torch.equal(a(q, k, v), a(q, k, v)) and not torch.equal(a(q, k, v), b.eval()(q, k, v))
+    c = attnzoo.build("lsh", **{**CONFIG, "seed": None}).eval()
+    c.load_state_dict(a.state_dict())  # the seed travels with the weights
+    assert torch.equal(c(q, k, v), a(q, k, v))
+    assert not torch.equal(attnzoo.build("lsh", **CONFIG, resample=False)(q, k, v),
+                           attnzoo.build("lsh", **CONFIG, resample=False)(q, k, v) * 0)  # builds, runs
+
+
+def test_causal_under_fresh_rotations():
+    q, k, v = make_qkv(1, 2, 64, 64, requires_grad=False)
+    lsh = attnzoo.build("lsh", **{**CONFIG, "seed": None})
+    q2 = q.clone()
+    q2[:, :, 40:] = torch.randn_like(q2[:, :, 40:]) * 3
+    torch.manual_seed(3)
+    before = lsh(q, k, v, causal=True)
+    torch.manual_seed(3)
+    assert_same(lsh(q2, k, v, causal=True)[:, :, :40], before[:, :, :40])
+
+
+def test_dedupe_false_weighs_a_key_once_per_round():
+    q, k, v = make_qkv(1, 2, 40, 40, requires_grad=False)
+    union, multiset = build(n_hashes=4, chunk=4), build(n_hashes=4, chunk=4, dedupe=False)
+    w_union, w_multi = union.implied_attention(q, k), multiset.implied_attention(q, k)
+    assert_same(w_union.sum(-1), torch.ones_like(w_union.sum(-1)))
+    assert_same(w_multi.sum(-1), torch.ones_like(w_multi.sum(-1)))
+    assert not torch.allclose(w_union, w_multi)
+    assert_same(union(q, k, v), w_union @ v)
+    assert_same(multiset(q, k, v), w_multi @ v)
+
+
+@pytest.mark.parametrize("causal, padded, dedupe", [(False, False, True), (True, True, True), (False, True, False)])
+def test_rounds_combine_as_the_independent_union_oracle(causal, padded, dedupe):
+    from attnzoo.mechanisms.lsh import buckets
+    from oracles import lsh_union_oracle
+
+    q, k, v = make_qkv(2, 2, 21, 21, d=4, d_v=3)
+    mask = padding_mask(2, 21) if padded else None
+    lsh = build(n_hashes=3, n_buckets=4, chunk=3, dedupe=dedupe)
+    real = torch.ones(2, 21, dtype=torch.bool) if mask is None else mask
+    keys = torch.nn.functional.normalize(q.detach(), dim=-1)
+    table = torch.stack([buckets(keys, rot, real) for rot in lsh.rotations(2, 4)])  # [R, B, H, N]
+    out = lsh(q, k, v, causal=causal, key_padding_mask=mask)
+    want = lsh_union_oracle(q, v, table, 3, causal=causal, key_padding_mask=mask, dedupe=dedupe)
+    assert_same(out, want)
+    for got, exp, name in zip(grads(out, (q, v)), grads(want, (q, v)), "qv"):
+        assert_same(got, exp, what=f"d{name}")

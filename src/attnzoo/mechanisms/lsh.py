@@ -41,7 +41,12 @@ class LSHConfig(Config):
         n_hashes: hashing rounds. Default 2.
         n_buckets: buckets per round: even, or 1 (no hashing: every token in one bucket). Default 8.
         chunk: chunk size c (positions ranked within a bucket). Default 64.
-        seed: seed of the random rotations (fixed: the same buckets every call). Default 0.
+        seed: seed of the rotations used in eval mode (and in training with ``resample=False``);
+            None draws one seed per module from torch's global RNG at construction (every layer
+            differs; reproducible after ``torch.manual_seed``; saved in the state dict as the
+            ``rotation_seed`` buffer). Default None.
+        resample: draw fresh rotations on every forward pass in training mode, from torch's
+            global RNG (Reformer). Default True.
         dedupe: subtract ``log N_ij`` from the score of a key found in ``N_ij`` rounds, so the
             rounds give one softmax over the union of their keys (Reformer, Appendix A). With
             False a key found twice weighs twice. Default True.
@@ -51,7 +56,8 @@ class LSHConfig(Config):
     n_hashes: int = 2
     n_buckets: int = 8
     chunk: int = 64
-    seed: int = 0
+    seed: int | None = None
+    resample: bool = True
     dedupe: bool = True
     scale: float | None = None
 
@@ -63,18 +69,20 @@ class LSHConfig(Config):
             raise ValueError(f"n_buckets must be 1 or even (buckets come from argmax([xR; -xR])), got {self.n_buckets}")
 
 
-def rotations(config: LSHConfig, dim: int, device: torch.device) -> Tensor:
-    """``(n_hashes, D, n_buckets / 2)`` random rotations, fixed by the seed."""
-    g = torch.Generator().manual_seed(config.seed)
-    return torch.randn(config.n_hashes, dim, config.n_buckets // 2, generator=g).to(device)
+def rotations(config: LSHConfig, heads: int, dim: int, seed: int | None, device: torch.device | None = None) -> Tensor:
+    """``(n_hashes, H, D, n_buckets / 2)`` random rotations, one per round and head: from
+    ``seed``, or from torch's global RNG when ``seed`` is None."""
+    g = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.randn(config.n_hashes, heads, dim, config.n_buckets // 2, generator=g).to(device)
 
 
 def buckets(keys: Tensor, rotation: Tensor, real: Tensor) -> Tensor:
-    """``(B, H, N)`` buckets ``argmax([xR; -xR])`` of the unit keys ``(B, H, N, D)``; padded
+    """``(B, H, N)`` buckets ``argmax([xR; -xR])`` of the unit keys ``(B, H, N, D)`` under the
+    heads' rotations ``R (H, D, n_buckets / 2)``; padded
     tokens go to an extra last bucket ``n_buckets`` so they never shift real tokens' ranks."""
     n_buckets = max(2 * rotation.shape[-1], 1)
     if rotation.shape[-1]:
-        projected = keys.float() @ rotation.float()  # [B, H, N, n_buckets/2]
+        projected = keys.float() @ rotation.float()[None]  # [B, H, N, n_buckets/2]
         bucket = torch.cat([projected, -projected], dim=-1).argmax(-1)
     else:
         bucket = torch.zeros(keys.shape[:3], dtype=torch.long, device=keys.device)
@@ -99,9 +107,10 @@ def visible(bucket: Tensor, real: Tensor, chunk: int, causal: bool) -> Tensor:
     return ok & (j <= i) if causal else ok
 
 
-def reference_lsh(q: Tensor, v: Tensor, config: LSHConfig, *, causal: bool = False,
+def reference_lsh(q: Tensor, v: Tensor, config: LSHConfig, rotation: Tensor, *, causal: bool = False,
                   key_padding_mask: Tensor | None = None, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """LSH attention as the paper reads, densely: per round, the N x N mask of ``visible``;
+    """LSH attention as the paper reads, densely, under ``rotation (n_hashes, H, D, n_buckets
+    / 2)`` (``LSHAttention.rotations`` gives a module's): per round, the N x N mask of ``visible``;
     each round's masked scores less ``log N_ij`` (``dedupe``), the rounds combined by their
     log-sum-exp. A row that sees nothing attends to itself (zero if it is padding). Keys are
     the unit-normalised queries (shared QK). ``return_weights`` also gives the combined
@@ -111,7 +120,7 @@ def reference_lsh(q: Tensor, v: Tensor, config: LSHConfig, *, causal: bool = Fal
     scale = q.shape[-1] ** -0.5 if config.scale is None else config.scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = torch.einsum("bhid,bhjd->bhij", q.to(compute), keys.to(compute)) * scale
-    masks = [visible(buckets(keys, rot, real), real, config.chunk, causal) for rot in rotations(config, q.shape[-1], q.device)]
+    masks = [visible(buckets(keys, rot, real), real, config.chunk, causal) for rot in rotation.to(q.device)]
     found = torch.stack(masks).sum(0).clamp(min=1).to(compute)  # N_ij
     if config.dedupe:
         scores = scores - found.log()
@@ -291,14 +300,25 @@ class _Rounds(torch.autograd.Function):
         "a token attends to itself only when it sees nothing else in any round",
         "rounds are combined as one softmax over the union of their keys (log N_ij subtracted, "
         "Reformer Appendix A); dedupe=False weighs a key found in several rounds once per round",
-        "rotations are fixed by the seed: the same input always gets the same buckets, in every "
-        "head and layer (Reformer draws fresh rotations per forward pass)",
+        "rotations are drawn per round and head; fresh every forward pass in training (resample), "
+        "fixed by the module's seed in eval mode",
     ),
 )
 class LSHAttention(Attention):
     """Reformer LSH attention; see the module docstring and ``reference_lsh``."""
 
     config: LSHConfig
+
+    def __init__(self, config: LSHConfig) -> None:
+        super().__init__(config)
+        seed = int(torch.randint(0, 2**62, ())) if config.seed is None else config.seed
+        self.register_buffer("rotation_seed", torch.tensor(seed, dtype=torch.long))
+
+    def rotations(self, heads: int, dim: int, device: torch.device | None = None) -> Tensor:
+        """The rotations of the next forward pass ``(n_hashes, H, D, n_buckets / 2)``: fresh
+        from torch's global RNG in training with ``resample``, else from ``rotation_seed``."""
+        fresh = self.training and self.config.resample
+        return rotations(self.config, heads, dim, None if fresh else int(self.rotation_seed), device)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
                 score_mod: ScoreMod | None) -> Tensor:
@@ -309,7 +329,7 @@ class LSHAttention(Attention):
         keys = F.normalize(qc, dim=-1)
         scale = dim ** -0.5 if cfg.scale is None else cfg.scale
         with torch.no_grad():
-            laid = [layout(buckets(keys, rot, real), cfg.n_buckets, cfg.chunk) for rot in rotations(cfg, dim, q.device)]
+            laid = [layout(buckets(keys, rot, real), cfg.n_buckets, cfg.chunk) for rot in self.rotations(q.shape[1], dim, q.device)]
             plain = [r for r, *_ in laid]
             rounds = [round_mask(r, *slots, [o for o in plain if o is not r], chunk=cfg.chunk, causal=causal,
                                  dedupe=cfg.dedupe, dtype=compute) for r, *slots in laid]
@@ -323,5 +343,6 @@ class LSHAttention(Attention):
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         """The combined ``(B, H, N, N)`` attention of a forward pass on ``q`` (small N)."""
-        return reference_lsh(q, q[..., :1], self.config, causal=causal, key_padding_mask=key_padding_mask,
+        rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
+        return reference_lsh(q, q[..., :1], self.config, rotation, causal=causal, key_padding_mask=key_padding_mask,
                              return_weights=True)[1]
