@@ -17,18 +17,37 @@ def _rss(field_name: str) -> int:
     return int(re.search(rf"{field_name}:\s+(\d+) kB", text).group(1)) * 1024
 
 
-def _pin_mmap_threshold() -> None:
-    """glibc raises its mmap threshold after large blocks are freed, then serves big tensors
-    from heap memory that is already resident, hiding them from the RSS peak. A fixed threshold
-    (set once) makes every large allocation map fresh pages and unmap them on free."""
+def _libc(function: str, *args: int) -> None:
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), function)(*args)
     except (OSError, AttributeError):
         pass
+
+
+def _mallopt(option: int, value: int) -> None:
+    _libc("mallopt", option, value)
+
+
+def _pin_mmap_threshold() -> None:
+    """glibc raises its mmap threshold after large blocks are freed, then serves big tensors
+    from heap memory that is already resident, hiding them from the RSS peak. A fixed threshold
+    (set once) makes every large allocation map fresh pages and unmap them on free; trimming
+    first returns free heap memory (left by earlier work) to the system, so what the measured
+    call reuses of it is paged in again and counted."""
+    _mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    _libc("malloc_trim", 0)
+
+
+def release_mmap_threshold() -> None:
+    """Undo ``_pin_mmap_threshold`` for timing: the threshold and trim limit a long-running
+    process reaches on its own (glibc's dynamic maxima, 32 MiB and 64 MiB on 64-bit), so
+    temporaries reuse resident heap memory instead of page-faulting on every allocation — as
+    in a user's training loop, and for SDPA and every mechanism alike."""
+    _mallopt(-3, 32 * 1024 * 1024)  # M_MMAP_THRESHOLD
+    _mallopt(-1, 64 * 1024 * 1024)  # M_TRIM_THRESHOLD
 
 
 class Reporter:

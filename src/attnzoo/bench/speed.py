@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
-from attnzoo.bench.monitor import PeakMemory
+from attnzoo.bench.monitor import PeakMemory, release_mmap_threshold
 from attnzoo.registry import check_values, config_fields
 
 CHECK_N = 300
@@ -111,7 +111,9 @@ def peak_memory(fn: Callable[[], Any]) -> int | None:
         return None
     result = fn()
     del result
-    return memory.peak()
+    peak = memory.peak()
+    release_mmap_threshold()  # the probe's pinned threshold would make every later timing page-fault
+    return peak
 
 
 def median_time(fn: Callable[[], Any], repeats: int) -> float:
