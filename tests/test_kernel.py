@@ -310,3 +310,20 @@ def test_fast_path_never_allocates_n_by_n(name, monkeypatch):
 def test_bad_config_values_name_the_field(name, bad, field):
     with pytest.raises(ValueError, match=field):
         attnzoo.build(name, **bad)
+
+
+def test_chunk_scan_as_one_matmul_equals_the_loop(monkeypatch):
+    from attnzoo.mechanisms import kernel
+
+    g = torch.Generator().manual_seed(0)
+    sums = torch.randn(2, 3, 9, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    log_gates = (-torch.rand(2, 3, 9, generator=g, dtype=torch.float64) * 30).requires_grad_()  # strong decays
+    s0 = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    results = []
+    for limit in (128, 0):  # the matmul form, then the loop
+        monkeypatch.setattr(kernel, "SCAN_MATMUL_CHUNKS", limit)
+        starts, final = kernel._scan(sums, log_gates, s0)
+        grads = torch.autograd.grad((starts.sin().sum() + final.cos().sum()), (sums, log_gates, s0))
+        results.append((starts, final, *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)

@@ -39,6 +39,8 @@ Normalizer = Literal["rows", "signed", "keys"]
 #: Non-causal blocks hold about this many (batch x head x position) rows, so feature tensors
 #: stay a few MB (cache-sized, and reused by the allocator instead of page-faulted afresh).
 BLOCK_ROWS = 8192
+#: Causal scans over up to this many chunks run as one matmul (see ``_scan``).
+SCAN_MATMUL_CHUNKS = 128
 
 
 class KeyFeatures(NamedTuple):
@@ -186,22 +188,39 @@ def _causal_sums(
         cum = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size).cumsum(-1)
         pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~tril, -math.inf).exp()
         to_end = (cum[..., -1:] - cum).exp()  # decay from key j to the end of its chunk
-        chunk_sums = (k * to_end[..., None]).transpose(-1, -2) @ v
-        starts, final = _scan(chunk_sums, cum[..., -1].exp(), s0)
-        out = (scores * pair_decay) @ v + (q * cum.exp()[..., None]) @ starts
+        # Per-position factors scale the E-wide values and outputs, not the m-wide features.
+        chunk_sums = k.transpose(-1, -2) @ (v * to_end[..., None])
+        starts, final = _scan(chunk_sums, cum[..., -1], s0)
+        out = (scores * pair_decay) @ v + (q @ starts) * cum.exp()[..., None]
     return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final
 
 
-def _scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
     """States at each chunk start, ``S_c = g_{c-1} S_{c-1} + U_{c-1}`` ``(B, H, C, m, E)``, and
-    the state after the last chunk ``(B, H, m, E)``."""
-    # unbind once: indexing chunk c inside the loop would make every step's backward
-    # zero-fill a gradient the size of all chunks (quadratic in the number of chunks).
-    states, s = [], s0
-    for gate, sums in zip(gates.unbind(2), chunk_sums.unbind(2)):
-        states.append(s)
-        s = gate[:, :, None, None] * s + sums
-    return torch.stack(states, dim=2), s
+    the state after the last chunk ``(B, H, m, E)``, for log gates ``(B, H, C)``.
+
+    Up to ``SCAN_MATMUL_CHUNKS`` chunks the recurrence is unrolled into one matmul,
+    ``S_c = sum_{c' < c} exp(A_{c-1} - A_{c'}) U_{c'} + exp(A_{c-1}) S_0`` with ``A`` the
+    cumulative log gates (float64, so far-apart chunks do not cancel digits): no Python loop,
+    and a backward of two matmuls. Beyond that (O(C^2 m E) would dominate) a loop over chunks.
+    """
+    b, h, c, m, e = chunk_sums.shape
+    if c > SCAN_MATMUL_CHUNKS:
+        # unbind once: indexing chunk c inside the loop would make every step's backward
+        # zero-fill a gradient the size of all chunks (quadratic in the number of chunks).
+        states, s = [], s0
+        for gate, sums in zip(log_gates.exp().unbind(2), chunk_sums.unbind(2)):
+            states.append(s)
+            s = gate[:, :, None, None] * s + sums
+        return torch.stack(states, dim=2), s
+    cum = log_gates.double().cumsum(-1)  # A_c, non-increasing
+    before = F.pad(cum, (1, 0))  # [B, H, C + 1]: A_{c-1} for the states c = 0 .. C (A_{-1} = 0)
+    later = torch.ones(c + 1, c, dtype=torch.bool, device=cum.device).triu()  # c' >= c: not yet summed
+    weights = (before[..., :, None] - cum[..., None, :]).masked_fill(later, -math.inf).exp()
+    states = weights.to(chunk_sums.dtype) @ chunk_sums.flatten(-2)  # [B, H, C + 1, m E]
+    states = states + before.exp().to(s0.dtype)[..., None] * s0.flatten(-2)[:, :, None]
+    states = states.view(b, h, c + 1, m, e)
+    return states[:, :, :-1], states[:, :, -1]
 
 
 def reference_kernel_attention(
