@@ -171,3 +171,16 @@ def test_rounds_combine_as_the_independent_union_oracle(causal, padded, dedupe):
     assert_same(out, want)
     for got, exp, name in zip(grads(out, (q, v)), grads(want, (q, v)), "qv"):
         assert_same(got, exp, what=f"d{name}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_n_by_n_tensor_forward_or_backward(causal):
+    from conftest import LargestTensor
+
+    n = 2048
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
+    lsh = build(n_hashes=2, n_buckets=16, chunk=32)
+    with LargestTensor() as probe:
+        lsh(q, k, v, causal=causal).sum().backward()
+    # Each round holds (chunks, c, 2c) mask entries per head: about 2 c N, far below N x N.
+    assert probe.numel < n * n // 8, probe.numel
