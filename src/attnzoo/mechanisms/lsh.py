@@ -211,7 +211,8 @@ def round_mask(r: Round, position: Tensor, filled: Tensor, chunk_bucket: Tensor,
     own = own.tril(-1) if causal else own.fill_diagonal_(False)
     fixed = torch.zeros(chunk, 2 * chunk, dtype=dtype, device=filled.device)
     fixed[:, chunk:].masked_fill_(~own, inf)
-    mask = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device).masked_fill_(~key_ok[:, :, None], inf) + fixed
+    key_term = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device)
+    mask = key_term.masked_fill_(~key_ok[:, :, None], inf) + fixed
     mask.masked_fill_(~filled.view(bh, chunks, chunk, 1), inf)  # filler rows see nothing
     if dedupe and others:
         found = torch.zeros(mask.shape, dtype=torch.uint8, device=mask.device)
@@ -329,7 +330,8 @@ class LSHAttention(Attention):
         keys = F.normalize(qc, dim=-1)
         scale = dim ** -0.5 if cfg.scale is None else cfg.scale
         with torch.no_grad():
-            laid = [layout(buckets(keys, rot, real), cfg.n_buckets, cfg.chunk) for rot in self.rotations(q.shape[1], dim, q.device)]
+            rots = self.rotations(q.shape[1], dim, q.device)
+            laid = [layout(buckets(keys, rot, real), cfg.n_buckets, cfg.chunk) for rot in rots]
             plain = [r for r, *_ in laid]
             rounds = [round_mask(r, *slots, [o for o in plain if o is not r], chunk=cfg.chunk, causal=causal,
                                  dedupe=cfg.dedupe, dtype=compute) for r, *slots in laid]
