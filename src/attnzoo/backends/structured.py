@@ -18,6 +18,9 @@ on the generic tile plan in ``blocked.py``):
   call plus every row against the g global keys (pairs the window holds excluded), merged by
   log-sum-exp; the global tokens' own rows are computed densely and replace theirs. Sparse
   Transformer's summary columns run the same way (columns, no rows).
+- ``axial(h, w)`` (row ∪ column of a grid, one softmax; ``& causal()`` too): the row as
+  ``block_local(w)`` windows and the column de-interleaved by ``w`` into dense sub-sequences
+  with the diagonal removed (it is in the row), merged by log-sum-exp.
 - ``per_head([...])`` of the above: one part per head group.
 
 This module builds the plans; ``attnzoo.backends.windowed`` runs them. Backward recomputes
@@ -37,7 +40,7 @@ from torch import Tensor
 from attnzoo.patterns.algebra import Intersection, Pattern, PerHead
 from attnzoo.patterns.algebra import Union as PatternUnion
 from attnzoo.patterns.atomic import Band, BlockLocal, GlobalTokens, PeriodicColumns
-from attnzoo.patterns.compound import GlobalBlocks
+from attnzoo.patterns.compound import Axial, GlobalBlocks
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,19 @@ class WithGlobals:
 
 
 @dataclass(frozen=True)
+class Merged:
+    """Window parts with disjoint pair sets (each later part's mask leaves out the pairs of
+    the earlier ones), merged by log-sum-exp into one softmax over their union."""
+
+    parts: tuple[Windows, ...]
+
+
+@dataclass(frozen=True)
 class Structure:
     """One part per head group: ``heads`` (None = all heads) and how they run."""
 
     n: int
-    parts: tuple[tuple[Tensor | None, Windows | WithGlobals], ...]
+    parts: tuple[tuple[Tensor | None, Windows | WithGlobals | Merged], ...]
 
 
 def structure(pattern: Pattern, n_q: int, n_kv: int, heads: int) -> Structure | None:
@@ -101,8 +112,30 @@ def structure(pattern: Pattern, n_q: int, n_kv: int, heads: int) -> Structure | 
     return None if plan is None else Structure(n_q, ((None, plan),))
 
 
-def _part(pattern: Pattern, n: int) -> Windows | WithGlobals | None:
-    return _windows(pattern, n) or _with_globals(pattern, n)
+def _part(pattern: Pattern, n: int) -> Windows | WithGlobals | Merged | None:
+    return _windows(pattern, n) or _with_globals(pattern, n) or _axial(pattern, n)
+
+
+def _causal_part(pattern: Pattern) -> tuple[Pattern, bool]:
+    """``p & causal()`` -> (p, True); anything else -> (pattern, False)."""
+    if isinstance(pattern, Intersection) and len(pattern.parts) == 2:
+        for inner, other in (pattern.parts, pattern.parts[::-1]):
+            if isinstance(other, Band) and (other.lo, other.hi, other.modulus) == (None, 0, 1):
+                return inner, True
+    return pattern, False
+
+
+def _axial(pattern: Pattern, n: int) -> Merged | None:
+    """``axial(h, w)``: its row (``block_local(w)``) and its column (positions ``w`` apart:
+    de-interleaved by ``w`` into dense sub-sequences of length ``h``, self removed)."""
+    grid, causal = _causal_part(pattern)
+    if not isinstance(grid, Axial) or grid.h * grid.w != n:
+        return None
+    row = _windows(BlockLocal(grid.w) & Band(None, 0, 1) if causal else BlockLocal(grid.w), n)
+    own = torch.ones(grid.h, grid.h, dtype=torch.bool)
+    own = own.tril(-1) if causal else own.fill_diagonal_(False)
+    column = Windows(grid.w, allowed=torch.zeros(grid.h, grid.h).masked_fill_(~own, float("-inf")), causal=causal)
+    return None if row is None else Merged((row, column))
 
 
 def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:

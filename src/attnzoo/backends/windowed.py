@@ -16,7 +16,7 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.blocked import _compute_dtype
-from attnzoo.backends.structured import Structure, Windows, WithGlobals
+from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
 
 
 # --- layout: heads, de-interleaving, windows ------------------------------------------------
@@ -71,10 +71,13 @@ def _window_mask(w: Windows, key_valid: Tensor | None, heads: int, blocks: int, 
 
 
 def _dense_mask(w: Windows, key_valid: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
+    # The pattern inside a sub-sequence, when it has one, already holds the causal rule.
+    mask = None if w.allowed is None else w.allowed.to(dtype)[None, None]
     if key_valid is None:
-        return None
-    mask = torch.zeros(key_valid.shape, dtype=dtype).masked_fill_(~key_valid, float("-inf"))[:, None, None, :]
-    if w.causal:
+        return mask
+    padding = torch.zeros(key_valid.shape, dtype=dtype).masked_fill_(~key_valid, float("-inf"))[:, None, None, :]
+    mask = padding if mask is None else mask + padding
+    if w.causal and w.allowed is None:
         # The kernel takes is_causal or a mask, not both: with padding the mask is (B * stride,
         # 1, n, n) for sub-sequences of n = N / stride, i.e. N^2 / stride in all — the pair count
         # of the pattern itself (quadratic only for ``causal()`` alone, which is dense anyway).
@@ -105,7 +108,7 @@ def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor
     valid = _split_keys(key_valid, q.shape[0], n, w.stride, sub)
     if w.dense:
         mask = _dense_mask(w, valid, sub, q.dtype)
-        is_causal = w.causal and mask is None
+        is_causal = w.causal and mask is None and w.allowed is None
         out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=scale)[:2]
         return _merge(out, w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
     bb, h, blocks = qs.shape[0], qs.shape[1], -(-sub // w.block)
@@ -259,10 +262,41 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: 
     return torch.matmul(weights, v.to(cd)).to(q.dtype)
 
 
-def _run_part(part: Windows | WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
+class _MergedAttention(torch.autograd.Function):
+    """Disjoint window parts merged by log-sum-exp; backward gives every part the union's
+    output and log-sum-exp (see ``_part_backward``)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, merged: Merged,  # type: ignore[override]
+                key_valid: Tensor | None, scale: float) -> Tensor:
+        outs, lses, saved = [], [], []
+        for w in merged.parts:
+            out, part = _part_forward(w, q, k, v, key_valid, scale)
+            outs.append(out)
+            lses.append(_part_lse(w, part, q.shape[2], q.shape[1]))
+            saved.append(part)
+        lse = torch.logsumexp(torch.stack(lses), 0)  # [B, H, N]
+        out = sum(o * torch.exp(l - _finite(lse, 0.0))[..., None].to(o.dtype) for o, l in zip(outs, lses))
+        ctx.merged, ctx.saved, ctx.scale = merged, saved, scale
+        ctx.save_for_backward(out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        out, lse = ctx.saved_tensors
+        lse = _finite(lse, float("inf"))  # rows that see nothing: p = 0
+        grads = [_part_backward(w, part, grad, ctx.scale, out, lse.to(part.lse.dtype))
+                 for w, part in zip(ctx.merged.parts, ctx.saved)]
+        del ctx.saved
+        return (*(sum(g[i] for g in grads) for i in range(3)), None, None, None)
+
+
+def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
               scale: float) -> Tensor:
     if isinstance(part, Windows):
         return _PartAttention.apply(q, k, v, part, key_valid, scale)
+    if isinstance(part, Merged):
+        return _MergedAttention.apply(q, k, v, part, key_valid, scale)
     out = _UnionAttention.apply(q, k, v, part, key_valid, scale)
     if not part.rows:
         return out
