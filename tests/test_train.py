@@ -180,3 +180,13 @@ def test_every_classification_task_trains_end_to_end(tmp_path, task, overrides):
                       heads=2, batch_size=8, steps=2, eval_every=2)
     row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
     assert row["steps"] == 2 and 0 <= row["test_accuracy"] <= 1 and row["config"]["left"] == row["seq_len"] // 4
+
+
+def test_weight_digest_reads_0_dim_buffers():
+    from attnzoo.bench.train import weight_digest
+
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("seed", torch.tensor(3))  # as lsh's rotation_seed, performer's projection_seed
+    digest = weight_digest(model)
+    model.seed.fill_(4)
+    assert weight_digest(model) != digest
