@@ -376,8 +376,8 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
         "non-causal: balanced top-w queries and keys per cluster; an unpicked query uses its nearest cluster's keys",
         "causal: per-token nearest-centroid routing; query i sees the w most recent keys j <= i of its cluster",
         "padded query rows are 0; padded keys are never attended and never move centroids",
-        "default: routing uses unit-normalised q and k, attention the raw q and k (scale 1/sqrt(D)); "
-        "share_qk=True: keys are the queries, and attention uses the unit q with scale D (the official code's LM setting)",
+        "default: routing uses unit-normalised q and k, attention the raw q and k (scale 1/sqrt(D)); share_qk=True: "
+        "keys are the queries, and attention uses the unit q with scale D (the official code's LM setting)",
     ),
 )
 class RoutingAttention(Attention):
