@@ -231,7 +231,7 @@ def test_performer_features_are_seeded_and_redraw_changes_them():
     assert not torch.equal(a.projection, before) and a.projection.shape == before.shape
     b.redraw()
     assert torch.equal(a.projection, b.projection)  # redraws are reproducible too
-    eager = attnzoo.build("performer", features=32, head_dim=8)
+    eager = attnzoo.build("performer", features=32, head_dim=8, seed=0)
     assert torch.equal(eager.projection, before)
     with pytest.raises(ValueError, match="head_dim=8"):
         eager(torch.randn(1, 1, 4, 6), torch.randn(1, 1, 4, 6), torch.randn(1, 1, 4, 6))
@@ -245,6 +245,74 @@ def test_lazy_buffers_and_parameters_survive_a_state_dict_round_trip(name):
     second = attnzoo.build(name, seed=4).double()
     second.load_state_dict(first.state_dict())
     assert_same(second(q, k, v, causal=True), expected)
+
+
+RANDOM = ["performer", "rfa"]
+
+
+def _random_features(name: str, **config):
+    """A random-feature module with its projection (and rfa's gate) made at construction."""
+    return attnzoo.build(name, features=16, heads=2, head_dim=6, **config) if name == "rfa" else \
+        attnzoo.build(name, features=16, head_dim=6, **config)
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_each_layer_draws_its_own_projection_unless_given_a_seed(name):
+    torch.manual_seed(0)
+    a, b = _random_features(name), _random_features(name)
+    assert not torch.equal(a.projection, b.projection)
+    if name == "rfa":
+        assert not torch.equal(a.gate_weight, b.gate_weight)
+    torch.manual_seed(0)
+    assert torch.equal(_random_features(name).projection, a.projection)  # reproducible from the global seed
+    state = torch.get_rng_state()
+    c, d = _random_features(name, seed=7), _random_features(name, seed=7)
+    assert torch.equal(c.projection, d.projection) and int(c.projection_seed) == 7
+    assert torch.equal(torch.get_rng_state(), state)  # an explicit seed leaves the global RNG alone
+    torch.manual_seed(0)
+    layers = [attnzoo.nn.MultiHeadAttention(12, 2, name, features=16) for _ in range(2)]
+    first, second = (layer.attn.projection for layer in layers)
+    assert first.shape == (16, 6) and not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_a_reloaded_module_is_the_same_module_before_and_after_redraws(name):
+    q, k, v = make_qkv(1, 2, 6, 6, requires_grad=False)
+    for redraws in (0, 2):
+        torch.manual_seed(redraws)
+        first = attnzoo.build(name).double()  # lazy: nothing drawn before the first forward
+        for _ in range(redraws):
+            first.redraw()
+        second = attnzoo.build(name).double()
+        second.load_state_dict(first.state_dict())  # strict
+        assert_same(second(q, k, v, causal=True), first(q, k, v, causal=True))
+        first.redraw(), second.redraw()
+        assert torch.equal(first.projection, second.projection)  # the redraw sequence continues alike
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_redraw_every_redraws_after_that_many_training_forwards_and_never_in_eval(name):
+    q, k, v = make_qkv(1, 2, 5, 5, d=6, requires_grad=False)
+    attn = _random_features(name, seed=1, redraw_every=2)
+    twin = _random_features(name, seed=1)
+    seen = []
+    for _ in range(5):
+        seen.append(attn.projection.clone())
+        out = attn(q, k, v)
+        assert torch.equal(attn.projection, seen[-1]) or len(seen) in (3, 5)
+    assert [torch.equal(a, b) for a, b in zip(seen, seen[1:])] == [True, True, False, True]
+    assert int(attn.draws) == 2 and not torch.equal(seen[0], attn.projection)
+    twin.redraw(), twin.redraw()
+    assert torch.equal(twin.projection, attn.projection)  # the same sequence as redraw() by hand
+    assert_same(out, twin(q, k, v))  # the fifth forward ran on the second redraw
+    attn.eval()
+    for _ in range(6):
+        attn(q, k, v)
+    assert int(attn.draws) == 2 and int(attn.forwards) == 1
+    plain = _random_features(name, seed=1)
+    for _ in range(5):
+        plain(q, k, v)
+    assert int(plain.draws) == 0 and torch.equal(plain.projection, seen[0])  # default: never by itself
 
 
 def test_efficient_is_the_paper_formula_and_refuses_causal():
@@ -306,6 +374,7 @@ def test_fast_path_never_allocates_n_by_n(name, monkeypatch):
     ("linear", {"chunk": 0}, "chunk"), ("linear", {"eps": 0.0}, "eps"), ("linear", {"feature_map": "tanh"}, "feature_map"),
     ("performer", {"features": 0}, "features"), ("performer", {"seed": -1}, "seed"),
     ("performer", {"head_dim": 0}, "head_dim"), ("rfa", {"sigma": 0.0}, "sigma"), ("rfa", {"heads": 0}, "heads"),
+    ("performer", {"redraw_every": 0}, "redraw_every"), ("rfa", {"seed": -2}, "seed"),
 ])
 def test_bad_config_values_name_the_field(name, bad, field):
     with pytest.raises(ValueError, match=field):

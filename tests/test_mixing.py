@@ -186,3 +186,25 @@ def test_causal_lm_with_a_token_mixer():
         az.nn.CausalLM(vocab_size=20, dim=32, depth=1, heads=4, mechanism="fnet", positional=None)
     with pytest.raises(ValueError, match="no decode step"):
         lm.init_state(2)
+
+
+def test_feedforward_false_makes_the_layer_the_papers_gmlp_block():
+    torch.manual_seed(0)
+    layer = TransformerEncoderLayer(16, 2, "gmlp", max_len=12, feedforward=False).double()
+    assert layer.ff is None and layer.norm2 is None
+    assert not any(name.startswith(("ff.", "norm2.")) for name in layer.state_dict())
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 9:] = False
+    for causal in (False, True):  # x + gMLP(LN(x)): the block of Liu et al. 2021, nothing after it
+        expected = x + layer.mixer(layer.norm1(x), causal=causal, key_padding_mask=mask)
+        torch.testing.assert_close(layer(x, causal=causal, key_padding_mask=mask), expected, rtol=0, atol=0)
+    default = TransformerEncoderLayer(16, 2, "gmlp", max_len=12)
+    assert default.ff is not None  # unchanged unless asked
+    encoder = TransformerEncoder(16, 2, 2, "gmlp", max_len=12, feedforward=False)
+    assert all(block.ff is None for block in encoder.layers)
+    lm = attnzoo.nn.CausalLM(vocab_size=7, dim=16, depth=1, heads=2, mechanism="gmlp", positional=None,
+                             max_len=12, feedforward=False)
+    assert lm.decoder.layers[0].ff is None and lm(torch.randint(0, 7, (1, 5))).shape == (1, 5, 7)
+    with pytest.raises(TypeError, match="feedforward must be a bool"):
+        TransformerEncoderLayer(16, 2, "gmlp", feedforward="no")

@@ -206,6 +206,39 @@ def test_implied_attention_is_what_the_output_applies():
             assert (weights.triu(1) == 0).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_share_qk_fast_path_equals_reference_and_ignores_k(causal, padded):
+    attn = routing(window=5, share_qk=True)
+    q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
+    mask = padding_mask(B, N) if padded else None
+    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    ref = reference_routing(q, k, v, attn.centroids, window=5, causal=causal, key_padding_mask=mask, share_qk=True)
+    assert_same(fast, ref, what="forward")
+    for got, want, name in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
+        assert_same(got, want, what=f"d{name}")
+    assert torch.count_nonzero(grads(fast, (k,))[0]) == 0  # keys are the queries: k is not used
+    assert_same(attn(q, torch.randn_like(k), v, causal=causal, key_padding_mask=mask), fast)
+    # Independent of share_qk's code path: the plain mechanism fed the unit queries as both q
+    # and k, with scale D, is the same function.
+    unit = F.normalize(q.detach(), dim=-1)
+    plain = routing(window=5, scale=float(D))
+    set_centroids(plain, attn.centroids)
+    assert_same(plain(unit, unit, v, causal=causal, key_padding_mask=mask), fast)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_share_qk_with_one_cluster_is_softmax_over_unit_queries_scaled_by_d(causal):
+    q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
+    out = attnzoo.build("routing", n_clusters=1, share_qk=True)(q, k, v, causal=causal)
+    unit = q / q.norm(dim=-1, keepdim=True)
+    scores = unit @ unit.transpose(-1, -2) * D
+    if causal:
+        scores = scores.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    assert_same(out, scores.softmax(-1) @ v)
+    assert not torch.allclose(out, attnzoo.build("routing", n_clusters=1)(q, k, v, causal=causal))
+
+
 def planted(n_true=4, n=64, d=16, noise=0.3):
     """q = k = one of ``n_true`` orthogonal centres (norm 4) + noise; the centres' directions."""
     g = torch.Generator().manual_seed(3)

@@ -211,3 +211,19 @@ def test_value_head_size_may_differ():
         ref = attnzoo.attend(q, k, v, pattern=pattern, causal=True, block=16, backend="reference")
         torch.testing.assert_close(out, ref)
         torch.testing.assert_close(*(torch.autograd.grad(o.sum(), v)[0] for o in (out, ref)))
+
+
+def test_block2d_causal_is_raster_order_as_its_note_says():
+    # 4 x 4 image, 2 x 2 query blocks, margin 1: block-raster generation order (the paper's)
+    # makes all of block (0, 0) before (0, 2); raster order puts (0, 2) = 2 before (1, 0) = 4.
+    attn = attnzoo.build("block2d", h=4, w=4, query_block=(2, 2), memory_margin=(1, 1), backend="reference")
+    q = torch.randn(1, 1, 16, 8)
+    weights = attn.implied_attention(q, q, causal=True)
+    assert weights[0, 0, 4, 2] > 0 and weights[0, 0, 4].nonzero().max() <= 4  # sees (0, 2), nothing after it
+    assert any("raster" in note for note in attnzoo.describe("block2d").notes)
+
+
+def test_departures_are_stated_where_the_mechanisms_are_registered():
+    notes = {name: " ".join(attnzoo.describe(name).notes) for name in ("longformer", "hierarchical")}
+    assert "Q_g" in notes["longformer"] and "j <= i" in notes["longformer"]
+    assert "no hidden state" in notes["hierarchical"]

@@ -180,3 +180,54 @@ def test_every_classification_task_trains_end_to_end(tmp_path, task, overrides):
                       heads=2, batch_size=8, steps=2, eval_every=2)
     row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
     assert row["steps"] == 2 and 0 <= row["test_accuracy"] <= 1 and row["config"]["left"] == row["seq_len"] // 4
+
+
+def _train_args(*argv: str):
+    import argparse
+
+    from attnzoo.bench.train_cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--task", "mqar", *argv])
+
+
+def test_redraw_every_flag_sets_the_mechanism_field_and_refuses_mechanisms_without_one():
+    from attnzoo.bench.train_cli import config_from_args
+
+    cfg = config_from_args(_train_args("--mechanism", "performer:features=32", "--redraw-every", "3"))
+    assert cfg.config == {"features": 32, "redraw_every": 3}
+    assert config_from_args(_train_args("--mechanism", "rfa")).config == {}  # no flag: the default (never)
+    with pytest.raises(ValueError, match=r"--redraw-every: 'softmax' has no random features.*performer, rfa"):
+        config_from_args(_train_args("--redraw-every", "3"))
+    with pytest.raises(ValueError, match="contradicts redraw_every=2"):
+        config_from_args(_train_args("--mechanism", "rfa", "--set", "redraw_every=2", "--redraw-every", "3"))
+    with pytest.raises(SystemExit):
+        _train_args("--mechanism", "performer", "--redraw-every", "0")
+
+
+def test_a_training_run_with_redraw_every_redraws_and_checkpoints_the_draws(tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = TrainConfig(task="mqar", task_overrides=dict(n_train=64, n_val=16, n_test=16), mechanism="performer",
+                      config={"features": 8, "redraw_every": 2}, dim=16, depth=2, heads=2, batch_size=16, steps=4,
+                      eval_every=4, warmup=1)
+    row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
+    assert row["config"] == {"features": 8, "redraw_every": 2}
+    stored = load_file(str(tmp_path / "run" / "last.safetensors"))
+    draws = {key: int(value) for key, value in stored.items() if key.endswith(".draws")}
+    # 4 training forwards per layer: forwards 1-2 on the first projection, 3-4 on the second;
+    # evaluation (eval mode) draws nothing.
+    assert len(draws) == 2 and set(draws.values()) == {1}, draws
+    seeds = [value for key, value in stored.items() if key.endswith(".projection_seed")]
+    assert len(seeds) == 2 and not torch.equal(seeds[0], seeds[1])  # each layer its own draws
+
+
+def test_weight_digest_reads_0_dim_buffers():
+    from attnzoo.bench.train import weight_digest
+
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("seed", torch.tensor(3))  # as lsh's rotation_seed, performer's projection_seed
+    digest = weight_digest(model)
+    model.seed.fill_(4)
+    assert weight_digest(model) != digest

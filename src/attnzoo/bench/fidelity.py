@@ -61,8 +61,8 @@ DEFAULTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("compressed", {"kernel": 4, "stride": 4, "heads": HEADS}),
     ("linformer", {"k": 64, "max_len": 512, "heads": HEADS}),
     ("nystrom", {"landmarks": 32}),
-    ("performer", {"features": 256}),
-    ("rfa", {"features": 128}),
+    ("performer", {"features": 256, "seed": 0}),
+    ("rfa", {"features": 128, "seed": 0}),
     ("linear", {}),
     ("efficient", {}),
 )

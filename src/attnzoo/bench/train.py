@@ -174,7 +174,8 @@ def weight_digest(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        # reshape(-1): a 0-dim tensor (a seed, a counter) cannot be viewed as bytes
+        digest.update(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

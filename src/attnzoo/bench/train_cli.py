@@ -25,6 +25,8 @@ def config_from_args(args: Any) -> TrainConfig:
     overrides = {key: value for item in args.task_set
                  for key, value in parse_settings(item, where=f"--task-set {item}").items()}
     name, config = parse_mechanism(args.mechanism, args.set)
+    if args.redraw_every is not None:
+        config = with_redraw_every(name, config, args.redraw_every)
     flags = {key: getattr(args, key) for key in ("seed", "dim", "depth", "heads", "ff_mult", "batch_size", "steps",
                                                  "lr", "warmup", "eval_every", "patience", "checkpoint_every", "stop_at", "max_seconds")}
     if args.positional is not None:
@@ -32,6 +34,33 @@ def config_from_args(args: Any) -> TrainConfig:
     flags["init_from"], flags["sized"] = args.init_from, args.sized or None
     return TrainConfig.with_preset(args.task, args.size, mechanism=name, config=config, task_overrides=overrides,
                                    **flags)
+
+
+def with_redraw_every(name: str, config: dict[str, Any], every: int) -> dict[str, Any]:
+    """``--redraw-every N``: ``config`` with the mechanism's ``redraw_every`` field set to N (the
+    random-feature mechanisms redraw their projection every N training forwards). A mechanism
+    without the field, or ``--set redraw_every`` with another value, is refused."""
+    from attnzoo.registry import config_fields, names
+
+    if "redraw_every" not in config_fields(name):
+        able = [n for n in names() if "redraw_every" in config_fields(n)]
+        raise ValueError(f"--redraw-every: {name!r} has no random features to redraw (no redraw_every in its "
+                         f"config); mechanisms that have it: {', '.join(able)}")
+    if config.get("redraw_every", every) != every:
+        raise ValueError(f"--redraw-every {every} contradicts redraw_every={config['redraw_every']} in the "
+                         f"mechanism's settings; give one of them")
+    return {**config, "redraw_every": every}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
 
 
 def default_run_dir(cfg: TrainConfig) -> Path:
@@ -59,6 +88,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--sized", action="store_true",
                         help="size the mechanism's config to the task's length (attnzoo.bench.configs.sized); "
                              "--set values win")
+    parser.add_argument("--redraw-every", type=positive_int, metavar="N",
+                        help="random-feature mechanisms (performer, rfa): redraw the random projection every N "
+                             "training forward passes (sets the mechanism's redraw_every); others refuse it")
     parser.add_argument("--task-set", action="append", default=[], metavar="KEY=VALUE", help="task parameter")
     for flag, kind in (("seed", int), ("dim", int), ("depth", int), ("heads", int), ("ff-mult", int),
                        ("batch-size", int), ("steps", int), ("lr", finite_float), ("warmup", int),

@@ -274,6 +274,8 @@ def reference_hierarchical(
     complexity=Complexity(time="O(k N log N D)", memory="O(k N log N)", subquadratic_memory=True),
     notes=(
         "span node key/value = mean over the real (unpadded) tokens it covers; all-padding spans are invisible",
+        "span nodes are recomputed in every layer from that layer's token keys/values: they have no hidden state "
+        "of their own (in BPT they are graph nodes whose states each layer updates from the tokens they cover)",
         "per side, one extra finer node per level aligns span boundaries: a token's spans partition the sequence",
         "causal is strong: only spans made entirely of positions <= i",
         "k >= N - 1 is exactly full softmax attention",

@@ -8,9 +8,11 @@ Each plugs its feature maps into the shared core of ``kernel.py``:
 - ``rfa``: random Fourier features with a learned gate (Peng et al. 2021,
   https://arxiv.org/abs/2103.02143).
 
-The random projection ``w (m, D)`` of the random-feature members is a buffer drawn from ``seed``
-by ``orthogonal_gaussian`` (so two builds with one config are the same module); ``redraw()``
-draws the next one.
+The random projection ``w (m, D)`` of the random-feature members is a buffer drawn by
+``orthogonal_gaussian`` from the module's ``projection_seed``: ``config.seed`` when given (two
+builds with one config are then the same module), else a seed drawn from torch's global RNG at
+construction, so every layer has its own projection. ``redraw()`` draws the next one;
+``redraw_every`` makes a module redraw itself periodically in training.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from attnzoo.spec import Capabilities, Complexity
 
 #: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
 _STRIDE = 1_000_003
+_DRAWS = ("the projection is drawn per module (its own seed from the global RNG unless config.seed is set; "
+          "kept in the state dict); redraw() on demand, or by itself every redraw_every training forwards",)
 
 
 def orthogonal_gaussian(m: int, d: int, *, generator: torch.Generator) -> Tensor:
@@ -128,21 +132,35 @@ class RandomFeatureAttention(KernelAttention):
     """A ``KernelAttention`` that owns a random projection buffer ``projection (m, D)``.
 
     Notes:
-        The buffer is drawn at construction when ``config.head_dim`` is set, else on the first
-        forward / ``init_state`` for the D seen then (a later call with another D raises); it is
-        also created by ``load_state_dict``. Draw ``t`` uses the seed ``seed + 1000003 t``, so
-        ``redraw()`` sequences are reproducible.
+        The seed is the buffer ``projection_seed``: ``config.seed``, or with ``seed=None`` one
+        drawn from torch's global RNG at construction (layers built from one config differ;
+        reproducible after ``torch.manual_seed``). Draw ``t`` (``t`` = the buffer ``draws``,
+        redraws so far) uses the seed ``projection_seed + 1000003 t``, so ``redraw()``
+        sequences are reproducible. Both buffers travel with the state dict, so a reloaded
+        module is the same module, before and after its first forward.
+
+        The projection is drawn at construction when ``config.head_dim`` is set, else on the
+        first forward / ``init_state`` for the D seen then (a later call with another D raises);
+        it is also created by ``load_state_dict``.
+
+        ``config.redraw_every = n``: in training mode a forward pass that comes after ``n``
+        training forward passes on the current projection first calls ``redraw()`` (the buffer
+        ``forwards`` counts them; ``redraw()`` resets it). Eval mode and ``step()`` neither
+        count nor redraw. The check reads the counter on the host once per training forward.
     """
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self.draws = 0
+        seed = int(torch.randint(0, 2**62, ())) if config.seed is None else config.seed
+        self.register_buffer("projection_seed", torch.tensor(seed, dtype=torch.long))
+        self.register_buffer("draws", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("forwards", torch.tensor(0, dtype=torch.long))
         self.register_buffer("projection", None)
         if config.head_dim is not None:
             self.projection = self._draw(config.head_dim)
 
     def _draw(self, d: int) -> Tensor:
-        g = torch.Generator().manual_seed(self.config.seed + _STRIDE * self.draws)
+        g = torch.Generator().manual_seed(int(self.projection_seed) + _STRIDE * int(self.draws))
         return orthogonal_gaussian(self.config.features, d, generator=g).float()
 
     def projection_for(self, x: Tensor) -> Tensor:
@@ -159,8 +177,19 @@ class RandomFeatureAttention(KernelAttention):
     def redraw(self) -> None:
         """Draw a new projection (the next seed of this module's sequence)."""
         self.draws += 1
+        self.forwards.zero_()
         if self.projection is not None:
+            # A new tensor, not an in-place copy: a graph not yet backpropagated keeps the old one.
             self.projection = self._draw(self.projection.shape[1]).to(self.projection)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
+                score_mod: Any) -> Tensor:
+        every = self.config.redraw_every
+        if self.training and every is not None:
+            if int(self.forwards) >= every:
+                self.redraw()
+            self.forwards += 1
+        return super()._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
 
     def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
         self.projection_for(torch.empty(0, head_dim, device=device, dtype=dtype))
@@ -181,19 +210,24 @@ class PerformerConfig(Config):
         features: m, the number of random features. Default 256.
         head_dim: D to draw the projection for at construction; default None draws it on the
             first forward (see ``RandomFeatureAttention``).
-        seed: seed of the projection. Default 0.
+        seed: seed of the projection; None (default) draws one per module from torch's global
+            RNG at construction, so every layer differs (kept in the state dict as the buffer
+            ``projection_seed``). An int gives every module built with it the same projection.
+        redraw_every: in training mode, redraw the projection after this many training forward
+            passes (Performer's periodic redrawing); None (default) never redraws by itself.
         chunk: causal chunk length. Default 64.
         eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
     """
 
     features: int = 256
     head_dim: int | None = None
-    seed: int = 0
+    seed: int | None = None
+    redraw_every: int | None = None
     chunk: int = 64
     eps: float = 1e-6
 
     def validate(self) -> None:
-        _check_ranges(self, {"features": 1, "head_dim": 1, "seed": 0, "chunk": 1})
+        _check_ranges(self, {"features": 1, "head_dim": 1, "seed": 0, "redraw_every": 1, "chunk": 1})
 
 
 @register(
@@ -202,7 +236,7 @@ class PerformerConfig(Config):
     paper="Choromanski et al. 2020, Rethinking Attention with Performers, https://arxiv.org/abs/2009.14794",
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
-    notes=_NOTES + (
+    notes=_NOTES + _DRAWS + (
         "q and k are scaled by D^-1/4, so phi(q).phi(k) estimates exp(q.k / sqrt(D))",
         "stabilisers: per query row max; keys: max over real keys (causal: running max, carried in the state)",
     ),
@@ -238,7 +272,10 @@ class RFAConfig(Config):
         heads, head_dim: H and D of the gate parameters ``(H, D)``, ``(H,)`` (and D of the
             projection) to create them at construction; default None creates them on the first
             forward / ``init_state`` (then make the optimizer after a first forward).
-        seed: seed of the projection and of the gate's initial weights. Default 0.
+        seed: seed of the projection and of the gate's initial weights; None (default) draws one
+            per module from torch's global RNG at construction (see ``PerformerConfig``).
+        redraw_every: in training mode, redraw the projection after this many training forward
+            passes; None (default) never redraws by itself. The gate is a parameter: not redrawn.
         chunk: causal chunk length. Default 64.
         eps: the denominator is kept at ``|phi(q)^T z| >= eps`` with its sign. Default 1e-6.
     """
@@ -247,12 +284,13 @@ class RFAConfig(Config):
     sigma: float = 1.0
     heads: int | None = None
     head_dim: int | None = None
-    seed: int = 0
+    seed: int | None = None
+    redraw_every: int | None = None
     chunk: int = 64
     eps: float = 1e-6
 
     def validate(self) -> None:
-        _check_ranges(self, {"features": 1, "heads": 1, "head_dim": 1, "seed": 0, "chunk": 1})
+        _check_ranges(self, {"features": 1, "heads": 1, "head_dim": 1, "seed": 0, "redraw_every": 1, "chunk": 1})
         if not self.sigma > 0:
             raise ValueError(f"sigma must be > 0, got {self.sigma}")
 
@@ -263,7 +301,7 @@ class RFAConfig(Config):
     paper="Peng et al. 2021, Random Feature Attention, https://arxiv.org/abs/2103.02143",
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
-    notes=_NOTES + (
+    notes=_NOTES + _DRAWS + (
         "q, k unit-normalised; phi = [sin, cos](w^T x / sigma) / sqrt(m) can be negative: |denominator| >= eps, sign kept",
         "causal: S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T, z likewise, g_t = sigmoid(w_g . k_t + b_g) per head",
         "non-causal: plain random-feature attention, no gate",
@@ -276,7 +314,7 @@ class RFAAttention(RandomFeatureAttention):
         q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``.
 
     Notes:
-        Gate parameters ``gate_weight (H, D)`` (initially ``N(0, 1/D)`` from ``seed``) and
+        Gate parameters ``gate_weight (H, D)`` (initially ``N(0, 1/D)`` from the module's seed) and
         ``gate_bias (H,)`` (initially 2, so ``g ~ 0.88``). The chunked form uses in-chunk
         cumulative sums of ``log g`` (``logsigmoid``), equal to the recurrence.
     """
@@ -294,7 +332,7 @@ class RFAAttention(RandomFeatureAttention):
     def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
         super().prepare(heads, head_dim, device, dtype)
         if self.gate_weight is None:
-            g = torch.Generator().manual_seed(self.config.seed + 1)
+            g = torch.Generator().manual_seed(int(self.projection_seed) + 1)
             weight = torch.randn(heads, head_dim, generator=g, dtype=torch.float64) / math.sqrt(head_dim)
             self.gate_weight = nn.Parameter(weight.to(device=device, dtype=dtype))
             self.gate_bias = nn.Parameter(torch.full((heads,), 2.0, device=device, dtype=dtype))

@@ -143,6 +143,8 @@ class GMLPConfig(Config):
         "causal masks the spatial weight to lower-triangular (strongly causal)",
         "padded tokens are zeroed in v before the spatial projection; padded outputs are zero",
         "N > max_len raises; N < max_len uses the top-left N x N block of the spatial weight",
+        "this is the whole gMLP block but its residual: nn.TransformerEncoderLayer adds a feed-forward block the "
+        "paper's gMLP does not have unless built with feedforward=False",
     ),
 )
 class GMLP(TokenMixer):

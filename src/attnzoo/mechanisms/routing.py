@@ -11,6 +11,10 @@ queries and keys to clusters; attention runs inside clusters only.
   token: query i and key j go to their nearest centroids, and query i attends to the w most
   recent keys j <= i of its centroid (alone: to its own key). Position i reads positions <= i only.
 
+With ``share_qk`` (the official code's language-model configs) keys are the queries and
+attention itself runs on the unit-normalised queries, scaled by D by default (see
+``RoutingConfig``).
+
 Fast paths gather clusters into fixed-size tiles (O(N w) memory, never N x N); ``reference_routing``
 recomputes membership independently and runs dense attention under the implied mask (the oracle).
 """
@@ -48,7 +52,15 @@ class RoutingConfig(Config):
             ``ceil(N / n_clusters)``; clipped to N.
         decay: EMA decay lambda of the centroid update in training mode, in [0, 1] (1 freezes
             the centroids). Default 0.999.
-        scale: score scale; default None means ``1 / sqrt(D)``.
+        scale: score scale; default None means ``1 / sqrt(D)``, or D with ``share_qk``.
+        share_qk: keys are the queries (the ``k`` argument is ignored) and attention runs on
+            the unit-normalised queries: score ``scale * q^_i . q^_j``. Default False (routing
+            uses unit q and k, attention the raw ones). The official code (google-research
+            ``routing_transformer``, whose language-model configs set ``share_qk``) layer-norms
+            q and k without a gain before both routing and attention and takes their plain dot
+            product: vectors of norm sqrt(D), so ``D q^ . k^``, hence the default scale D (it
+            also mean-centres them, which unit normalisation does not). A token's score with
+            itself is then the largest of its row: unlike Reformer, neither masks it.
         seed: seed of the random unit centroids. Default 0.
         heads, head_dim: H and D of the inputs; when both are set (``MultiHeadAttention`` sets
             them) the centroids are drawn at construction, else on the first forward.
@@ -58,6 +70,7 @@ class RoutingConfig(Config):
     window: int | None = None
     decay: float = 0.999
     scale: float | None = None
+    share_qk: bool = False
     seed: int = 0
     heads: int | None = None
     head_dim: int | None = None
@@ -74,6 +87,15 @@ class RoutingConfig(Config):
         for name in ("heads", "head_dim"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None (taken from the first input), got {getattr(self, name)}")
+
+
+def attention_inputs(q: Tensor, k: Tensor, config: RoutingConfig) -> tuple[Tensor, Tensor, float | None]:
+    """The queries, keys and score scale attention runs on: ``q, k, config.scale`` (None:
+    ``1 / sqrt(D)``), or with ``share_qk`` the unit queries twice and scale D by default."""
+    if not config.share_qk:
+        return q, k, config.scale
+    unit = F.normalize(q, dim=-1)
+    return unit, unit, float(q.shape[-1]) if config.scale is None else config.scale
 
 
 def similarities(q: Tensor, k: Tensor, centroids: Tensor, real: Tensor) -> Pair:
@@ -286,7 +308,8 @@ def _reference_causal(sims: Pair, w: int, real: Tensor) -> Tensor:
 
 def reference_routing(
     q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, *, window: int | None = None, causal: bool = False,
-    key_padding_mask: Tensor | None = None, scale: float | None = None, return_weights: bool = False,
+    key_padding_mask: Tensor | None = None, scale: float | None = None, share_qk: bool = False,
+    return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Routing attention as dense attention under the masks the routing implies (the oracle):
     ``(B, H, N, D_v)`` in the dtype of ``q``, and the weights when asked.
@@ -297,7 +320,9 @@ def reference_routing(
         window: w; default None means ``ceil(N / C)``; clipped to N.
         causal: per-token routing with a window of w recent same-cluster keys (module docstring).
         key_padding_mask: bool ``(B, N)``, True = real; it marks padded queries too.
-        scale: score scale; default ``1 / sqrt(D)``.
+        scale: score scale; default ``1 / sqrt(D)``, or D with ``share_qk``.
+        share_qk: keys are the unit-normalised queries (``k`` is ignored), for routing and
+            for attention (``RoutingConfig.share_qk``).
         return_weights: also return the ``(B, H, N, N)`` effective weights.
 
     Notes:
@@ -311,6 +336,9 @@ def reference_routing(
     real = real[:, None, :].expand(-1, q.shape[1], -1)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc = q.to(compute), k.to(compute)
+    if share_qk:
+        qc = kc = F.normalize(qc, dim=-1)
+        scale = float(q.shape[-1]) if scale is None else scale
     sims = similarities(qc, kc, centroids, real[:, 0])
     w = min(math.ceil(n / centroids.shape[1]) if window is None else window, n)
     weights = (_dense_weights(qc, kc, _reference_causal(sims, w, real), scale) if causal
@@ -348,6 +376,8 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
         "non-causal: balanced top-w queries and keys per cluster; an unpicked query uses its nearest cluster's keys",
         "causal: per-token nearest-centroid routing; query i sees the w most recent keys j <= i of its cluster",
         "padded query rows are 0; padded keys are never attended and never move centroids",
+        "default: routing uses unit-normalised q and k, attention the raw q and k (scale 1/sqrt(D)); share_qk=True: "
+        "keys are the queries, and attention uses the unit q with scale D (the official code's LM setting)",
     ),
 )
 class RoutingAttention(Attention):
@@ -393,11 +423,12 @@ class RoutingAttention(Attention):
                 score_mod: ScoreMod | None) -> Tensor:
         b, h, n, d = q.shape
         qc, kc, vc = (x.to(torch.float64 if q.dtype == torch.float64 else torch.float32) for x in (q, k, v))
+        qc, kc, scale = attention_inputs(qc, kc, self.config)
         real = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
         sims = similarities(qc, kc, self.centroids_for(q), real)
         real = real[:, None, :].expand(-1, h, -1)
         w = min(math.ceil(n / self.config.n_clusters) if self.config.window is None else self.config.window, n)
-        scale = d**-0.5 if self.config.scale is None else self.config.scale
+        scale = d**-0.5 if scale is None else scale
         out = (causal_attention if causal else balanced_attention)(qc, kc, vc, sims, w, real, scale)
         if self.training:
             units = tuple(F.normalize(x.detach(), dim=-1) for x in (qc, kc))
@@ -408,4 +439,5 @@ class RoutingAttention(Attention):
                           key_padding_mask: Tensor | None = None) -> Tensor:
         """The ``(B, H, N, N)`` effective attention matrix (small N: pictures); no EMA update."""
         return reference_routing(q, k, q[..., :1], self.centroids_for(q), window=self.config.window, causal=causal,
-                                 key_padding_mask=key_padding_mask, scale=self.config.scale, return_weights=True)[1]
+                                 key_padding_mask=key_padding_mask, scale=self.config.scale,
+                                 share_qk=self.config.share_qk, return_weights=True)[1]

@@ -273,7 +273,10 @@ _register("strided", StridedConfig, "Every stride-th position.", "Child et al. 2
 _register("global", GlobalConfig, "Internal global tokens attend to and from all.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150")
 _register("random", RandomConfig, "Random keys per query (fixed per seed and length).", "Zaheer et al. 2020 (BigBird), " + ARXIV + "2007.14062")
 _register("block_local", BlockLocalConfig, "Attention inside non-overlapping blocks.", "Qiu et al. 2019 (BlockBERT), " + ARXIV + "1911.02972")
-_register("longformer", LongformerConfig, "Sliding window + global tokens (+ dilation per head).", "Beltagy et al. 2020, " + ARXIV + "2004.05150")
+_register("longformer", LongformerConfig, "Sliding window + global tokens (+ dilation per head).", "Beltagy et al. 2020, " + ARXIV + "2004.05150",
+          notes=("causal=True intersects the pattern with j <= i",
+                 "one set of projections for every pair: the paper's separate global projections (Q_g, K_g, V_g "
+                 "for the scores to and from global tokens) are not implemented"))
 _register("bigbird", BigBirdConfig, "Block window + global blocks + random blocks.", "Zaheer et al. 2020, " + ARXIV + "2007.14062")
 _register("star", StarConfig, "Neighbours within 1 (a band, no wrap) + one relay token.",
           "Guo et al. 2019 (Star-Transformer), " + ARXIV + "1902.09113",
@@ -286,7 +289,9 @@ _register("sparse_transformer_strided", SparseTransformerStridedConfig, "Local h
 _register("sparse_transformer_fixed", SparseTransformerFixedConfig, "Block-local heads + summary-column heads.",
           "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))
 _register("block2d", Block2DConfig, "Image Transformer 2-D block-local attention.", "Parmar et al. 2018, " + ARXIV + "1802.05751",
-          cross=False, notes=(SELF_ONLY,))
+          cross=False, notes=(SELF_ONLY, "causal=True is j <= i in raster (row-major) order, not the paper's block-raster "
+                              "generation order: with 2 x 2 query blocks and a margin, pixel (1, 0) sees (0, 2), "
+                              "which block-raster order generates later"))
 _register("axial", AxialConfig, "Same row or same column of a 2-D grid under one softmax (criss-cross-like).",
           "Huang et al. 2019 (CCNet criss-cross attention), " + ARXIV + "1811.11721", cross=False,
           notes=(SELF_ONLY, "one softmax over the union of the row and the column (h + w - 1 keys), the criss-cross "

@@ -29,14 +29,20 @@ class TransformerEncoderLayer(nn.Module):
             ``mechanism`` may also be a token mixer's name or a built ``TokenMixer``.
         ff_mult: feed-forward hidden width is ``ff_mult * dim``. Default 4.
         dropout: on the attention (or mixer) output and in the feed-forward block. Default 0.
+        feedforward: False drops the second half (``norm2`` and ``ff``): the block is
+            ``x + mixer(LN(x))`` alone, which is the gMLP block of Liu et al. 2021 (``"gmlp"``
+            has its channel projections inside). Default True.
     """
 
     def __init__(
         self, dim: int, heads: int, mechanism: str | Attention | TokenMixer = "softmax", *, ff_mult: int = 4,
-        dropout: float = 0.0, positional: str | PositionalEncoding | None = None, **mechanism_config: Any,
+        dropout: float = 0.0, positional: str | PositionalEncoding | None = None, feedforward: bool = True,
+        **mechanism_config: Any,
     ) -> None:
         super().__init__()
         check_positive_int(ff_mult, "ff_mult")
+        if not isinstance(feedforward, bool):
+            raise TypeError(f"feedforward must be a bool, got {feedforward!r}")
         self.norm1 = nn.LayerNorm(dim)
         self.mixer = _resolve_mixer(dim, mechanism, positional, mechanism_config)
         if self.mixer is None:
@@ -44,10 +50,10 @@ class TransformerEncoderLayer(nn.Module):
         else:
             self.attn = None
             self.mixer_dropout = nn.Dropout(dropout)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim) if feedforward else None
         self.ff = nn.Sequential(
             nn.Linear(dim, ff_mult * dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(ff_mult * dim, dim), nn.Dropout(dropout)
-        )
+        ) if feedforward else None
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         if isinstance(x, Tensor):
@@ -56,7 +62,10 @@ class TransformerEncoderLayer(nn.Module):
             x = x + self.mixer_dropout(self.mixer(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask))
         else:
             x = x + self.attn(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask)
-        return x + self.ff(self.norm2(x))
+        return self._feedforward(x)
+
+    def _feedforward(self, x: Tensor) -> Tensor:
+        return x if self.ff is None else x + self.ff(self.norm2(x))
 
     def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> MHAState:
         self._no_decode()
@@ -67,8 +76,7 @@ class TransformerEncoderLayer(nn.Module):
         if isinstance(x, Tensor):
             check_module_input(self, x, "x")
         h, state = self.attn.step(self.norm1(x), state)
-        x = x + h
-        return x + self.ff(self.norm2(x)), state
+        return self._feedforward(x + h), state
 
     def _no_decode(self) -> None:
         if self.mixer is not None:
@@ -114,7 +122,8 @@ class TransformerEncoder(nn.Module):
 
     def __init__(
         self, dim: int, depth: int, heads: int, mechanism: str | Attention | TokenMixer = "softmax", *, ff_mult: int = 4,
-        dropout: float = 0.0, positional: str | PositionalEncoding | None = None, **mechanism_config: Any,
+        dropout: float = 0.0, positional: str | PositionalEncoding | None = None, feedforward: bool = True,
+        **mechanism_config: Any,
     ) -> None:
         super().__init__()
         check_positive_int(depth, "depth")
@@ -122,7 +131,8 @@ class TransformerEncoder(nn.Module):
             raise ValueError("pass mechanism by name for depth > 1, so each layer builds its own module")
         self.layers = nn.ModuleList(
             TransformerEncoderLayer(
-                dim, heads, mechanism, ff_mult=ff_mult, dropout=dropout, positional=positional, **mechanism_config
+                dim, heads, mechanism, ff_mult=ff_mult, dropout=dropout, positional=positional,
+                feedforward=feedforward, **mechanism_config,
             )
             for _ in range(depth)
         )
@@ -150,8 +160,8 @@ class CausalLM(nn.Module):
     the logits of each step equal the matching row of ``forward``.
 
     Args:
-        vocab_size, dim, depth, heads, mechanism, ff_mult, dropout, **mechanism_config: as
-            ``TransformerEncoder``; the mechanism must support ``causal`` (and ``decode_step``
+        vocab_size, dim, depth, heads, mechanism, ff_mult, dropout, feedforward,
+            **mechanism_config: as ``TransformerEncoder``; the mechanism must support ``causal`` (and ``decode_step``
             for ``step``).
         positional: default ``"rope"``. Absolute encodings are added to the token embeddings;
             the others act inside every attention layer.
@@ -160,7 +170,7 @@ class CausalLM(nn.Module):
     def __init__(
         self, vocab_size: int, dim: int, depth: int, heads: int, mechanism: str = "softmax", *,
         positional: str | PositionalEncoding | None = "rope", ff_mult: int = 4, dropout: float = 0.0,
-        **mechanism_config: Any,
+        feedforward: bool = True, **mechanism_config: Any,
     ) -> None:
         super().__init__()
         check_positive_int(vocab_size, "vocab_size")
@@ -170,7 +180,7 @@ class CausalLM(nn.Module):
         layer_positional = None if self.input_positional is not None else positional
         self.decoder = TransformerEncoder(
             dim, depth, heads, mechanism, ff_mult=ff_mult, dropout=dropout, positional=layer_positional,
-            **mechanism_config,
+            feedforward=feedforward, **mechanism_config,
         )
         self.head = nn.Linear(dim, vocab_size, bias=False)
         first = self.decoder.layers[0]
