@@ -1,5 +1,6 @@
-"""Nothing silent under bad input and faults (issue 14): state dicts, empty inputs, dtype and
-device at the layer boundary, refusals, and the command line's errors and failed runs."""
+"""Nothing silent under bad input and faults (issue 14): state dicts, empty inputs, exact float64
+gradients, dtype and device at the layer boundary, refusals, and the command line's errors and
+failed runs."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import attnzoo
 from attnzoo.bench import checkpoint
 from attnzoo.bench.configs import sized
 from attnzoo.nn import MultiHeadAttention
+from conftest import make_qkv
 
 ATTENTION = attnzoo.names(kind="attention")
 N = 16  # every mechanism's sized config fits this length (axial and block2d on a 4x4 grid)
@@ -102,6 +104,42 @@ def test_layers_pass_empty_batches_and_sequences_through():
     assert mha(torch.randn(2, 0, 32)).shape == (2, 0, 32)
     encoder = attnzoo.nn.TransformerEncoder(32, 1, 2, "local", left=2, right=2)
     assert encoder(torch.randn(0, 5, 32), causal=True).shape == (0, 5, 32)
+
+
+# --- mechanisms at small sizes, for the padding and gradient checks ----------------------------
+
+HEADS, HEAD_DIM = 2, 4
+
+
+def _small(name: str, n: int) -> torch.nn.Module:
+    """``name`` sized for length ``n``, its heads / head_dim fields (where it has them) set to
+    HEADS / HEAD_DIM; float64, eval mode (no dropout, Gumbel noise or fresh random draws)."""
+    fields = attnzoo.registry.config_fields(name)
+    geometry = {key: value for key, value in (("heads", HEADS), ("head_dim", HEAD_DIM)) if key in fields}
+    return attnzoo.build(name, **sized(name, n), **geometry).double().eval()
+
+
+def _causal_modes(name: str) -> tuple[bool, ...]:
+    return (False, True) if attnzoo.describe(name).capabilities.causal else (False,)
+
+
+# --- exact gradients: float64 gradcheck of every mechanism -------------------------------------
+
+
+@pytest.mark.parametrize("fast", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["projected", "full"])
+@pytest.mark.parametrize("name", ATTENTION)
+def test_float64_gradients_pass_gradcheck(name, fast):
+    # Default parameters (sized for N = 8), B = 1, with padding; selections (top-k, buckets,
+    # clusters) are piecewise constant and differentiable away from ties, which random inputs avoid.
+    # By default a random projection of the Jacobian (fast_mode, ~0.1 s a mechanism); the whole
+    # Jacobian is the slow variant (~1 s a mechanism).
+    n = 8
+    attn = _small(name, n)
+    mask = torch.arange(n)[None, :] < n - 3
+    for causal in _causal_modes(name):
+        q, k, v = make_qkv(1, HEADS, n, n, d=HEAD_DIM)
+        attend = lambda q, k, v: attn(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
+        torch.autograd.gradcheck(attend, (q, k, v), fast_mode=fast)
 
 
 # --- refusals name what can stand in ------------------------------------------------------------
