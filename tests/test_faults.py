@@ -1,10 +1,11 @@
 """Nothing silent under bad input and faults (issue 14): state dicts, empty inputs, exact float64
-gradients, dtype and device at the layer boundary, refusals, and the command line's errors and
-failed runs."""
+gradients, non-finite queries, dtype and device at the layer boundary, refusals, and the command
+line's errors and failed runs."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,22 @@ def test_float64_gradients_pass_gradcheck(name, fast):
         q, k, v = make_qkv(1, HEADS, n, n, d=HEAD_DIM)
         attend = lambda q, k, v: attn(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
         torch.autograd.gradcheck(attend, (q, k, v), fast_mode=fast)
+
+
+# --- a non-finite query: NaN in its own row, never an unrelated crash --------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_routing_gives_a_non_finite_query_a_nan_row_and_leaves_the_rest(causal, value):
+    attn = attnzoo.build("routing")
+    q, k, v = make_qkv(2, 2, N, N, d=8, dtype=torch.float32, requires_grad=False)
+    q[0, 1, 5, 2] = value
+    out = attn(q, k, v, causal=causal)
+    bad = ~torch.isfinite(out).all(-1)
+    assert bad.nonzero().tolist() == [[0, 1, 5]] and out[0, 1, 5].isnan().all()
+    attn.train()(q, k, v, causal=causal)
+    assert torch.isfinite(attn.centroids).all()  # the query moved no centroid
 
 
 # --- refusals name what can stand in ------------------------------------------------------------

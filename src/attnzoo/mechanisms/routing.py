@@ -78,12 +78,13 @@ class RoutingConfig(Config):
 
 def similarities(q: Tensor, k: Tensor, centroids: Tensor, real: Tensor) -> Pair:
     """Cosine similarities ``(B, H, C, N)`` of the queries and of the keys to the unit centroids
-    ``(H, C, D)``; padded positions get -inf (picked last, never before a real token). Detached:
-    routing is discrete and passes no gradient."""
+    ``(H, C, D)``; padded positions get -inf (picked last, never before a real token), and so does
+    a query or key that is not finite (NaN similarities would break the top-w counts; its own
+    output row comes out NaN). Detached: routing is discrete and passes no gradient."""
     mu = F.normalize(centroids.to(q.dtype), dim=-1)
     padded = ~real[:, None, None, :]
-    units = [F.normalize(x.detach(), dim=-1) for x in (q, k)]
-    return tuple(einsum(x, mu, "b h n d, h c d -> b h c n").masked_fill(padded, -math.inf) for x in units)
+    sims = [einsum(F.normalize(x.detach(), dim=-1), mu, "b h n d, h c d -> b h c n") for x in (q, k)]
+    return tuple(s.masked_fill(padded | s.isnan(), -math.inf) for s in sims)
 
 
 def top_w(sims: Tensor, w: int) -> Tensor:
@@ -399,8 +400,11 @@ class RoutingAttention(Attention):
         w = min(math.ceil(n / self.config.n_clusters) if self.config.window is None else self.config.window, n)
         scale = d**-0.5 if self.config.scale is None else self.config.scale
         out = (causal_attention if causal else balanced_attention)(qc, kc, vc, sims, w, real, scale)
+        # A non-finite query is routed last; its row is NaN (a causal one alone would read its own value).
+        out = out.masked_fill(~torch.isfinite(qc).all(-1, keepdim=True), math.nan)
         if self.training:
-            units = tuple(F.normalize(x.detach(), dim=-1) for x in (qc, kc))
+            # A non-finite token moves no centroid (its unit vector is NaN): the buffer stays finite.
+            units = tuple(F.normalize(x.detach(), dim=-1).nan_to_num(0.0) for x in (qc, kc))
             self.centroids.copy_(ema_centroids(self.centroids, sims, units, real, self.config.decay))
         return out.to(q.dtype)
 
