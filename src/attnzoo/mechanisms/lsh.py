@@ -352,6 +352,7 @@ class LSHAttention(Attention):
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         """The combined ``(B, H, N, N)`` attention of a forward pass on ``q`` (small N)."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
         return reference_lsh(q, q[..., :1], self.config, rotation, causal=causal, key_padding_mask=key_padding_mask,
                              return_weights=True)[1]

@@ -411,5 +411,6 @@ class RoutingAttention(Attention):
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False,
                           key_padding_mask: Tensor | None = None) -> Tensor:
         """The ``(B, H, N, N)`` effective attention matrix (small N: pictures); no EMA update."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         return reference_routing(q, k, q[..., :1], self.centroids_for(q), window=self.config.window, causal=causal,
                                  key_padding_mask=key_padding_mask, scale=self.config.scale, return_weights=True)[1]
