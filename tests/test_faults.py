@@ -197,7 +197,8 @@ def test_padding_is_inert_whatever_it_holds(name):
         want, want_grads = _run(attn, clean, causal=causal, key_padding_mask=mask)
         for poison in POISONS:
             q, k, v = clean
-            dirty = (q.masked_fill(pad, poison) if poison_q else q, k.masked_fill(pad, poison), v.masked_fill(pad, -poison))
+            q = q.masked_fill(pad, poison) if poison_q else q
+            dirty = (q, k.masked_fill(pad, poison), v.masked_fill(pad, -poison))
             what = f"{name} causal={causal} {side} padding holding {poison}"
             out, got_grads = _run(attn, dirty, causal=causal, key_padding_mask=mask)
             _same(out, want, f"{what}: output")
