@@ -20,3 +20,16 @@ def test_sized_patterns_fit_the_length_and_drop_most_pairs(name, n):
 def test_defaults_are_full_attention_at_quick_lengths_which_is_why_sizing_exists():
     pattern = attnzoo.build("local").pattern
     assert bool(pattern.dense(64).all())  # left = right = 64 by default
+
+
+@pytest.mark.parametrize("n", [4, 8, 12])
+def test_every_mechanism_builds_and_runs_sized_for_short_lengths(n):
+    import torch
+
+    for name in attnzoo.names():
+        attn = attnzoo.build(name, **sized(name, n))
+        if attnzoo.describe(name).capabilities.kind == "attention":
+            fields = attnzoo.registry.config_fields(name)
+            h, d = (fields.get(key, (None, 0))[1] or default for key, default in (("heads", 2), ("head_dim", 8)))
+            q = torch.randn(1, h, n, d)
+            assert attn(q, q, q).shape == q.shape, name

@@ -1,9 +1,12 @@
-"""Nothing silent under bad input and faults (issue 14): state dicts, empty inputs, dtype and
-device at the layer boundary, refusals, and the command line's errors and failed runs."""
+"""Nothing silent under bad input and faults (issue 14): state dicts, empty inputs, padding that
+holds NaN or inf, exact float64 gradients, non-finite queries, dtype and device at the layer
+boundary, refusals, and the command line's errors and failed runs."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import attnzoo
 from attnzoo.bench import checkpoint
 from attnzoo.bench.configs import sized
 from attnzoo.nn import MultiHeadAttention
+from conftest import grads, make_qkv
 
 ATTENTION = attnzoo.names(kind="attention")
 N = 16  # every mechanism's sized config fits this length (axial and block2d on a 4x4 grid)
@@ -102,6 +106,127 @@ def test_layers_pass_empty_batches_and_sequences_through():
     assert mha(torch.randn(2, 0, 32)).shape == (2, 0, 32)
     encoder = attnzoo.nn.TransformerEncoder(32, 1, 2, "local", left=2, right=2)
     assert encoder(torch.randn(0, 5, 32), causal=True).shape == (0, 5, 32)
+
+
+# --- mechanisms at small sizes, for the padding and gradient checks ----------------------------
+
+HEADS, HEAD_DIM = 2, 4
+
+
+def _small(name: str, n: int) -> torch.nn.Module:
+    """``name`` sized for length ``n``, its heads / head_dim fields (where it has them) set to
+    HEADS / HEAD_DIM; float64, eval mode (no dropout, Gumbel noise or fresh random draws)."""
+    fields = attnzoo.registry.config_fields(name)
+    geometry = {key: value for key, value in (("heads", HEADS), ("head_dim", HEAD_DIM)) if key in fields}
+    return attnzoo.build(name, **sized(name, n), **geometry).double().eval()
+
+
+def _causal_modes(name: str) -> tuple[bool, ...]:
+    return (False, True) if attnzoo.describe(name).capabilities.causal else (False,)
+
+
+# --- exact gradients: float64 gradcheck of every mechanism -------------------------------------
+
+
+@pytest.mark.parametrize("fast", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["projected", "full"])
+@pytest.mark.parametrize("name", ATTENTION)
+def test_float64_gradients_pass_gradcheck(name, fast):
+    # Default parameters (sized for N = 8), B = 1, with padding; selections (top-k, buckets,
+    # clusters) are piecewise constant and differentiable away from ties, which random inputs avoid.
+    # By default a random projection of the Jacobian (fast_mode, ~0.1 s a mechanism); the whole
+    # Jacobian is the slow variant (~1 s a mechanism).
+    n = 8
+    attn = _small(name, n)
+    mask = torch.arange(n)[None, :] < n - 3
+    for causal in _causal_modes(name):
+        q, k, v = make_qkv(1, HEADS, n, n, d=HEAD_DIM)
+        attend = lambda q, k, v: attn(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
+        torch.autograd.gradcheck(attend, (q, k, v), fast_mode=fast)
+
+
+# --- a non-finite query: NaN in its own row, never an unrelated crash --------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_routing_gives_a_non_finite_query_a_nan_row_and_leaves_the_rest(causal, value):
+    attn = attnzoo.build("routing")
+    q, k, v = make_qkv(2, 2, N, N, d=8, dtype=torch.float32, requires_grad=False)
+    q[0, 1, 5, 2] = value
+    out = attn(q, k, v, causal=causal)
+    bad = ~torch.isfinite(out).all(-1)
+    assert bad.nonzero().tolist() == [[0, 1, 5]] and out[0, 1, 5].isnan().all()
+    attn.train()(q, k, v, causal=causal)
+    assert torch.isfinite(attn.centroids).all()  # the query moved no centroid
+
+
+# --- padding is inert whatever it holds --------------------------------------------------------
+
+POISONS = (math.nan, math.inf, 1e30)
+
+
+def _padding(n: int, side: str) -> torch.Tensor:
+    """``(4, n)``, True = real: all padding, 5 real, n - 5 real, unpadded; padding on one side."""
+    right = torch.arange(n)[None, :] < torch.tensor([0, 5, n - 5, n])[:, None]
+    return right if side == "right" else right.flip(-1)
+
+
+def _run(module, inputs: tuple[torch.Tensor, ...], **kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The output of ``module`` and the gradients of ``<output, g>`` (random g, every element)
+    with respect to ``inputs`` and the module's parameters."""
+    leaves = tuple(x.detach().requires_grad_() for x in inputs)
+    out = module(*leaves, **kwargs)
+    return out, grads(out, leaves + tuple(module.parameters()))
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_padding_is_inert_whatever_it_holds(name):
+    # Padded k and v hold NaN, inf or 1e30 (and padded q too where the mechanism is self-attention
+    # only, so its mask marks the queries): outputs and gradients equal the zero-padded run exactly,
+    # and the poisoned positions get zero gradient.
+    attn = _small(name, N)
+    poison_q = not attnzoo.describe(name).capabilities.cross_attention
+    for causal, side in itertools.product(_causal_modes(name), ("right", "left")):
+        mask = _padding(N, side)
+        pad = ~mask[:, None, :, None]
+        clean = tuple(torch.randn(4, HEADS, N, HEAD_DIM, dtype=torch.float64).masked_fill(pad, 0.0) for _ in range(3))
+        want, want_grads = _run(attn, clean, causal=causal, key_padding_mask=mask)
+        for poison in POISONS:
+            q, k, v = clean
+            q = q.masked_fill(pad, poison) if poison_q else q
+            dirty = (q, k.masked_fill(pad, poison), v.masked_fill(pad, -poison))
+            what = f"{name} causal={causal} {side} padding holding {poison}"
+            out, got_grads = _run(attn, dirty, causal=causal, key_padding_mask=mask)
+            _same(out, want, f"{what}: output")
+            for i, (got, expected) in enumerate(zip(got_grads, want_grads)):
+                _same(got, expected, f"{what}: gradient {i}")
+            for got in got_grads[int(not poison_q):3]:
+                assert not got.masked_select(pad).any(), f"{what}: a padded position got a gradient"
+            # The weights the forward applies see the same zeroed inputs.
+            implied = (attn.implied_attention(*x[:2], causal=causal, key_padding_mask=mask) for x in (dirty, clean))
+            _same(*implied, f"{what}: implied_attention")
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_padded_tokens_are_inert_in_a_self_attention_layer(name):
+    # The layer zeroes padded tokens before its projections: its mask marks the queries too, so
+    # NaN in a padded token cannot reach any real output or gradient (weights included), whatever
+    # the mechanism does with padded query rows.
+    mha = _mha(name).double().eval()
+    for causal, side in itertools.product(_causal_modes(name), ("right", "left")):
+        mask = _padding(N, side)
+        x = torch.randn(4, N, 32, dtype=torch.float64).masked_fill(~mask[..., None], 0.0)
+        want, want_grads = _run(mha, (x,), causal=causal, key_padding_mask=mask)
+        for poison in POISONS:
+            what = f"{name} causal={causal} {side} padding holding {poison}"
+            out, got_grads = _run(mha, (x.masked_fill(~mask[..., None], poison),), causal=causal, key_padding_mask=mask)
+            _same(out, want, f"{what}: output")
+            for i, (got, expected) in enumerate(zip(got_grads, want_grads)):
+                _same(got, expected, f"{what}: gradient {i}")
 
 
 # --- refusals name what can stand in ------------------------------------------------------------

@@ -46,13 +46,18 @@ def _build(name: str, config: dict) -> torch.nn.Module:
 
 def _reference(module: torch.nn.Module, causal: bool, mask: torch.Tensor | None):
     cfg = module.config
-    if module.spec.name == "linformer":
-        return lambda q, k, v: reference_linformer(q, k, v, module.proj[0], module.proj[-1], key_padding_mask=mask)
-    if module.spec.name == "compressed":
-        return lambda q, k, v: reference_compressed(q, k, v, module.taps, kernel=cfg.kernel, stride=cfg.stride,
-                                                    causal=causal, key_padding_mask=mask)
-    return lambda q, k, v: reference_nystrom(q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters,
-                                             key_padding_mask=mask)
+
+    def reference(q, k, v):
+        # The inputs the forward attends over: padding zeroed (q too for self-attention-only nystrom).
+        q, k, v = module.zero_padded(mask, q, k, v)
+        if module.spec.name == "linformer":
+            return reference_linformer(q, k, v, module.proj[0], module.proj[-1], key_padding_mask=mask)
+        if module.spec.name == "compressed":
+            return reference_compressed(q, k, v, module.taps, kernel=cfg.kernel, stride=cfg.stride, causal=causal,
+                                        key_padding_mask=mask)
+        return reference_nystrom(q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=mask)
+
+    return reference
 
 
 def _settings(name: str) -> list[tuple[bool, int]]:
@@ -126,11 +131,13 @@ def test_linformer_refuses_long_inputs_causal_and_wrong_heads():
 def test_nystrom_with_one_token_per_landmark_is_full_attention_within_the_pinv_tolerance():
     q, k, v = make_qkv(B, H, N, N, D)
     mask = _mask(True)
-    full = reference_attention(q, k, v, key_padding_mask=mask)
-    exact = reference_nystrom(q, k, v, landmarks=N, pinv_iters=None, key_padding_mask=mask)
+    nystrom = attnzoo.build("nystrom", landmarks=N, pinv_iters=30)
+    zeroed = nystrom.zero_padded(mask, q, k, v)  # what the forward attends over: padding zeroed
+    full = reference_attention(*zeroed, key_padding_mask=mask)
+    exact = reference_nystrom(*zeroed, landmarks=N, pinv_iters=None, key_padding_mask=mask)
     assert_same(exact, full)
     # 30 steps of the iteration reach the exact pseudo-inverse here (measured error ~1e-13).
-    out = attnzoo.build("nystrom", landmarks=N, pinv_iters=30)(q, k, v, key_padding_mask=mask)
+    out = nystrom(q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(out, full, atol=1e-9, rtol=0)
     for a, r, w in zip(grads(out, (q, k, v)), grads(full, (q, k, v)), "qkv"):
         torch.testing.assert_close(a, r, atol=1e-8, rtol=0, msg=lambda m: f"grad {w}: {m}")

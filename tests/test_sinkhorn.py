@@ -29,6 +29,7 @@ def _mask(padded):
 
 def _reference(module, q, k, v, causal, mask):
     cfg = module.config
+    q, k, v = module.zero_padded(mask, q, k, v)  # self-attention only: padded q, k, v reach it as zeros
     P = module.permutation(k, mask, causal)
     return reference_sinkhorn(q, k, v, P, block=cfg.block, causal=causal, key_padding_mask=mask,
                               scale=cfg.scale, sortcut=cfg.sortcut)

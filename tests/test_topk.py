@@ -29,8 +29,13 @@ def _ref_topk(module, causal, mask):
 
 def _ref_sac(module, causal, mask):
     cfg = module.config
-    return lambda q, k, v: reference_sac(q, k, v, module.predictor, topk=cfg.topk, candidates=cfg.candidates,
-                                         n_random=cfg.n_random, seed=cfg.seed, causal=causal, key_padding_mask=mask)
+
+    def reference(q, k, v):
+        q, k, v = module.zero_padded(mask, q, k, v)  # sac is self-attention only: padded q is zeroed too
+        return reference_sac(q, k, v, module.predictor, topk=cfg.topk, candidates=cfg.candidates,
+                             n_random=cfg.n_random, seed=cfg.seed, causal=causal, key_padding_mask=mask)
+
+    return reference
 
 
 @pytest.mark.parametrize("n_q", [N, 23])
@@ -139,7 +144,8 @@ def test_sac_with_every_candidate_kept_is_full_attention(causal):
     module = attnzoo.build("sac", topk=N, candidates=N, n_random=2, head_dim=D).double()
     q, k, v = make_qkv(B, H, N, N, D)
     out = module(q, k, v, causal=causal, key_padding_mask=mask)
-    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_padding_mask=mask)
+    # sac zeroes padded queries (self-attention only); softmax, a cross-attention mechanism, does not.
+    full = attnzoo.build("softmax")(*module.zero_padded(mask, q, k, v), causal=causal, key_padding_mask=mask)
     assert_same(out, full)
     for a, r, name in zip(grads(out, (q, k, v)), grads(full, (q, k, v)), "qkv"):
         assert_same(a, r, what=f"grad {name}")

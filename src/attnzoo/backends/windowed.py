@@ -100,6 +100,19 @@ class _Saved:
     mask: Tensor | None
     is_causal: bool
 
+    def stash(self, ctx: Any, *extra: Tensor) -> None:
+        """Save the tensors (after ``extra``) with ``ctx.save_for_backward``: freed as soon as
+        backward has run, yet there again for a second backward of a retained graph
+        (``retain_graph=True``, gradcheck), which a ``del`` after the first one would break."""
+        ctx.save_for_backward(*extra, self.q, self.k, self.v, self.out, self.lse, self.mask)
+        ctx.is_causal = self.is_causal
+
+    @staticmethod
+    def unstash(ctx: Any, n_extra: int = 0) -> tuple[tuple[Tensor, ...], _Saved]:
+        """``(extra, saved)`` as ``stash`` left them."""
+        tensors = ctx.saved_tensors
+        return tensors[:n_extra], _Saved(*tensors[n_extra:], ctx.is_causal)
+
 
 def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
                   scale: float) -> tuple[Tensor, _Saved]:
@@ -180,13 +193,13 @@ class _PartAttention(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Windows, key_valid: Tensor | None,  # type: ignore[override]
                 scale: float) -> Tensor:
         out, saved = _part_forward(w, q, k, v, key_valid, scale)
-        ctx.saved, ctx.w, ctx.scale = saved, w, scale
+        saved.stash(ctx)
+        ctx.w, ctx.scale = w, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        dq, dk, dv = _part_backward(ctx.w, ctx.saved, grad, ctx.scale)
-        del ctx.saved
+        dq, dk, dv = _part_backward(ctx.w, _Saved.unstash(ctx)[1], grad, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
@@ -223,20 +236,23 @@ class _UnionAttention(torch.autograd.Function):
         if out_w is not None:
             out = out + out_w.to(out.dtype) * torch.exp(lse_w - _finite(lse, 0.0))[..., None]
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, probs)
-        ctx.part, ctx.saved, ctx.scale = part, saved, scale
+        if saved is None:
+            ctx.save_for_backward(q, k, v, out, lse, probs)
+        else:
+            saved.stash(ctx, q, k, v, out, lse, probs)
+        ctx.part, ctx.scale = part, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse, probs = ctx.saved_tensors
         part, scale = ctx.part, ctx.scale
         if part.windows is not None:
-            lse_k = _finite(lse, float("inf")).to(ctx.saved.lse.dtype)  # rows that see nothing: p = 0
-            dq, dk, dv = (x.to(probs.dtype) for x in _part_backward(part.windows, ctx.saved, grad, scale, out, lse_k))
+            (q, k, v, out, lse, probs), saved = _Saved.unstash(ctx, 6)
+            lse_k = _finite(lse, float("inf")).to(saved.lse.dtype)  # rows that see nothing: p = 0
+            dq, dk, dv = (x.to(probs.dtype) for x in _part_backward(part.windows, saved, grad, scale, out, lse_k))
         else:
+            q, k, v, out, lse, probs = ctx.saved_tensors
             dq, dk, dv = (torch.zeros(x.shape, dtype=probs.dtype, device=x.device) for x in (q, k, v))
-        del ctx.saved
         index = part.tokens.to(q.device)
         g = grad.to(probs.dtype)
         delta = (g * out.to(probs.dtype)).sum(-1, keepdim=True)

@@ -38,7 +38,7 @@ def sized(name: str, n: int) -> dict[str, Any]:
         "bigbird": dict(block=e, window_blocks=3, global_blocks=1, random_blocks=1),
         "etc": dict(window=q, n_global=1),
         "sparse_transformer_strided": dict(l=e),
-        "sparse_transformer_fixed": dict(l=q, c=4),
+        "sparse_transformer_fixed": dict(l=q, c=min(4, q)),  # c <= l
         "block2d": dict(h=h, w=w, query_block=(max(1, h // 2), max(1, w // 2)), memory_margin=(1, 1)),
         "axial": dict(h=h, w=w),
         "graph": dict(edges=ring, n=n),

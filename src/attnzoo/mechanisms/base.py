@@ -6,13 +6,17 @@ so each mechanism implements only ``_attend`` with inputs it knows it can honour
 cannot honour (causal, key padding, a score_mod, cross-attention, a decode step) raises a
 ``ValueError`` that says so and names the registered mechanisms of the same kind that can.
 Empty inputs (B = 0, or no query or no position) never reach ``_attend``/``_mix``: they return
-correctly shaped empty outputs here, after the same checks.
+correctly shaped empty outputs here, after the same checks. Padded keys and values (and the
+padded queries of a self-attention-only mechanism) reach ``_attend`` holding zeros
+(``Attention.zero_padded``), so no mechanism can leak what they held.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv, check_tensor
@@ -66,7 +70,20 @@ class Attention(Mechanism):
         if q.shape[0] == 0 or q.shape[2] == 0:
             # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
             return (q @ k.transpose(-1, -2)) @ v
+        q, k, v = self.zero_padded(key_padding_mask, q, k, v)
         return self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+
+    def zero_padded(self, key_padding_mask: Tensor | None, q: Tensor, *kv: Tensor) -> tuple[Tensor, ...]:
+        """``(q, *kv)`` as ``_attend`` receives them: the key-side tensors ``kv`` with padded
+        positions zeroed (``zero_padding``), and ``q`` too if the mechanism is self-attention
+        only, where the mask marks the padded queries as well. A cross-attention mechanism's
+        query i need not be key i (even with N_q == N_kv): its q is left as given. Methods that
+        take ``q, k`` beside ``forward`` (``implied_attention``) call this too."""
+        if key_padding_mask is None:
+            return (q, *kv)
+        if not self.spec.capabilities.cross_attention:
+            q = zero_padding(q, key_padding_mask)
+        return (q, *(zero_padding(x, key_padding_mask) for x in kv))
 
     def _attend(
         self,
@@ -95,6 +112,21 @@ class Attention(Mechanism):
         raise ValueError(
             f"{self.spec.name!r} does not support {what}; mechanisms that do: {', '.join(able) or '(none yet)'}"
         )
+
+
+def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """``x (B, H, N, D)`` with its padded positions (``key_padding_mask`` False) set to zero.
+
+    A select, not a multiply: whatever padding held (NaN, ±inf, 1e30) is gone, the padded
+    positions get exactly zero gradient, and the real ones' values and gradients are bit for bit
+    those of a zero-padded input. ``Attention.forward`` applies it to k and v (and to q of a
+    self-attention-only mechanism) before ``_attend``, because a mechanism that gives a padded
+    key weight 0 still computes ``0 * NaN = NaN``, and a NaN query row poisons the backward of
+    every key it met even under a zero upstream gradient. O(B H N D), once per call.
+    """
+    if key_padding_mask is None:
+        return x
+    return torch.where(rearrange(key_padding_mask, "b n -> b 1 n 1"), x, 0.0)
 
 
 class TokenMixer(Mechanism):

@@ -192,6 +192,7 @@ class GraphAttention(Attention):
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         self._check(q)
+        q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:3] + (1,))
         return reference_graph_attention(q, k, v, self.graph, causal=causal, key_padding_mask=key_padding_mask,
                                          scale=self.config.scale, attention_vector=self.attention_vector,

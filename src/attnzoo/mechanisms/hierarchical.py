@@ -303,6 +303,7 @@ class HierarchicalAttention(Attention):
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         """The ``(B, H, N, N)`` attention matrix over tokens this mechanism applies."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
         return reference_hierarchical(
             q, k, v, k_near=self.config.k, causal=causal, key_padding_mask=key_padding_mask,

@@ -340,6 +340,7 @@ class KernelAttention(Attention):
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False,
                           key_padding_mask: Tensor | None = None) -> Tensor:
         """The ``(B, H, N_q, N_kv)`` normalised ``phi(Q) phi(K)^T`` this mechanism applies."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
         return self.reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_weights=True)[1]
 

@@ -58,17 +58,28 @@ def favor_exponent(x: Tensor, w: Tensor) -> Tensor:
     return x @ w.T - x.pow(2).sum(-1, keepdim=True) / 2
 
 
+def _max_exponent(x: Tensor, xw: Tensor, w: Tensor) -> Tensor:
+    """``max_j x . w_j`` over the m features, ``(B, H, N)``, on the autograd graph of ``x``.
+
+    Recomputed as ``x . w_j*`` at the arg-max feature ``j*`` (the max is piecewise linear in
+    ``x``) instead of ``xw.amax``, which would save ``xw`` for backward and forbid the in-place
+    ``exp`` the callers run on it."""
+    return (x * w[xw.detach().argmax(-1)]).sum(-1)
+
+
 def favor_query(q: Tensor, w: Tensor) -> Tensor:
     """FAVOR+ features of (already ``D^-1/4``-scaled) queries, ``(B, H, N, D) -> (B, H, N, m)``.
 
     Notes:
         Stabiliser: each query row subtracts its own maximum exponent over the m features (its
-        largest feature is ``1/sqrt(m)``). A per-row constant cancels exactly in the row's ratio
-        ``phi(q)^T S / phi(q)^T z``; it is detached (it carries no gradient). So does the row's
-        ``|q|^2 / 2``, which is therefore never computed.
+        largest feature is ``1/sqrt(m)``). A per-row constant cancels in the row's ratio
+        ``phi(q)^T S / (phi(q)^T z + eps)`` only up to ``eps``, so the stabiliser stays on the
+        autograd graph (not detached): the gradient is exact for the function computed, also
+        where ``eps`` is not negligible against the denominator. It takes the place of the row's
+        ``|q|^2 / 2``, which is never computed.
     """
     qw = q @ w.T  # [B, H, N, m]
-    shift = qw.detach().amax(-1, keepdim=True) + math.log(w.shape[0]) / 2
+    shift = _max_exponent(q, qw, w)[..., None] + math.log(w.shape[0]) / 2
     return qw.sub_(shift).exp_()  # in place: matmul does not save its output for backward
 
 
@@ -90,15 +101,17 @@ def favor_keys(k: Tensor, w: Tensor, real: Tensor | None, *, causal: bool, c0: T
         Causal key ``t`` is stored as ``exp(raw_t - c_t) / sqrt(m)`` and the running sums are
         rescaled by ``exp(a_t)``, so every key in row ``i``'s sums carries the same factor
         ``exp(-c_i)``, which cancels exactly; ``c_t`` depends on keys ``<= t`` only, so a future
-        key can neither change nor underflow a past output. Padded keys are zeroed before the
-        projection, left out of the maxima, and shifted by +inf: their features are exactly 0
-        and they get no gradient, however large they were.
+        key can neither change nor underflow a past output. It cancels only up to the ``eps`` of
+        the denominator, so like the query's it stays on the autograd graph (see
+        ``favor_query``). Padded keys are zeroed before the projection, left out of the maxima,
+        and shifted by +inf: their features are exactly 0 and they get no gradient, however
+        large they were.
     """
     if real is not None:
         k = torch.where(real[..., None], k, 0.0)
     kw = k @ w.T  # [B, H, N, m]
     half_norm = k.pow(2).sum(-1) / 2  # [B, H, N]: per key, so it does not cancel (keeps its gradient)
-    row_max = kw.detach().amax(-1) - half_norm.detach()
+    row_max = _max_exponent(k, kw, w) - half_norm
     if real is not None:
         row_max = row_max.masked_fill(~real, -math.inf)
     if causal:

@@ -58,6 +58,7 @@ class _LowRank(Attention):
         """The dense ``(B, H, N_q, N_kv)`` weights the forward pass applies (small N: pictures)."""
         if causal and not self.spec.capabilities.causal:
             self._refuse("causal=True", "causal")
+        q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
         return self._run(False, q, k, v, causal, key_padding_mask, return_weights=True)[1]
 

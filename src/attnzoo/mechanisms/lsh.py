@@ -241,6 +241,11 @@ def _round_forward(q: Tensor, keys: Tensor, v: Tensor, r: Round, chunk: int, sca
     return (qx, kx, vx), _rows(out, r.slot, by_position), _rows(lse[..., None], r.slot, by_position)[..., 0]
 
 
+def _tensors(r: Round) -> tuple[Tensor | None, ...]:
+    """The fields of ``r`` after ``length``, in order: ``Round(r.length, *_tensors(r))`` is ``r``."""
+    return tuple(getattr(r, f.name) for f in dataclasses.fields(Round)[1:])
+
+
 class _Rounds(torch.autograd.Function):
     """All rounds, combined into one softmax by log-sum-exp; returns ``(out, lse)``. Backward:
     each round's flash backward with the union's output and log-sum-exp."""
@@ -261,18 +266,23 @@ class _Rounds(torch.autograd.Function):
         if real is not None:  # padding tokens have no slot: they read another's, and see nothing
             real = real[:, None, :]
             out, total = out * real[..., None], total.masked_fill(~real, float("-inf"))
-        ctx.rounds, ctx.kernel, ctx.chunk, ctx.scale, ctx.real = rounds, kernel, chunk, scale, real
-        ctx.save_for_backward(out, total)
+        # Every tensor backward reads goes through save_for_backward: freed once backward has run,
+        # there again for a second backward of a retained graph (retain_graph=True, gradcheck).
+        ctx.save_for_backward(out, total, *(x for r, inputs in zip(rounds, kernel) for x in (*inputs, *_tensors(r))))
+        ctx.lengths, ctx.chunk, ctx.scale, ctx.real = [r.length for r in rounds], chunk, scale, real
         ctx.mark_non_differentiable(total)
         return out, total
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        out, total = ctx.saved_tensors
+        out, total, *per_round = ctx.saved_tensors
         # A row that sees nothing has p = 0 everywhere: exp(-inf - (+inf)), not exp(-inf + inf).
         total = torch.where(torch.isinf(total), float("inf"), total)[..., None]
         grad, dq, dk, dv = grad.contiguous(), 0, 0, 0
-        for r, (qx, kx, vx) in zip(ctx.rounds, ctx.kernel):
+        size = len(per_round) // len(ctx.lengths)
+        for length, start in zip(ctx.lengths, range(0, len(per_round), size)):
+            qx, kx, vx, *fields = per_round[start : start + size]
+            r = Round(length, *fields)
             rows = qx.shape[:3]
             g, o, lse = (_rows(x, r.queries, rows) for x in (grad, out, total))
             gq, gk, gv = flash_attention_cpu_backward(g, qx, kx, vx, o, lse[..., 0], 0.0, False, attn_mask=r.mask,
@@ -282,7 +292,6 @@ class _Rounds(torch.autograd.Function):
             dv = dv + _rows(gv, r.own, grad.shape[:3]) + _rows(gv, r.prev, grad.shape[:3])
         if ctx.real is not None:
             dq, dk, dv = (x * ctx.real[..., None] for x in (dq, dk, dv))
-        del ctx.kernel, ctx.rounds
         return dq, dk, dv, None, None, None, None
 
 
@@ -345,6 +354,7 @@ class LSHAttention(Attention):
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         """The combined ``(B, H, N, N)`` attention of a forward pass on ``q`` (small N)."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
         return reference_lsh(q, q[..., :1], self.config, rotation, causal=causal, key_padding_mask=key_padding_mask,
                              return_weights=True)[1]

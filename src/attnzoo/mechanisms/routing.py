@@ -100,12 +100,13 @@ def attention_inputs(q: Tensor, k: Tensor, config: RoutingConfig) -> tuple[Tenso
 
 def similarities(q: Tensor, k: Tensor, centroids: Tensor, real: Tensor) -> Pair:
     """Cosine similarities ``(B, H, C, N)`` of the queries and of the keys to the unit centroids
-    ``(H, C, D)``; padded positions get -inf (picked last, never before a real token). Detached:
-    routing is discrete and passes no gradient."""
+    ``(H, C, D)``; padded positions get -inf (picked last, never before a real token), and so does
+    a query or key that is not finite (NaN similarities would break the top-w counts; its own
+    output row comes out NaN). Detached: routing is discrete and passes no gradient."""
     mu = F.normalize(centroids.to(q.dtype), dim=-1)
     padded = ~real[:, None, None, :]
-    units = [F.normalize(x.detach(), dim=-1) for x in (q, k)]
-    return tuple(einsum(x, mu, "b h n d, h c d -> b h c n").masked_fill(padded, -math.inf) for x in units)
+    sims = [einsum(F.normalize(x.detach(), dim=-1), mu, "b h n d, h c d -> b h c n") for x in (q, k)]
+    return tuple(s.masked_fill(padded | s.isnan(), -math.inf) for s in sims)
 
 
 def top_w(sims: Tensor, w: int) -> Tensor:
@@ -430,14 +431,18 @@ class RoutingAttention(Attention):
         w = min(math.ceil(n / self.config.n_clusters) if self.config.window is None else self.config.window, n)
         scale = d**-0.5 if scale is None else scale
         out = (causal_attention if causal else balanced_attention)(qc, kc, vc, sims, w, real, scale)
+        # A non-finite query is routed last; its row is NaN (a causal one alone would read its own value).
+        out = out.masked_fill(~torch.isfinite(qc).all(-1, keepdim=True), math.nan)
         if self.training:
-            units = tuple(F.normalize(x.detach(), dim=-1) for x in (qc, kc))
+            # A non-finite token moves no centroid (its unit vector is NaN): the buffer stays finite.
+            units = tuple(F.normalize(x.detach(), dim=-1).nan_to_num(0.0) for x in (qc, kc))
             self.centroids.copy_(ema_centroids(self.centroids, sims, units, real, self.config.decay))
         return out.to(q.dtype)
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False,
                           key_padding_mask: Tensor | None = None) -> Tensor:
         """The ``(B, H, N, N)`` effective attention matrix (small N: pictures); no EMA update."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         return reference_routing(q, k, q[..., :1], self.centroids_for(q), window=self.config.window, causal=causal,
                                  key_padding_mask=key_padding_mask, scale=self.config.scale,
                                  share_qk=self.config.share_qk, return_weights=True)[1]

@@ -372,6 +372,7 @@ class SinkhornAttention(Attention):
     ) -> Tensor:
         """The effective ``(B, H, N, N)`` weights (small N: pictures), with ``output == A @ v``;
         see ``implied_matrix``. Call in eval mode, or each call draws new Gumbel noise."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         cfg = self.config
         P = self.permutation(k, key_padding_mask, causal)
         v = q.new_zeros(q.shape[:3] + (1,))

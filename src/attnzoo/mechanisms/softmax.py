@@ -93,6 +93,7 @@ class SoftmaxAttention(Attention):
     ) -> tuple[Tensor, Tensor]:
         """The dense reference: ``(output, weights (B, H, N_q, N_kv))``, for pictures and for
         position encodings that need the weights (Shaw relative values)."""
+        q, k, v = self.zero_padded(key_padding_mask, q, k, v)
         out, weights = reference_attention(
             q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod,
             scale=self.config.scale, normalizer=self.config.normalizer, return_weights=True,

@@ -60,6 +60,7 @@ class PatternAttention(Attention):
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies (small N: pictures)."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         from attnzoo.backends.reference import reference_attention
 
         pattern = self.pattern.resolve_heads(q.shape[1])

@@ -226,6 +226,7 @@ class SynthesizerAttention(Attention):
         check_qkv(q, k, k, cross_attention=False)
         causal = check_causal(causal, q.shape[2], k.shape[2])
         key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        q, k = self.zero_padded(key_padding_mask, q, k)
         batch, heads, n, _ = q.shape
         scores = self.scores(q, k).expand(batch, heads, n, n)
         visible = visible_pairs(batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask, mask_mod=None, device=q.device)

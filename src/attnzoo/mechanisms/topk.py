@@ -243,6 +243,7 @@ class TopKAttention(Attention):
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies (small N: pictures)."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
         return reference_topk(q, k, v, topk=self.config.topk, causal=causal, key_padding_mask=key_padding_mask,
                               scale=self.config.scale, return_weights=True)[1]
@@ -339,6 +340,7 @@ class SACAttention(Attention):
 
     def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         """The dense ``(B, H, N, N)`` weights this mechanism applies (small N: pictures)."""
+        q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
         return self._run(reference_sac, q, k, v, causal, key_padding_mask, return_weights=True)[1]
 

@@ -9,7 +9,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnzoo._checks import check_module_input, check_positive_int, check_tensor
+from attnzoo._checks import check_key_padding_mask, check_module_input, check_positive_int, check_tensor
 from attnzoo.mechanisms.base import Attention
 from attnzoo.positional import PositionalEncoding, build_positional
 from attnzoo.registry import build, config_fields
@@ -110,6 +110,13 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(
                     f"context must have shape (B={x.shape[0]}, N_kv, kv_dim={self.kv_dim}), got {tuple(context.shape)}"
                 )
+        if key_padding_mask is not None and context is None:
+            # Self-attention: the mask marks the padded queries too. A mechanism zeroes padded keys
+            # and values, but a cross-attention-capable one leaves q as given, and a NaN query row
+            # poisons the backward of every key it met: padded tokens are zeroed here, before the
+            # projections, so that they are inert whatever they hold.
+            key_padding_mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
+            x = kv_in = torch.where(key_padding_mask[..., None], x, 0.0)
         q_pos = torch.arange(x.shape[1], device=x.device)
         k_pos = torch.arange(kv_in.shape[1], device=x.device)
         q, k, v = self._project(x, kv_in, q_pos, k_pos)
