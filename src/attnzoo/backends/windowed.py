@@ -293,17 +293,19 @@ class _MergedAttention(torch.autograd.Function):
             saved.append(part)
         lse = torch.logsumexp(torch.stack(lses), 0)  # [B, H, N]
         out = sum(o * torch.exp(l - _finite(lse, 0.0))[..., None].to(o.dtype) for o, l in zip(outs, lses))
-        ctx.merged, ctx.saved, ctx.scale = merged, saved, scale
-        ctx.save_for_backward(out, lse)
+        ctx.merged, ctx.scale, ctx.causal = merged, scale, [part.is_causal for part in saved]
+        # save_for_backward (see ``_Saved.stash``): a retained graph can run backward twice.
+        ctx.save_for_backward(out, lse, *(t for part in saved for t in (part.q, part.k, part.v, part.out,
+                                                                         part.lse, part.mask)))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        out, lse = ctx.saved_tensors
+        out, lse, *tensors = ctx.saved_tensors
+        saved = [_Saved(*tensors[6 * i : 6 * i + 6], causal) for i, causal in enumerate(ctx.causal)]
         lse = _finite(lse, float("inf"))  # rows that see nothing: p = 0
         grads = [_part_backward(w, part, grad, ctx.scale, out, lse.to(part.lse.dtype))
-                 for w, part in zip(ctx.merged.parts, ctx.saved)]
-        del ctx.saved
+                 for w, part in zip(ctx.merged.parts, saved)]
         return (*(sum(g[i] for g in grads) for i in range(3)), None, None, None)
 
 
