@@ -58,13 +58,29 @@ def favor_exponent(x: Tensor, w: Tensor) -> Tensor:
     return x @ w.T - x.pow(2).sum(-1, keepdim=True) / 2
 
 
-def _max_exponent(x: Tensor, xw: Tensor, w: Tensor) -> Tensor:
-    """``max_j x . w_j`` over the m features, ``(B, H, N)``, on the autograd graph of ``x``.
+class _MaxExponent(torch.autograd.Function):
+    """``max_j x . w_j`` over the m features, ``(B, H, N)``, with its gradient ``w_{j*}`` (the
+    max is piecewise linear in ``x``). The value is read from ``xw`` in one pass; nothing of
+    ``xw`` is saved (the callers exponentiate it in place), and the rows of ``w`` at the arg-max
+    are gathered only in backward."""
 
-    Recomputed as ``x . w_j*`` at the arg-max feature ``j*`` (the max is piecewise linear in
-    ``x``) instead of ``xw.amax``, which would save ``xw`` for backward and forbid the in-place
-    ``exp`` the callers run on it."""
-    return (x * w[xw.detach().argmax(-1)]).sum(-1)
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, xw: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return xw.detach().amax(-1)  # about 6x faster on CPU than max with indices
+        values, index = xw.detach().max(-1)
+        ctx.save_for_backward(index, w)
+        return values
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        index, w = ctx.saved_tensors
+        return grad[..., None] * w.to(grad.dtype)[index], None, None
+
+
+def _max_exponent(x: Tensor, xw: Tensor, w: Tensor) -> Tensor:
+    """``max_j x . w_j`` on the autograd graph of ``x`` (see ``_MaxExponent``)."""
+    return _MaxExponent.apply(x, xw, w)
 
 
 def favor_query(q: Tensor, w: Tensor) -> Tensor:
