@@ -140,13 +140,9 @@ def _axial(pattern: Pattern, n: int) -> Merged | None:
 
 def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
     """``window | global tokens`` (optionally ``& causal()``), with at most one window part."""
-    causal = False
-    if isinstance(pattern, Intersection) and len(pattern.parts) == 2:
-        inner, other = pattern.parts
-        inner, other = (inner, other) if isinstance(other, Band) else (other, inner)
-        if not (isinstance(other, Band) and (other.lo, other.hi, other.modulus) == (None, 0, 1)):
-            return None
-        pattern, causal = inner, True
+    pattern, causal = _causal_part(pattern)
+    if isinstance(pattern, Intersection):
+        return None
     parts = pattern.parts if isinstance(pattern, PatternUnion) else (pattern,)
     tokens = [p for p in parts if isinstance(p, (GlobalTokens, GlobalBlocks, PeriodicColumns))]
     others = [p for p in parts if not isinstance(p, (GlobalTokens, GlobalBlocks, PeriodicColumns))]
@@ -193,14 +189,8 @@ def _windows(pattern: Pattern, n: int) -> Windows | None:
 
 def _block_local(pattern: Pattern) -> tuple[int, bool] | None:
     """``block_local(s)`` -> (s, False); ``block_local(s) & causal()`` -> (s, True)."""
-    if isinstance(pattern, BlockLocal):
-        return pattern.size, False
-    if isinstance(pattern, Intersection) and len(pattern.parts) == 2:
-        a, b = pattern.parts
-        a, b = (a, b) if isinstance(a, BlockLocal) else (b, a)
-        if isinstance(a, BlockLocal) and isinstance(b, Band) and (b.lo, b.hi, b.modulus) == (None, 0, 1):
-            return a.size, True
-    return None
+    inner, causal = _causal_part(pattern)
+    return (inner.size, causal) if isinstance(inner, BlockLocal) else None
 
 
 def _band(band: Band, n: int) -> Windows | None:

@@ -48,7 +48,7 @@ def _split_keys(key_valid: Tensor | None, batch: int, n: int, stride: int, sub: 
     return rearrange(key_valid, "b (n m) -> (b m) n", m=stride)
 
 
-def key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
+def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
     """``(BH, n, D)`` -> zero-copy ``(BH, blocks, width, D)`` windows (x padded with zeros)."""
     front = max(0, -w.start)
     total = max(front + w.start + (blocks - 1) * w.block + w.width, front + x.shape[1])
@@ -63,7 +63,7 @@ def _window_mask(w: Windows, key_valid: Tensor | None, heads: int, blocks: int, 
     mask = None if w.allowed is None else w.allowed.to(dtype)
     if key_valid is None:
         return mask
-    valid = key_windows(key_valid[:, :, None].to(dtype), w, blocks)[..., 0]  # [B, blocks, width]
+    valid = _key_windows(key_valid[:, :, None].to(dtype), w, blocks)[..., 0]  # [B, blocks, width]
     padding = torch.zeros(valid.shape, dtype=dtype).masked_fill_(valid == 0, float("-inf"))[:, :, None, :]
     mask = padding if mask is None else mask + padding
     mask = mask.expand(key_valid.shape[0], blocks, w.block, w.width)
@@ -126,7 +126,7 @@ def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor
         return _merge(out, w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
     bb, h, blocks = qs.shape[0], qs.shape[1], -(-sub // w.block)
     qx = F.pad(qs, (0, 0, 0, blocks * w.block - sub)).reshape(bb * h, blocks, w.block, q.shape[-1])
-    kx, vx = key_windows(ks.flatten(0, 1), w, blocks), key_windows(vs.flatten(0, 1), w, blocks)
+    kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
     mask = _window_mask(w, valid, h, blocks, q.dtype)
     out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=scale)[:2]
     rows = out.reshape(bb, h, blocks * w.block, -1)[:, :, :sub]
@@ -158,7 +158,7 @@ def _part_backward(w: Windows, saved: _Saved, grad: Tensor, scale: float, out: T
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
     bb = dq.shape[0] // heads
     dq = dq.reshape(bb, heads, -1, dq.shape[-1])[:, :, :sub]
-    dk, dv = (overlap_add(x, w, sub).view(bb, heads, sub, -1) for x in (dk, dv))
+    dk, dv = (_overlap_add(x, w, sub).view(bb, heads, sub, -1) for x in (dk, dv))
     return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
 
 
@@ -175,7 +175,7 @@ def _part_lse(w: Windows, saved: _Saved, n: int, heads: int) -> Tensor:
     return _merge(lse.reshape(bb, heads, -1)[:, :, :sub, None], w.stride, n)[..., 0]
 
 
-def overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
+def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
     """Key gradients ``(BH, blocks, width, D)`` of overlapping windows -> ``(BH, n, D)``."""
     bh, blocks, width, dim = windows.shape
     front, per = max(0, -w.start), width // w.block

@@ -14,12 +14,11 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import Attention, zero_padding
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -36,11 +35,6 @@ def _at_least(config: Config, *lows: tuple[str, int]) -> None:
 
 def _real(mask: Tensor | None, b: int, n: int, device: torch.device) -> Tensor:
     return torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
-
-
-def _zero_padded(x: Tensor, mask: Tensor | None) -> Tensor:
-    """``x (B, H, N, D)`` with the rows of padded keys multiplied by 0."""
-    return x if mask is None else x * rearrange(mask, "b n -> b 1 n 1").to(x.dtype)
 
 
 class _LowRank(Attention):
@@ -72,7 +66,7 @@ def linformer_attention(q: Tensor, k: Tensor, v: Tensor, e: Tensor, f: Tensor, *
                         key_padding_mask: Tensor | None = None, scale: float | None = None) -> Tensor:
     """Linformer, fast: SDPA over the k projected keys and values (args as ``reference_linformer``)."""
     ct, (heads, n) = _compute(q), k.shape[1:3]
-    kc, vc = (_zero_padded(t.to(ct), key_padding_mask) for t in (k, v))
+    kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
     e_n, f_n = (p[:, :, :n].to(kc).expand(heads, -1, -1) for p in (e, f))  # (H, k, N)
     k_bar = torch.einsum("hcn,bhnd->bhcd", e_n, kc)  # (B, H, k, D)
     v_bar = torch.einsum("hcn,bhnd->bhcd", f_n, vc)  # (B, H, k, D_v)
@@ -92,7 +86,7 @@ def reference_linformer(q: Tensor, k: Tensor, v: Tensor, e: Tensor, f: Tensor, *
         return_weights: also return the ``(B, H, N_q, N_kv)`` weights ``P_h F_h``.
 
     Notes:
-        Padded key and value rows are multiplied by 0 before the projection, so they add nothing
+        Padded key and value rows are set to 0 (a select) before the projection, so they add nothing
         to any slot; every slot still takes softmax mass (padding is not exact even at E = F = I).
     """
     ct, n = _compute(q), k.shape[2]
@@ -144,7 +138,7 @@ class LinformerConfig(Config):
     complexity=Complexity(time="O(N k D)", memory="O(N k)", subquadratic_memory=True),
     notes=(
         "representative keys: the k rows of E[:, :N] K, learned mixtures of all keys; values F[:, :N] V",
-        "padded keys and values are multiplied by 0 before the projection (their slots still take softmax mass)",
+        "padded keys and values are set to 0 before the projection (their slots still take softmax mass)",
         "not causal: every projected slot mixes future keys",
     ),
 )
@@ -214,7 +208,7 @@ def compressed_attention(q: Tensor, k: Tensor, v: Tensor, taps: Tensor, *, kerne
     ct, (b, _, n_q, dim), n = _compute(q), q.shape, k.shape[2]
     scale = dim**-0.5 if scale is None else scale
     qc = q.to(ct)
-    kc, vc = (_zero_padded(t.to(ct), key_padding_mask) for t in (k, v))
+    kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
     k_slot, v_slot = (compress(x, w, kernel=kernel, stride=stride) for x, w in zip((kc, vc), taps))
     real = _real(key_padding_mask, b, n, q.device)
     slot_ok = compress(real[:, None, :, None].to(ct), torch.ones(1, kernel), kernel=kernel, stride=stride)[:, 0, :, 0] > 0

@@ -26,8 +26,6 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.backends.structured import Windows
-from attnzoo.backends.windowed import key_windows, overlap_add
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
