@@ -160,6 +160,35 @@ def test_routing_gives_a_non_finite_query_a_nan_row_and_leaves_the_rest(causal, 
     assert torch.isfinite(attn.centroids).all()  # the query moved no centroid
 
 
+#: Mechanisms whose other rows depend on every query by definition, so one non-finite query may
+#: change them: lsh shares Q and K (the query is also a key, NaN in its buckets), nystrom's
+#: landmarks are means of queries (every row NaN), routing's clusters take w queries each (the
+#: bad one is routed last, freeing its slot).
+QUERIES_SHARED = {"lsh", "nystrom", "routing"}
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_a_non_finite_query_touches_only_its_own_row(name):
+    # NaN or +-inf in one real query: its row is NaN (never zeros or a finite limit, which would
+    # hide it; torch's own CPU SDPA returns zeros for a NaN query that sees few keys), the other
+    # rows equal the clean run.
+    # Row 0 is a global token in the patterns that have them; row 5 is an ordinary one.
+    attn = _small(name, N)
+    for causal, value, row in itertools.product(_causal_modes(name), (math.nan, math.inf, -math.inf), (0, 5)):
+        q, k, v = make_qkv(2, HEADS, N, N, d=HEAD_DIM, requires_grad=False)
+        clean = attn(q, k, v, causal=causal)
+        q[0, 1, row, 2] = value
+        out = attn(q, k, v, causal=causal)
+        what = f"{name} causal={causal} query {row} holding {value}"
+        assert out[0, 1, row].isnan().all(), f"{what}: its row is {out[0, 1, row]}"
+        others = torch.ones(out.shape[:3], dtype=torch.bool)
+        others[0, 1, row] = False
+        if name in QUERIES_SHARED:
+            assert not torch.isinf(out[others]).any(), what
+        else:
+            _same(out[others], clean[others], f"{what}: the other rows")
+
+
 # --- padding is inert whatever it holds --------------------------------------------------------
 
 POISONS = (math.nan, math.inf, 1e30)

@@ -273,8 +273,10 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: 
     if part.causal:
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
     allowed = allowed[None, None] if key_valid is None else allowed[None, None] & key_valid[:, None, None, :]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: zeros
+    # A row with no key gets zeros (finite scores times 0); a NaN query's row stays NaN.
+    has_key = allowed.any(-1, keepdim=True)
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
+    weights = torch.softmax(scores, dim=-1) * has_key
     return torch.matmul(weights, v.to(cd)).to(q.dtype)
 
 

@@ -40,6 +40,20 @@ class Mechanism(nn.Module):
         return repr(self.config)
 
 
+def nan_rows_of_non_finite_queries(out: Tensor, q: Tensor) -> Tensor:
+    """``out (B, H, N_q, D_v)`` with the row of every query that holds NaN or +-inf made NaN.
+
+    Kernels can hide such a query: torch's CPU flash kernel returns zeros for a NaN query that
+    sees only a few keys (so does ``F.scaled_dot_product_attention`` on CPU), a top-k selection
+    can drop all of its NaN scores, a feature map can send -inf to a finite limit. Adding
+    ``0 * sum(q_i)`` makes the row NaN in all of these and changes nothing else: one O(N D)
+    reduction (about 2% of ``local``'s forward at N = 1024), detached, so backward is untouched.
+    The sum runs in float32 at least, so large finite half-precision queries do not overflow it.
+    """
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out + q.detach().sum(-1, keepdim=True, dtype=wide).mul_(0).to(out.dtype)
+
+
 class Attention(Mechanism):
     """Base class: ``forward(q, k, v, *, causal=False, key_padding_mask=None, score_mod=None)``.
 
@@ -71,7 +85,8 @@ class Attention(Mechanism):
             # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
             return (q @ k.transpose(-1, -2)) @ v
         q, k, v = self.zero_padded(key_padding_mask, q, k, v)
-        return self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+        return nan_rows_of_non_finite_queries(out, q)
 
     def zero_padded(self, key_padding_mask: Tensor | None, q: Tensor, *kv: Tensor) -> tuple[Tensor, ...]:
         """``(q, *kv)`` as ``_attend`` receives them: the key-side tensors ``kv`` with padded

@@ -41,6 +41,8 @@ def topk_mask(scores: Tensor, visible: Tensor | None, k: int) -> Tensor:
         chunked fast path and a dense reference make the identical selection.
     """
     s = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
+    # NaN ranks above everything, as in torch.topk: a NaN query keeps keys and its row is NaN.
+    s = s.masked_fill(s.isnan(), float("inf"))
     kk = min(k, s.shape[-1])
     # The k-th largest score of each row (-inf when fewer than k entries are visible).
     tau = s.topk(kk, dim=-1).values[..., -1:]
@@ -71,7 +73,7 @@ def select_topk(scores: Tensor, visible: Tensor | None, k: int) -> tuple[Tensor,
     values, idx = s.topk(k, dim=-1, sorted=False)
     tau = values.min(-1, keepdim=True).values
     ambiguous = ((s == tau).sum(-1) > (values == tau).sum(-1))  # (...,) rows with a tie at the cut
-    valid = values > float("-inf")
+    valid = values != float("-inf")  # NaN (a NaN query's scores) is kept: its row comes out NaN
     if ambiguous.device.type != "meta" and bool(ambiguous.any()):  # meta tensors hold no values
         rows = ambiguous.nonzero(as_tuple=True)
         keep = topk_mask(scores[rows], None if visible is None else visible.expand_as(scores)[rows], k)
