@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/attnzoo bench suite --out runs/suite --report report
 
+# Lint and format checks first (ruff, settings in pyproject.toml): seconds, and CI enforces them.
 test: $(STAMP)
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
 	$(BIN)/python -m pytest
 
 test-slow: $(STAMP)

@@ -51,30 +51,37 @@ def _clock(fn, backward: bool, inputs: tuple) -> float:
 def main(specs: list[str]) -> None:
     meta = machine()
     print(f"python scripts/ab_structured.py {' '.join(specs)}")
-    print(f"git {git_revision()}, {meta['processor']} ({meta['cpus']} cores), torch {meta['torch']}, {meta['date']}; "
-          "B=1, H=8, D=64, fp32")
+    print(
+        f"git {git_revision()}, {meta['processor']} ({meta['cpus']} cores), torch {meta['torch']}, {meta['date']}; "
+        "B=1, H=8, D=64, fp32"
+    )
     for spec in specs:
         window, sizes = spec.split(":")
         left, right = map(int, window.split(","))
         for n in map(int, sizes.split(",")):
             rounds = 3 if n > 8192 else 5
-            for causal in ((True,) if right == 0 else (False,)):
+            for causal in (True,) if right == 0 else (False,):
                 pattern = P.sliding_window(left, right)
                 bound = 1 / (pattern & P.causal() if causal else pattern).density(n) * (0.5 + 0.5 / n if causal else 1)
                 inputs = tuple(torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
                 paths = _paths(pattern, *inputs, causal)
                 for backward in (False, True):
                     times = {name: [] for name in paths}
-                    for name, fn in paths.items():
+                    for fn in paths.values():
                         _clock(fn, backward, inputs)  # warm-up
                     for _ in range(rounds):
                         for name, fn in paths.items():
                             times[name].append(_clock(fn, backward, inputs))
-                    ratio = {name: statistics.median(a / b for a, b in zip(times["sdpa"], times[name]))
-                             for name in ("structured", "tiles")}
-                    print(f"sliding_window({left},{right}) causal={causal} N={n} {'fwd+bwd' if backward else 'fwd'}: "
-                          f"SDPA {1e3 * statistics.median(times['sdpa']):.0f} ms; structured {ratio['structured']:.2f}x, "
-                          f"tiles {ratio['tiles']:.2f}x (density bound {bound:.1f}x)", flush=True)
+                    ratio = {
+                        name: statistics.median(a / b for a, b in zip(times["sdpa"], times[name]))
+                        for name in ("structured", "tiles")
+                    }
+                    print(
+                        f"sliding_window({left},{right}) causal={causal} N={n} {'fwd+bwd' if backward else 'fwd'}: "
+                        f"SDPA {1e3 * statistics.median(times['sdpa']):.0f} ms; structured {ratio['structured']:.2f}x, "
+                        f"tiles {ratio['tiles']:.2f}x (density bound {bound:.1f}x)",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

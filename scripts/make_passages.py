@@ -74,8 +74,15 @@ def main() -> None:
                 continue
             seen.add(text)
             kept += 1
-            rows.append({"id": f"py-{qual}", "source": f"Python {version} standard library, docstring of {qual}",
-                         "license": "PSF-2.0", "tokens": n, "text": text})
+            rows.append(
+                {
+                    "id": f"py-{qual}",
+                    "source": f"Python {version} standard library, docstring of {qual}",
+                    "license": "PSF-2.0",
+                    "tokens": n,
+                    "text": text,
+                }
+            )
     rows = rows[:COUNT]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import platform
 import subprocess
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -38,8 +38,9 @@ def _pairs(n: int) -> dict[str, tuple[Callable, Callable]]:
 
     reformer = LSHAttention(bucket_size=64, n_hashes=1).eval()
     ours_lsh = attnzoo.build("lsh", n_hashes=1, n_buckets=n // 64, chunk=64).eval()
-    peer_sinkhorn = SinkhornAttention(bucket_size=256, dim=512, dim_heads=64, heads=8, max_seq_len=n,
-                                      sinkhorn_iter=7).eval()
+    peer_sinkhorn = SinkhornAttention(
+        bucket_size=256, dim=512, dim_heads=64, heads=8, max_seq_len=n, sinkhorn_iter=7
+    ).eval()
     ours_sinkhorn = attnzoo.build("sinkhorn", block=256, n_iters=7).eval()
     return {
         # reformer-pytorch takes heads folded into the batch, and one tensor for q and k (shared QK)
@@ -69,16 +70,22 @@ def main() -> None:
     release_mmap_threshold()
     torch.manual_seed(0)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"# scripts/peers.py --n {args.n} --repeats {args.repeats} at git {git}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; B=1, H=8, D=64, fp32, eval, non-causal")
+    print(
+        f"# scripts/peers.py --n {args.n} --repeats {args.repeats} at git {git}, "
+        f"{platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}; B=1, H=8, D=64, fp32, eval, non-causal"
+    )
     print("# ratio = peer time / attnzoo time (> 1: attnzoo faster), median of pairwise ratios [spread]")
     for name, (peer, ours) in _pairs(args.n).items():
         for backward in (False, True):
             inputs = tuple(torch.randn(1, 8, args.n, 64, requires_grad=backward) for _ in range(3))
             timed = interleaved(_timed(peer, inputs, backward), _timed(ours, inputs, backward), args.repeats)
             what = "fwd+bwd" if backward else "fwd"
-            print(f"{name:9s} N={args.n} {what:8s} peer {timed['reference_s'] * 1e3:8.1f} ms  attnzoo {timed['s'] * 1e3:8.1f} ms"
-                  f"  ratio {timed['ratio']:.2f} [{timed['spread'][0]:.2f}, {timed['spread'][1]:.2f}]")
+            print(
+                f"{name:9s} N={args.n} {what:8s} peer {timed['reference_s'] * 1e3:8.1f} ms  "
+                f"attnzoo {timed['s'] * 1e3:8.1f} ms"
+                f"  ratio {timed['ratio']:.2f} [{timed['spread'][0]:.2f}, {timed['spread'][1]:.2f}]"
+            )
 
 
 if __name__ == "__main__":

@@ -39,17 +39,31 @@ def tables(rows: list[dict]) -> str:
         if not names:
             continue
         head = ["mechanism", *(f"N={n}" for n in sizes), f"fwd N={sizes[-1]}", "crossover N"]
-        out += [f"**{'Causal' if causal else 'Non-causal'}** (vs SDPA{' causal' if causal else ''}, fwd+bwd; "
-                "bold: faster than SDPA; (bound) = 1/density)", "",
-                "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        out += [
+            f"**{'Causal' if causal else 'Non-causal'}** (vs SDPA{' causal' if causal else ''}, fwd+bwd; "
+            "bold: faster than SDPA; (bound) = 1/density)",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + " --- |" * len(head),
+        ]
         for name in names:
             by_n = {r["n"]: r for r in group if r["mechanism"] == name}
             last = by_n.get(sizes[-1], {})
             fwd = last.get("speedup_forward_vs_sdpa")
             fit = fits.get((name, causal), {})
             cross = fit.get("crossover_n")
-            out.append("| " + " | ".join([f"`{name}`", *(_cell(by_n.get(n)) for n in sizes),
-                                          f"{fwd:.2f}×" if fwd else "—", str(cross) if cross else "never"]) + " |")
+            out.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"`{name}`",
+                        *(_cell(by_n.get(n)) for n in sizes),
+                        f"{fwd:.2f}×" if fwd else "—",
+                        str(cross) if cross else "never",
+                    ]
+                )
+                + " |"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -57,6 +71,8 @@ def tables(rows: list[dict]) -> str:
 if __name__ == "__main__":
     lines = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines() if line.strip()]
     meta = lines[0]
-    print(f"`{meta.get('command')}` at git `{meta.get('git')}`, {meta.get('processor')} ({meta.get('cpus')} cores, "
-          f"torch {meta.get('torch')}), {meta.get('date')}; B=1, H=8, D=64, fp32.\n")
+    print(
+        f"`{meta.get('command')}` at git `{meta.get('git')}`, {meta.get('processor')} ({meta.get('cpus')} cores, "
+        f"torch {meta.get('torch')}), {meta.get('date')}; B=1, H=8, D=64, fp32.\n"
+    )
     print(tables(lines))

@@ -13,8 +13,16 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-def make_qkv(b: int, h: int, n_q: int, n_kv: int, d: int = 8, d_v: int | None = None,
-             dtype: torch.dtype = torch.float64, requires_grad: bool = True) -> tuple[torch.Tensor, ...]:
+def make_qkv(
+    b: int,
+    h: int,
+    n_q: int,
+    n_kv: int,
+    d: int = 8,
+    d_v: int | None = None,
+    dtype: torch.dtype = torch.float64,
+    requires_grad: bool = True,
+) -> tuple[torch.Tensor, ...]:
     """Random ``q (B, H, N_q, D)``, ``k (B, H, N_kv, D)``, ``v (B, H, N_kv, D_v)``."""
     d_v = d if d_v is None else d_v
     q = torch.randn(b, h, n_q, d, dtype=dtype)

@@ -35,7 +35,7 @@ Conventions (shared by all attention oracles):
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -81,6 +81,7 @@ __all__ = [
 # Plain (softmax / relu-normalised) attention
 # --------------------------------------------------------------------------
 
+
 def _check_qk(q: Tensor, k: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be (B, H, N, D); got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -88,8 +89,7 @@ def _check_qk(q: Tensor, k: Tensor) -> None:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, H or D")
 
 
-def _is_visible(b: int, i: int, j: int, nq: int, nk: int, causal: bool,
-                key_padding_mask: Optional[Tensor]) -> bool:
+def _is_visible(b: int, i: int, j: int, nq: int, nk: int, causal: bool, key_padding_mask: Tensor | None) -> bool:
     """Whether query i may attend to key j (in batch element b)."""
     if causal and j > i + (nk - nq):  # bottom-right aligned causal mask
         return False
@@ -98,9 +98,16 @@ def _is_visible(b: int, i: int, j: int, nq: int, nk: int, causal: bool,
     return True
 
 
-def _weight_rows(q: Tensor, k: Tensor, *, causal: bool, key_padding_mask: Optional[Tensor],
-                 scale: Optional[float], normalizer: str,
-                 score_bias: Optional[Tensor]) -> List[List[List[List[Optional[Tensor]]]]]:
+def _weight_rows(
+    q: Tensor,
+    k: Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    scale: float | None,
+    normalizer: str,
+    score_bias: Tensor | None,
+) -> list[list[list[list[Tensor | None]]]]:
     """weights[b][h][i][j] as 0-dim float64 tensors, or None where w_ij is exactly 0.
 
     (None marks "not visible" or "row normalises to zero"; callers turn it into
@@ -129,7 +136,7 @@ def _weight_rows(q: Tensor, k: Tensor, *, causal: bool, key_padding_mask: Option
             per_h = []
             for i in range(Nq):
                 # s_ij = scale * <q_i, k_j> (+ bias_ij), only for visible j
-                scores: List[Optional[Tensor]] = []
+                scores: list[Tensor | None] = []
                 for j in range(Nk):
                     if not _is_visible(b, i, j, Nq, Nk, causal, key_padding_mask):
                         scores.append(None)
@@ -140,7 +147,7 @@ def _weight_rows(q: Tensor, k: Tensor, *, causal: bool, key_padding_mask: Option
                     scores.append(s)
 
                 visible = [s for s in scores if s is not None]
-                row: List[Optional[Tensor]] = [None] * Nk
+                row: list[Tensor | None] = [None] * Nk
                 if not visible:
                     per_h.append(row)  # no visible key -> all-zero weights
                     continue
@@ -164,32 +171,57 @@ def _weight_rows(q: Tensor, k: Tensor, *, causal: bool, key_padding_mask: Option
     return weights
 
 
-def attention_weights_oracle(q: Tensor, k: Tensor, *, causal: bool = False,
-                             key_padding_mask: Optional[Tensor] = None,
-                             scale: Optional[float] = None, normalizer: str = "softmax",
-                             score_bias: Optional[Tensor] = None) -> Tensor:
+def attention_weights_oracle(
+    q: Tensor,
+    k: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    normalizer: str = "softmax",
+    score_bias: Tensor | None = None,
+) -> Tensor:
     """The (B, H, Nq, Nk) float64 attention weight matrix w_ij (0 where not visible).
 
     See :func:`attention_oracle` for the semantics.
     """
-    rows = _weight_rows(q, k, causal=causal, key_padding_mask=key_padding_mask,
-                        scale=scale, normalizer=normalizer, score_bias=score_bias)
+    rows = _weight_rows(
+        q,
+        k,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        normalizer=normalizer,
+        score_bias=score_bias,
+    )
     B, H, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     if B * H * Nq * Nk == 0:
         return torch.zeros(B, H, Nq, Nk, dtype=F64, device=q.device)
     zero = torch.zeros((), dtype=F64, device=q.device)
-    return torch.stack([
-        torch.stack([
-            torch.stack([
-                torch.stack([zero if w is None else w for w in row])
-                for row in per_h])
-            for per_h in per_b])
-        for per_b in rows])
+    return torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.stack([torch.stack([zero if w is None else w for w in row]) for row in per_h])
+                    for per_h in per_b
+                ]
+            )
+            for per_b in rows
+        ]
+    )
 
 
-def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                     key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None,
-                     normalizer: str = "softmax", score_bias: Optional[Tensor] = None) -> Tensor:
+def attention_oracle(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    normalizer: str = "softmax",
+    score_bias: Tensor | None = None,
+) -> Tensor:
     """Reference scaled dot-product attention, float64, double loop over (i, j).
 
     q: (B, H, Nq, D), k: (B, H, Nk, D), v: (B, H, Nk, Dv) -> (B, H, Nq, Dv) float64.
@@ -208,8 +240,15 @@ def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """
     if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v must be (B, H, Nk, Dv) matching k {tuple(k.shape)}; got {tuple(v.shape)}")
-    rows = _weight_rows(q, k, causal=causal, key_padding_mask=key_padding_mask,
-                        scale=scale, normalizer=normalizer, score_bias=score_bias)
+    rows = _weight_rows(
+        q,
+        k,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        scale=scale,
+        normalizer=normalizer,
+        score_bias=score_bias,
+    )
     v = v.to(F64)
     B, H, Nk, Dv = v.shape
     if B * H == 0:
@@ -219,7 +258,7 @@ def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         out_h = []
         for h in range(H):
             out_i = []
-            for i, row in enumerate(rows[b][h]):
+            for row in rows[b][h]:
                 acc = torch.zeros(Dv, dtype=F64, device=v.device)
                 for j in range(Nk):
                     w = row[j]
@@ -235,6 +274,7 @@ def attention_oracle(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 # --------------------------------------------------------------------------
 # Sinusoidal absolute position encoding (Vaswani et al., 2017)
 # --------------------------------------------------------------------------
+
 
 def sinusoidal_oracle(n: int, dim: int) -> Tensor:
     """PE[pos, 2i] = sin(pos / 10000^(2i/dim)), PE[pos, 2i+1] = cos(pos / 10000^(2i/dim)).
@@ -254,12 +294,13 @@ def sinusoidal_oracle(n: int, dim: int) -> Tensor:
 # ALiBi (Press, Smith & Lewis, 2022)
 # --------------------------------------------------------------------------
 
-def _alibi_slopes_power_of_2(n: int) -> List[float]:
+
+def _alibi_slopes_power_of_2(n: int) -> list[float]:
     # start = 2^(-8/n); slope_h = start^(h+1) = 2^(-8/n * (h+1))
     return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
 
 
-def alibi_slopes_oracle(heads: int) -> List[float]:
+def alibi_slopes_oracle(heads: int) -> list[float]:
     """ALiBi head slopes, as in the reference implementation's ``get_slopes``.
 
     For ``heads`` a power of two n: slope_h = 2^(-8/n * (h+1)), h = 0..n-1.
@@ -291,9 +332,18 @@ def alibi_bias_oracle(heads: int, n: int) -> Tensor:
 # Shaw, Uszkoreit & Vaswani (2018) relative position self-attention
 # --------------------------------------------------------------------------
 
-def shaw_relative_oracle(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor, rel_v: Tensor,
-                         max_distance: int, *, causal: bool = False,
-                         scale: Optional[float] = None) -> Tensor:
+
+def shaw_relative_oracle(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    rel_k: Tensor,
+    rel_v: Tensor,
+    max_distance: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
     """Relative-position self-attention of Shaw et al. (2018), float64.
 
     q, k: (B, H, N, D), v: (B, H, N, Dv); rel_k: (2*max_distance+1, D),
@@ -344,7 +394,8 @@ def shaw_relative_oracle(q: Tensor, k: Tensor, v: Tensor, rel_k: Tensor, rel_v: 
 # Rotary position embedding (Su et al., 2021), "rotate half" convention
 # --------------------------------------------------------------------------
 
-def rope_oracle(x: Tensor, positions: Union[Tensor, Sequence[int]], base: float = 10000.0) -> Tensor:
+
+def rope_oracle(x: Tensor, positions: Tensor | Sequence[int], base: float = 10000.0) -> Tensor:
     """Apply RoPE to x (..., N, D), D even, at integer ``positions`` (N,), float64.
 
     "Rotate half" convention (GPT-NeoX / HF Llama style), NOT interleaved pairs:
@@ -389,12 +440,13 @@ def rope_oracle(x: Tensor, positions: Union[Tensor, Sequence[int]], base: float 
 # of p and the key index j.  For n_q == n_kv, p == i.  A table of random
 # keys / blocks may contain -1 for "no entry"; since j >= 0 it never matches.
 
+
 def _aligned(i: int, n_q: int, n_kv: int) -> int:
     """Aligned (bottom-right) position of query row i."""
     return i + (n_kv - n_q)
 
 
-def _ints(x: Union[Tensor, Sequence[int]]) -> List[int]:
+def _ints(x: Tensor | Sequence[int]) -> list[int]:
     """A 1-D tensor or sequence of integers as a plain list of Python ints."""
     return [int(v) for v in (x.reshape(-1).tolist() if isinstance(x, Tensor) else x)]
 
@@ -416,11 +468,13 @@ def _check_block_table(table: Tensor, n_q: int, n_kv: int, block: int) -> None:
         # rows with p < 0 would index the table with a negative block number
         raise ValueError("block-table patterns need n_q <= n_kv")
     if table.dim() != 2 or table.shape[0] != _n_blocks(n_kv, block):
-        raise ValueError(f"table must be (ceil(n_kv / block), r) = ({_n_blocks(n_kv, block)}, r); "
-                         f"got {tuple(table.shape)}")
+        raise ValueError(
+            f"table must be (ceil(n_kv / block), r) = ({_n_blocks(n_kv, block)}, r); got {tuple(table.shape)}"
+        )
 
 
 # --- atomic patterns -------------------------------------------------------
+
 
 def full_oracle(n_q: int, n_kv: int) -> Tensor:
     """Every query sees every key."""
@@ -475,7 +529,7 @@ def strided_oracle(n_q: int, n_kv: int, stride: int) -> Tensor:
     return M
 
 
-def global_tokens_oracle(n_q: int, n_kv: int, indices: Union[Tensor, Sequence[int]]) -> Tensor:
+def global_tokens_oracle(n_q: int, n_kv: int, indices: Tensor | Sequence[int]) -> Tensor:
     """p in G or j in G, G = set(indices) (positions in the key coordinate system)."""
     G = set(_ints(indices))
     M = _new_mask(n_q, n_kv)
@@ -528,8 +582,10 @@ def block_local_oracle(n_q: int, n_kv: int, size: int) -> Tensor:
 
 # --- compound patterns (each written from its own definition) --------------
 
-def longformer_oracle(n_q: int, n_kv: int, window: int, global_indices: Union[Tensor, Sequence[int]],
-                      dilation: int = 1) -> Tensor:
+
+def longformer_oracle(
+    n_q: int, n_kv: int, window: int, global_indices: Tensor | Sequence[int], dilation: int = 1
+) -> Tensor:
     """Longformer (Beltagy et al., 2020): (dilated) symmetric window plus global tokens.
 
     (j - p == dilation * t for some integer t in [-window, window]) or p in G or j in G.
@@ -546,8 +602,7 @@ def longformer_oracle(n_q: int, n_kv: int, window: int, global_indices: Union[Te
     return M
 
 
-def bigbird_oracle(n_q: int, n_kv: int, block: int, window_blocks: int, global_blocks: int,
-                   table: Tensor) -> Tensor:
+def bigbird_oracle(n_q: int, n_kv: int, block: int, window_blocks: int, global_blocks: int, table: Tensor) -> Tensor:
     """BigBird (Zaheer et al., 2020), block form.
 
     qb = p // block, kb = j // block, n_blocks = ceil(n_kv / block);
@@ -566,8 +621,7 @@ def bigbird_oracle(n_q: int, n_kv: int, block: int, window_blocks: int, global_b
         random_blocks = set(_ints(table[qb]))
         for j in range(n_kv):
             kb = j // block
-            M[i, j] = (abs(qb - kb) <= window_blocks // 2 or qb in GB or kb in GB
-                       or kb in random_blocks)
+            M[i, j] = abs(qb - kb) <= window_blocks // 2 or qb in GB or kb in GB or kb in random_blocks
     return M
 
 
@@ -647,8 +701,7 @@ def block2d_oracle(h: int, w: int, query_block: Sequence[int], memory_margin: Se
         br, bc = r // qh, c // qw
         for j in range(n):
             r2, c2 = j // w, j % w
-            M[i, j] = (br * qh - mh <= r2 <= (br + 1) * qh - 1 + mh
-                       and bc * qw - mw <= c2 <= (bc + 1) * qw - 1 + mw)
+            M[i, j] = br * qh - mh <= r2 <= (br + 1) * qh - 1 + mh and bc * qw - mw <= c2 <= (bc + 1) * qw - 1 + mw
     return M
 
 
@@ -699,8 +752,10 @@ def per_head_oracle(masks: Sequence[Tensor], heads: int) -> Tensor:
 # Hadamard-product form of Kim et al. (2017)
 # --------------------------------------------------------------------------
 
-def oracle_lama_weights(x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Optional[Tensor] = None,
-                        key_padding_mask: Optional[Tensor] = None) -> Tensor:
+
+def oracle_lama_weights(
+    x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Tensor | None = None, key_padding_mask: Tensor | None = None
+) -> Tensor:
     """Pooling weights alpha (B, heads, N) of LAMA, written from
 
         s_hi = sum_r p[r, h] * tanh(sum_d u[d, r] x_i[d]) * tanh(sum_d v[d, r] c[d])
@@ -727,12 +782,19 @@ def oracle_lama_weights(x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Optional[
         for h in range(heads):
             scores = {}
             for i in real:
-                scores[i] = sum(p[r, h] * torch.tanh(torch.dot(u[:, r], x[b, i])) * ctx_features[r]
-                                for r in range(rank))
+                scores[i] = sum(
+                    p[r, h] * torch.tanh(torch.dot(u[:, r], x[b, i])) * ctx_features[r] for r in range(rank)
+                )
             top = max(float(s.detach()) for s in scores.values()) if scores else 0.0
             total = sum(torch.exp(s - top) for s in scores.values())
-            heads_rows.append(torch.stack([torch.exp(scores[i] - top) / total if i in scores
-                                           else torch.zeros((), dtype=F64) for i in range(N)]))
+            heads_rows.append(
+                torch.stack(
+                    [
+                        torch.exp(scores[i] - top) / total if i in scores else torch.zeros((), dtype=F64)
+                        for i in range(N)
+                    ]
+                )
+            )
         rows.append(torch.stack(heads_rows))
     return torch.stack(rows)
 
@@ -741,14 +803,16 @@ def oracle_lama_weights(x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Optional[
 # Axial attention (Ho et al., 2019): a row pass, then a column pass
 # --------------------------------------------------------------------------
 
-def _linear_oracle(W: Tensor, b: Optional[Tensor], x: Tensor) -> Tensor:
+
+def _linear_oracle(W: Tensor, b: Tensor | None, x: Tensor) -> Tensor:
     """y = W x + b for one vector x (the nn.Linear convention)."""
     y = torch.stack([torch.dot(W[o], x) for o in range(W.shape[0])])
     return y if b is None else y + b
 
 
-def _axial_pass_oracle(x: Tensor, h: int, w: int, heads: int, params: Sequence[Optional[Tensor]],
-                       along_row: bool, causal: bool) -> Tensor:
+def _axial_pass_oracle(
+    x: Tensor, h: int, w: int, heads: int, params: Sequence[Tensor | None], along_row: bool, causal: bool
+) -> Tensor:
     Wq, bq, Wk, bk, Wv, bv, Wo, bo = (None if t is None else t.to(F64) for t in params)
     B, N, dim = x.shape
     d = Wq.shape[0] // heads
@@ -777,8 +841,15 @@ def _axial_pass_oracle(x: Tensor, h: int, w: int, heads: int, params: Sequence[O
     return torch.stack(out_rows)
 
 
-def oracle_axial_attention(x: Tensor, h: int, w: int, heads: int, row: Sequence[Optional[Tensor]],
-                           column: Sequence[Optional[Tensor]], causal: bool = False) -> Tensor:
+def oracle_axial_attention(
+    x: Tensor,
+    h: int,
+    w: int,
+    heads: int,
+    row: Sequence[Tensor | None],
+    column: Sequence[Tensor | None],
+    causal: bool = False,
+) -> Tensor:
     """Axial attention on an h x w grid, x (B, h*w, dim) in raster order (token n is row n // w,
     column n % w). ``row`` and ``column`` are each pass's (Wq, bq, Wk, bk, Wv, bv, Wo, bo), with
     W (out, in) and y = W x + b; heads split q, k, v into ``heads`` contiguous slices of width d
@@ -795,9 +866,19 @@ def oracle_axial_attention(x: Tensor, h: int, w: int, heads: int, row: Sequence[
 # GAT additive scores (Velickovic et al., 2018) along a graph's edges
 # --------------------------------------------------------------------------
 
-def oracle_gat_attention(q: Tensor, k: Tensor, v: Tensor, edges: Sequence[Sequence[int]], n: int,
-                         a: Tensor, *, self_loops: bool = True, causal: bool = False,
-                         key_padding_mask: Optional[Tensor] = None) -> Tensor:
+
+def oracle_gat_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    edges: Sequence[Sequence[int]],
+    n: int,
+    a: Tensor,
+    *,
+    self_loops: bool = True,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
     """GAT attention with q_i, k_j as the projected features W h_i, W h_j, by a loop over edges:
 
         e_ij    = LeakyReLU(a[h, 0] . q_i + a[h, 1] . k_j), negative slope 0.2
@@ -850,6 +931,7 @@ def oracle_gat_attention(q: Tensor, k: Tensor, v: Tensor, edges: Sequence[Sequen
 # sets; dedupe=False: weights N_ij exp(s_ij). A real query with an empty union
 # outputs v_i; a padded query outputs zeros.
 
+
 def lsh_visible_sets(buckets, chunk, *, causal=False, key_padding_mask=None):
     """Per-round visible key sets.
 
@@ -901,8 +983,7 @@ def lsh_visible_sets(buckets, chunk, *, causal=False, key_padding_mask=None):
     return sets
 
 
-def lsh_union_oracle(q, v, buckets, chunk, *, causal=False, key_padding_mask=None,
-                     dedupe=True) -> Tensor:
+def lsh_union_oracle(q, v, buckets, chunk, *, causal=False, key_padding_mask=None, dedupe=True) -> Tensor:
     """Reference output (B, H, N, Dv) of multi-round LSH attention (see module docstring).
 
     q: (B, H, N, D) float64; v: (B, H, N, Dv) float64; buckets: LongTensor (R, B, H, N);
@@ -912,16 +993,14 @@ def lsh_union_oracle(q, v, buckets, chunk, *, causal=False, key_padding_mask=Non
     Dv = v.shape[-1]
     R = buckets.shape[0]
     assert buckets.shape == (R, B, H, N)
-    sets = lsh_visible_sets(buckets, chunk, causal=causal,
-                            key_padding_mask=key_padding_mask)
+    sets = lsh_visible_sets(buckets, chunk, causal=causal, key_padding_mask=key_padding_mask)
     scale = 1.0 / math.sqrt(D)
     out_b = []
     for b in range(B):
         out_h = []
         for h in range(H):
             # shared QK: unit-normalised queries as keys (plain division, as specified)
-            keys = [q[b, h, j] / torch.sqrt((q[b, h, j] * q[b, h, j]).sum())
-                    for j in range(N)]
+            keys = [q[b, h, j] / torch.sqrt((q[b, h, j] * q[b, h, j]).sum()) for j in range(N)]
             rows = []
             for i in range(N):
                 is_real = key_padding_mask is None or bool(key_padding_mask[b, i])

@@ -61,8 +61,13 @@ def listops_eval(tokens) -> ListOpsTree:
         else:
             result = value
     assert result is not None and not stack, "incomplete expression"
-    return ListOpsTree(value=result, length=length, depth=depth,
-                       min_args=min(arg_counts, default=0), max_args=max(arg_counts, default=0))
+    return ListOpsTree(
+        value=result,
+        length=length,
+        depth=depth,
+        min_args=min(arg_counts, default=0),
+        max_args=max(arg_counts, default=0),
+    )
 
 
 def mqar_check(tokens, labels, *, vocab_size: int, n_pairs: int) -> None:

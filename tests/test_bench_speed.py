@@ -22,8 +22,14 @@ def test_parse_mechanism_reads_literals():
 
 
 def test_run_reports_ratios_checks_and_errors():
-    setting = speed.Setting(mechanisms=(("local", {"left": 8, "right": 8, "block": 64}), ("block2d", {})),
-                            backends=("blocked",), sizes=(256,), heads=2, dim=16, repeats=1)
+    setting = speed.Setting(
+        mechanisms=(("local", {"left": 8, "right": 8, "block": 64}), ("block2d", {})),
+        backends=("blocked",),
+        sizes=(256,),
+        heads=2,
+        dim=16,
+        repeats=1,
+    )
     rows = list(speed.run(setting))
     kinds = [r["kind"] for r in rows]
     assert kinds == ["meta", "sdpa", "speed", "speed"]
@@ -45,8 +51,25 @@ def test_run_reports_ratios_checks_and_errors():
 
 def test_cli_writes_json_lines(tmp_path, capsys):
     out = tmp_path / "speed.jsonl"
-    code = main(["bench", "speed", "--mechanism", "local:left=4,right=4,block=32", "--n", "128", "--heads", "2",
-                 "--dim", "16", "--repeats", "1", "--no-backward", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "speed",
+            "--mechanism",
+            "local:left=4,right=4,block=32",
+            "--n",
+            "128",
+            "--heads",
+            "2",
+            "--dim",
+            "16",
+            "--repeats",
+            "1",
+            "--no-backward",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows[0]["kind"] == "meta" and "bench speed" in rows[0]["command"]
@@ -55,8 +78,9 @@ def test_cli_writes_json_lines(tmp_path, capsys):
 
 
 def test_mechanisms_without_a_backend_switch_are_checked_against_implied_attention():
-    setting = speed.Setting(mechanisms=(("topk", {"topk": 8}),), sizes=(128,), heads=2, dim=16, repeats=1,
-                            backward=False)
+    setting = speed.Setting(
+        mechanisms=(("topk", {"topk": 8}),), sizes=(128,), heads=2, dim=16, repeats=1, backward=False
+    )
     row = list(speed.run(setting))[-1]
     assert row["checked_by"] == "implied_attention @ v" and row["correct"]
 
@@ -76,8 +100,12 @@ def test_density_counts_against_the_pairs_sdpa_computes():
 
 
 def test_crossover_is_the_smallest_n_from_which_the_mechanism_stays_ahead():
-    rows = [{"n": 512, "speedup_forward_backward_vs_sdpa": 1.2}, {"n": 1024, "speedup_forward_backward_vs_sdpa": 0.9},
-            {"n": 2048, "speedup_forward_backward_vs_sdpa": 1.5}, {"n": 4096, "speedup_forward_backward_vs_sdpa": 3.0}]
+    rows = [
+        {"n": 512, "speedup_forward_backward_vs_sdpa": 1.2},
+        {"n": 1024, "speedup_forward_backward_vs_sdpa": 0.9},
+        {"n": 2048, "speedup_forward_backward_vs_sdpa": 1.5},
+        {"n": 4096, "speedup_forward_backward_vs_sdpa": 3.0},
+    ]
     assert speed.crossover(rows) == 2048
     assert speed.crossover(rows[:2]) is None
     assert speed.crossover([{"n": 512, "speedup_forward_vs_sdpa": 2.0}]) == 512
@@ -88,8 +116,14 @@ def test_fitted_exponents():
     assert speed.fitted_exponent([1000, 2000], [3.0, 6.0]) == pytest.approx(1.0)
     assert speed.fitted_exponent([1000], [3.0]) is None
     assert speed.fitted_exponent([1000, 2000], [0, 5.0]) is None  # unmeasured memory is skipped
-    setting = speed.Setting(mechanisms=(("local", {"left": 4, "right": 4, "block": 32}),), sizes=(64, 128),
-                            heads=1, dim=16, repeats=1, backward=False)
+    setting = speed.Setting(
+        mechanisms=(("local", {"left": 4, "right": 4, "block": 32}),),
+        sizes=(64, 128),
+        heads=1,
+        dim=16,
+        repeats=1,
+        backward=False,
+    )
     fit = list(speed.run(setting))[-1]
     assert fit["kind"] == "fit" and fit["sizes"] == [64, 128] and fit["time_exponent"] is not None
     assert "crossover_n" in fit and fit["causal"] is False
@@ -105,8 +139,9 @@ def test_decode_bench_times_steps_and_refuses_mechanisms_without_one():
 
 
 def test_token_mixers_are_timed_without_a_claimed_speedup():
-    setting = speed.Setting(mechanisms=(("fnet", {}), ("gmlp", {})), sizes=(64,), heads=2, dim=8, repeats=1,
-                            backward=False)
+    setting = speed.Setting(
+        mechanisms=(("fnet", {}), ("gmlp", {})), sizes=(64,), heads=2, dim=8, repeats=1, backward=False
+    )
     rows = [r for r in speed.run(setting) if r["kind"] == "speed"]
     assert [r["mechanism"] for r in rows] == ["fnet", "gmlp"]
     assert all(r["forward_s"] > 0 and r["correct"] is None and "speedup_forward_vs_sdpa" not in r for r in rows)

@@ -46,8 +46,14 @@ def test_state_dict_saves_with_safetensors_and_is_complete_before_the_first_forw
 def test_a_checkpoint_with_the_old_duplicate_keys_still_loads():
     mha = _mha("sinkhorn")
     state = mha.state_dict()
-    old = {**state, **{"attn." + key[len("mechanisms.0."):]: value for key, value in state.items()
-                       if key.startswith("mechanisms.0.")}}
+    old = {
+        **state,
+        **{
+            "attn." + key[len("mechanisms.0.") :]: value
+            for key, value in state.items()
+            if key.startswith("mechanisms.0.")
+        },
+    }
     assert len(old) > len(state)
     fresh = _mha("sinkhorn")
     fresh.load_state_dict(old)  # strict
@@ -140,7 +146,7 @@ def test_float64_gradients_pass_gradcheck(name, fast):
     mask = torch.arange(n)[None, :] < n - 3
     for causal in _causal_modes(name):
         q, k, v = make_qkv(1, HEADS, n, n, d=HEAD_DIM)
-        attend = lambda q, k, v: attn(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
+        attend = lambda q, k, v, causal=causal: attn(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
         torch.autograd.gradcheck(attend, (q, k, v), fast_mode=fast)
 
 
@@ -233,7 +239,7 @@ def test_padding_is_inert_whatever_it_holds(name):
             _same(out, want, f"{what}: output")
             for i, (got, expected) in enumerate(zip(got_grads, want_grads)):
                 _same(got, expected, f"{what}: gradient {i}")
-            for got in got_grads[int(not poison_q):3]:
+            for got in got_grads[int(not poison_q) : 3]:
                 assert not got.masked_select(pad).any(), f"{what}: a padded position got a gradient"
             # The weights the forward applies see the same zeroed inputs.
             implied = (attn.implied_attention(*x[:2], causal=causal, key_padding_mask=mask) for x in (dirty, clean))
@@ -287,8 +293,11 @@ LAYERS = {  # a float32 layer with parameters, and a matching input
 def test_an_input_of_another_dtype_is_refused_at_the_layer_naming_both(layer, dtype):
     make, shape = LAYERS[layer]
     module = make()
-    with pytest.raises(TypeError, match=rf"x is {dtype} on cpu, but \w+'s parameters are torch.float32 on cpu; "
-                                        rf"move the input \(x.to\('cpu', torch.float32\)\)"):
+    with pytest.raises(
+        TypeError,
+        match=rf"x is {dtype} on cpu, but \w+'s parameters are torch.float32 on cpu; "
+        rf"move the input \(x.to\('cpu', torch.float32\)\)",
+    ):
         module(torch.randn(shape, dtype=dtype))
     module.to(dtype)(torch.randn(shape, dtype=dtype))  # the fix the message gives works
 
@@ -317,9 +326,37 @@ def test_autocast_may_feed_a_float32_layer_low_precision_inputs():
 
 # --- the command line: one error line, exit code 2, nothing trained or written -----------------
 
-TINY = ["bench", "train", "--task", "mqar", "--size", "quick", "--task-set", "n_train=64", "--task-set", "n_val=32",
-        "--task-set", "n_test=32", "--dim", "16", "--depth", "1", "--heads", "2", "--batch-size", "16", "--steps", "4",
-        "--eval-every", "2", "--checkpoint-every", "1", "--warmup", "1", "--quiet"]
+TINY = [
+    "bench",
+    "train",
+    "--task",
+    "mqar",
+    "--size",
+    "quick",
+    "--task-set",
+    "n_train=64",
+    "--task-set",
+    "n_val=32",
+    "--task-set",
+    "n_test=32",
+    "--dim",
+    "16",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--batch-size",
+    "16",
+    "--steps",
+    "4",
+    "--eval-every",
+    "2",
+    "--checkpoint-every",
+    "1",
+    "--warmup",
+    "1",
+    "--quiet",
+]
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str]:
@@ -334,8 +371,14 @@ def _cli(capsys, *argv: str) -> tuple[int, str]:
 
 
 def _train(capsys, tmp_path: Path, *extra: str, run: str = "run") -> tuple[int, str]:
-    where = ["--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / run),
-             "--results", str(tmp_path / "results.jsonl")]
+    where = [
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--run-dir",
+        str(tmp_path / run),
+        "--results",
+        str(tmp_path / "results.jsonl"),
+    ]
     return _cli(capsys, *TINY, *where, *extra)
 
 
@@ -361,15 +404,18 @@ def test_train_config_refuses_non_finite_floats_naming_them():
             TrainConfig(task="mqar", **{name: float("inf")})
 
 
-@pytest.mark.parametrize("argv, needles", [
-    (["--mechanism", "local", "--set", "left=abc"], ["'left' must be int, got 'abc'"]),
-    (["--mechanism", "local:left=abc"], ["'left' must be int, got 'abc'"]),
-    (["--mechanism", "local", "--set", "lfet=3"], ["unknown config key(s) 'lfet'", "left"]),
-    (["--task-set", "n_train"], ["key=value", "--task-set n_train"]),
-    (["--device", "tpu"], ["device 'tpu'"]),
-    (["--device", "mps"], ["device 'mps'", "cpu or cuda"]),
-    (["--device", "cuda:7"], ["cuda"]),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--mechanism", "local", "--set", "left=abc"], ["'left' must be int, got 'abc'"]),
+        (["--mechanism", "local:left=abc"], ["'left' must be int, got 'abc'"]),
+        (["--mechanism", "local", "--set", "lfet=3"], ["unknown config key(s) 'lfet'", "left"]),
+        (["--task-set", "n_train"], ["key=value", "--task-set n_train"]),
+        (["--device", "tpu"], ["device 'tpu'"]),
+        (["--device", "mps"], ["device 'mps'", "cpu or cuda"]),
+        (["--device", "cuda:7"], ["cuda"]),
+    ],
+)
 def test_bad_values_end_in_one_error_line_before_any_training(capsys, tmp_path, argv, needles):
     _one_error(*_train(capsys, tmp_path, *argv), *needles)
     assert not (tmp_path / "run").exists() and not (tmp_path / "results.jsonl").exists()
@@ -385,8 +431,16 @@ def test_bad_paths_end_in_one_error_line_before_any_training(capsys, tmp_path):
     ]
     for argv, *needles in cases:
         _one_error(*_train(capsys, tmp_path, *argv), *needles)
-    code, text = _cli(capsys, *TINY, "--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"),
-                      "--results", str(tmp_path / "a_dir"))
+    code, text = _cli(
+        capsys,
+        *TINY,
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--results",
+        str(tmp_path / "a_dir"),
+    )
     _one_error(code, text, "--results", "is a directory")
     assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()  # refused before training
 
@@ -399,8 +453,9 @@ def test_mechanism_settings_and_set_merge():
 
     parser = argparse.ArgumentParser()
     train_cli.add_arguments(parser)
-    args = parser.parse_args(["--task", "mqar", "--mechanism", "local:left=3", "--set", "right=2",
-                              "--task-set", "n_train=64,n_val=32"])
+    args = parser.parse_args(
+        ["--task", "mqar", "--mechanism", "local:left=3", "--set", "right=2", "--task-set", "n_train=64,n_val=32"]
+    )
     cfg = train_cli.config_from_args(args)
     assert cfg.mechanism == "local" and cfg.config == {"left": 3, "right": 2}
     assert cfg.task_overrides == {"n_train": 64, "n_val": 32}
@@ -430,8 +485,12 @@ def test_a_truncated_checkpoint_names_the_file_and_the_previous_one_resumes(caps
 def test_a_checkpoint_of_another_model_is_a_clear_error(capsys, tmp_path):
     code, text = _train(capsys, tmp_path, "--steps", "1", run="small")
     assert code == 0, text
-    _one_error(*_train(capsys, tmp_path, "--steps", "1", "--dim", "32", "--init-from",
-                       str(tmp_path / "small" / "best.safetensors")), "holds another model's weights")
+    _one_error(
+        *_train(
+            capsys, tmp_path, "--steps", "1", "--dim", "32", "--init-from", str(tmp_path / "small" / "best.safetensors")
+        ),
+        "holds another model's weights",
+    )
 
 
 # --- a run that diverges stops, fails, and is recorded as failed -------------------------------
@@ -455,8 +514,18 @@ def test_a_diverging_run_stops_with_an_error_and_a_failed_row(capsys, tmp_path):
 def test_the_trainer_stops_before_a_non_finite_step_reaches_the_weights(tmp_path):
     from attnzoo.bench.train import TrainConfig, TrainingDiverged, train
 
-    cfg = TrainConfig(task="mqar", task_overrides=dict(n_train=64, n_val=32, n_test=32), dim=16, depth=1, heads=2,
-                      batch_size=16, steps=4, eval_every=2, warmup=1, lr=1e30)
+    cfg = TrainConfig(
+        task="mqar",
+        task_overrides=dict(n_train=64, n_val=32, n_test=32),
+        dim=16,
+        depth=1,
+        heads=2,
+        batch_size=16,
+        steps=4,
+        eval_every=2,
+        warmup=1,
+        lr=1e30,
+    )
     with pytest.raises(TrainingDiverged, match="diverged: loss nan") as error:
         train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
     assert error.value.row["status"] == "diverged"

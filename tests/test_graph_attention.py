@@ -7,7 +7,8 @@ import torch
 
 import attnzoo
 from attnzoo.mechanisms.graph import degree_buckets, reference_graph_attention
-from conftest import LargestTensor as Largest, grads, padding_mask
+from conftest import LargestTensor as Largest
+from conftest import grads, padding_mask
 from oracles import oracle_gat_attention
 from tolerances import assert_close_to_golden, assert_same
 
@@ -36,8 +37,11 @@ def test_gather_equals_dense_adjacency_attention(causal, padded):
     if padded:
         assert torch.equal(out[0], torch.zeros_like(out[0]))
     qf, kf, vf = (t.detach().float() for t in (q, k, v))
-    assert_close_to_golden(module(qf, kf, vf, causal=causal), reference_graph_attention(qf, kf, vf, module.graph, causal=causal),
-                           reference_graph_attention(q, k, v, module.graph, causal=causal).detach())
+    assert_close_to_golden(
+        module(qf, kf, vf, causal=causal),
+        reference_graph_attention(qf, kf, vf, module.graph, causal=causal),
+        reference_graph_attention(q, k, v, module.graph, causal=causal).detach(),
+    )
 
 
 def test_degree_buckets_bound_the_padding():
@@ -76,8 +80,9 @@ def test_gat_score_matches_the_edge_loop_oracle(causal, padded):
     inputs = (q, k, v, module.attention_vector)
     for got, want, name in zip(grads(out, inputs), grads(expected, inputs), ("q", "k", "v", "a")):
         assert_same(got, want, what=f"d{name}")
-    dense = reference_graph_attention(q, k, v, module.graph, causal=causal, key_padding_mask=mask,
-                                      attention_vector=module.attention_vector)
+    dense = reference_graph_attention(
+        q, k, v, module.graph, causal=causal, key_padding_mask=mask, attention_vector=module.attention_vector
+    )
     assert_same(dense, out, what="dense reference")
     assert_same(module.implied_attention(q, k, causal=causal, key_padding_mask=mask) @ v, out)
 

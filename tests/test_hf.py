@@ -109,10 +109,18 @@ def test_attention_dropout_in_training_is_refused(minilm_setup):
 
 
 def _tiny_causal_models():
-    llama = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    gpt2 = transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                   bos_token_id=0, eos_token_id=0)
+    llama = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    gpt2 = transformers.GPT2Config(
+        vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     return [(transformers.LlamaModel, llama), (transformers.GPT2Model, gpt2)]
 
 
@@ -168,8 +176,19 @@ def test_fidelity_run_rows(minilm_setup):
     rows = list(fidelity.run(mechanisms, passages=fidelity.load_passages(limit=4), max_length=64, command="test"))
     meta, softmax, local, bad, *rest = rows
     assert meta["kind"] == "meta" and meta["transformers"] and meta["command"] == "test"
-    keys = {"kind", "mechanism", "config", "applicable", "reason", "mean_cosine", "min_cosine", "retrieval_at_1",
-            "n_passages", "seconds", "model"}
+    keys = {
+        "kind",
+        "mechanism",
+        "config",
+        "applicable",
+        "reason",
+        "mean_cosine",
+        "min_cosine",
+        "retrieval_at_1",
+        "n_passages",
+        "seconds",
+        "model",
+    }
     assert all(keys <= set(r) for r in rows[1:])
     assert softmax["mean_cosine"] == pytest.approx(1, abs=TOL) and softmax["retrieval_at_1"] == 1
     assert local["applicable"] and local["mean_cosine"] < 1 and local["n_passages"] == 4
@@ -180,8 +199,16 @@ def test_fidelity_run_rows(minilm_setup):
 
 
 def test_model_scale_reaches_mechanisms_with_and_without_a_scale_key():
-    config = transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                     bos_token_id=0, eos_token_id=0, scale_attn_weights=False)  # scaling 1, not 1/4
+    config = transformers.GPT2Config(
+        vocab_size=100,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        scale_attn_weights=False,
+    )  # scaling 1, not 1/4
     eager = transformers.GPT2Model(copy.deepcopy(config)).eval()
     eager.set_attn_implementation("eager")
     model = transformers.GPT2Model(copy.deepcopy(config)).eval()

@@ -10,7 +10,11 @@ import torch
 import attnzoo
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms.hierarchical import (
-    dense_graph_mask, dense_membership, hierarchical_graph, level_offsets, reference_hierarchical,
+    dense_graph_mask,
+    dense_membership,
+    hierarchical_graph,
+    level_offsets,
+    reference_hierarchical,
 )
 from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same
@@ -70,8 +74,8 @@ def test_causal_is_strong(n):
     out = attn(q, k, v, causal=True)
     for t in (0, 5, n // 2, n - 2):
         k2, v2 = k.detach().clone(), v.detach().clone()
-        k2[:, :, t + 1:] = torch.randn_like(k2[:, :, t + 1:])
-        v2[:, :, t + 1:] = torch.randn_like(v2[:, :, t + 1:])
+        k2[:, :, t + 1 :] = torch.randn_like(k2[:, :, t + 1 :])
+        v2[:, :, t + 1 :] = torch.randn_like(v2[:, :, t + 1 :])
         out2 = attn(q, k2, v2, causal=True)
         assert_same(out2[:, :, : t + 1], out[:, :, : t + 1])
     w = attn.implied_attention(q, k, causal=True)

@@ -11,7 +11,8 @@ import torch
 import attnzoo
 import attnzoo.mechanisms.kernel as kernel
 from attnzoo.mechanisms.kernel_features import favor_exponent, fourier_features
-from conftest import LargestTensor as Largest, grads, make_qkv, padding_mask
+from conftest import LargestTensor as Largest
+from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same
 
 KERNEL = attnzoo.names(family="kernel")
@@ -122,7 +123,7 @@ def test_recurrent_step_equals_chunked_equals_quadratic_at_every_position(name):
     assert all(torch.count_nonzero(t) == 0 for t in (state.s, state.z))
     steps = []
     for t in range(N):
-        out, state = attn.step(state, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
         steps.append(out)
     assert_same(torch.cat(steps, dim=2), chunked, what="token-by-token steps vs chunked")
     # a prefill of several tokens, then single steps
@@ -140,10 +141,10 @@ def test_causal_outputs_ignore_the_future(name):
     for t in (0, 5, 8, 20):
         q2, k2, v2 = (x.clone() for x in (q, k, v))
         for x in (q2, k2, v2):
-            x[:, :, t + 1:] = torch.randn_like(x[:, :, t + 1:]) * 10
+            x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 10
         y2 = attn(q2, k2, v2, causal=True)
-        assert_same(y2[:, :, :t + 1], y[:, :, :t + 1], what=f"outputs <= {t}")
-        assert not torch.allclose(y2[:, :, t + 1:], y[:, :, t + 1:])
+        assert_same(y2[:, :, : t + 1], y[:, :, : t + 1], what=f"outputs <= {t}")
+        assert not torch.allclose(y2[:, :, t + 1 :], y[:, :, t + 1 :])
 
 
 @pytest.mark.parametrize("name, causal, n_q", [c for c in _cases() if c[2] == N])
@@ -263,8 +264,11 @@ RANDOM = ["performer", "rfa"]
 
 def _random_features(name: str, **config):
     """A random-feature module with its projection (and rfa's gate) made at construction."""
-    return attnzoo.build(name, features=16, heads=2, head_dim=6, **config) if name == "rfa" else \
-        attnzoo.build(name, features=16, head_dim=6, **config)
+    return (
+        attnzoo.build(name, features=16, heads=2, head_dim=6, **config)
+        if name == "rfa"
+        else attnzoo.build(name, features=16, head_dim=6, **config)
+    )
 
 
 @pytest.mark.parametrize("name", RANDOM)
@@ -333,7 +337,9 @@ def test_efficient_is_the_paper_formula_and_refuses_causal():
     assert_same(fast, paper)
     for got, want in zip(grads(fast, (q, k, v)), grads(paper, (q, k, v))):
         assert_same(got, want, what="gradient")
-    with pytest.raises(ValueError, match="'efficient' does not support causal=True; mechanisms that do: .*linear.*performer"):
+    with pytest.raises(
+        ValueError, match="'efficient' does not support causal=True; mechanisms that do: .*linear.*performer"
+    ):
         attn(q, k, v, causal=True)
     with pytest.raises(ValueError, match="decode step"):
         attn.init_state(1, 1, 8, 8)
@@ -362,7 +368,7 @@ def test_causal_lm_steps_equal_the_full_forward(name):
         logits, state = lm.step(tokens[:, :3], lm.init_state(2))
         steps = [logits]
         for t in range(3, 11):
-            logits, state = lm.step(tokens[:, t:t + 1], state)
+            logits, state = lm.step(tokens[:, t : t + 1], state)
             steps.append(logits)
     assert_same(torch.cat(steps, dim=1), full, what=f"{name} decode")
 
@@ -381,12 +387,21 @@ def test_fast_path_never_allocates_n_by_n(name, monkeypatch):
         assert largest.numel <= heads * n * 256, (causal, largest.numel)  # features (H, N, m), never N x N
 
 
-@pytest.mark.parametrize("name, bad, field", [
-    ("linear", {"chunk": 0}, "chunk"), ("linear", {"eps": 0.0}, "eps"), ("linear", {"feature_map": "tanh"}, "feature_map"),
-    ("performer", {"features": 0}, "features"), ("performer", {"seed": -1}, "seed"),
-    ("performer", {"head_dim": 0}, "head_dim"), ("rfa", {"sigma": 0.0}, "sigma"), ("rfa", {"heads": 0}, "heads"),
-    ("performer", {"redraw_every": 0}, "redraw_every"), ("rfa", {"seed": -2}, "seed"),
-])
+@pytest.mark.parametrize(
+    "name, bad, field",
+    [
+        ("linear", {"chunk": 0}, "chunk"),
+        ("linear", {"eps": 0.0}, "eps"),
+        ("linear", {"feature_map": "tanh"}, "feature_map"),
+        ("performer", {"features": 0}, "features"),
+        ("performer", {"seed": -1}, "seed"),
+        ("performer", {"head_dim": 0}, "head_dim"),
+        ("rfa", {"sigma": 0.0}, "sigma"),
+        ("rfa", {"heads": 0}, "heads"),
+        ("performer", {"redraw_every": 0}, "redraw_every"),
+        ("rfa", {"seed": -2}, "seed"),
+    ],
+)
 def test_bad_config_values_name_the_field(name, bad, field):
     with pytest.raises(ValueError, match=field):
         attnzoo.build(name, **bad)

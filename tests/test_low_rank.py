@@ -8,10 +8,16 @@ import torch
 
 import attnzoo
 from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms.low_rank import (
+    iterative_pinv,
+    landmark_segments,
+    reference_compressed,
+    reference_linformer,
+    reference_nystrom,
+)
 from attnzoo.nn import LAMAPooling
-from attnzoo.mechanisms.low_rank import (iterative_pinv, landmark_segments, reference_compressed,
-                                         reference_linformer, reference_nystrom)
-from conftest import LargestTensor as Largest, grads, make_qkv, padding_mask
+from conftest import LargestTensor as Largest
+from conftest import grads, make_qkv, padding_mask
 from oracles import oracle_lama_weights
 from tolerances import assert_path_close_to_golden, assert_same
 
@@ -53,8 +59,9 @@ def _reference(module: torch.nn.Module, causal: bool, mask: torch.Tensor | None)
         if module.spec.name == "linformer":
             return reference_linformer(q, k, v, module.proj[0], module.proj[-1], key_padding_mask=mask)
         if module.spec.name == "compressed":
-            return reference_compressed(q, k, v, module.taps, kernel=cfg.kernel, stride=cfg.stride, causal=causal,
-                                        key_padding_mask=mask)
+            return reference_compressed(
+                q, k, v, module.taps, kernel=cfg.kernel, stride=cfg.stride, causal=causal, key_padding_mask=mask
+            )
         return reference_nystrom(q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=mask)
 
     return reference
@@ -62,8 +69,11 @@ def _reference(module: torch.nn.Module, causal: bool, mask: torch.Tensor | None)
 
 def _settings(name: str) -> list[tuple[bool, int]]:
     caps = attnzoo.describe(name).capabilities
-    return [(c, n_q) for c in ((False, True) if caps.causal else (False,)) for n_q in
-            ((N, 23) if caps.cross_attention else (N,))]
+    return [
+        (c, n_q)
+        for c in ((False, True) if caps.causal else (False,))
+        for n_q in ((N, 23) if caps.cross_attention else (N,))
+    ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'-'.join(map(str, c[1].values()))}")
@@ -92,7 +102,7 @@ def test_float32_is_as_accurate_as_the_reference(case):
     module, mask = _build(name, config).float(), _mask(True)
     for causal, _ in _settings(name)[:: 2 if attnzoo.describe(name).capabilities.cross_attention else 1]:
         reference = _reference(module, causal, mask)
-        fast = lambda q, k, v: module(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
+        fast = lambda q, k, v, causal=causal: module(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
         assert_path_close_to_golden(fast, reference, make_qkv(B, H, N, N, D, dtype=torch.float32), what=name)
 
 
@@ -109,8 +119,10 @@ def test_linformer_with_identity_projections_and_k_equal_n_is_softmax(n_q):
 
 
 def test_linformer_sharing_modes_hold_what_they_say():
-    shapes = {s: tuple(attnzoo.build("linformer", k=4, max_len=10, sharing=s, heads=H).proj.shape)
-              for s in ("headwise", "kv", "layerwise", "none")}
+    shapes = {
+        s: tuple(attnzoo.build("linformer", k=4, max_len=10, sharing=s, heads=H).proj.shape)
+        for s in ("headwise", "kv", "layerwise", "none")
+    }
     assert shapes == {"headwise": (2, 1, 4, 10), "kv": (1, 1, 4, 10), "layerwise": (1, 1, 4, 10), "none": (2, H, 4, 10)}
     a, b = attnzoo.build("linformer", k=4, max_len=10), attnzoo.build("linformer", k=4, max_len=10)
     assert torch.equal(a.proj, b.proj) and not torch.equal(a.proj[0], a.proj[1])  # seeded; E != F
@@ -140,7 +152,7 @@ def test_nystrom_with_one_token_per_landmark_is_full_attention_within_the_pinv_t
     out = nystrom(q, k, v, key_padding_mask=mask)
     torch.testing.assert_close(out, full, atol=1e-9, rtol=0)
     for a, r, w in zip(grads(out, (q, k, v)), grads(full, (q, k, v)), "qkv"):
-        torch.testing.assert_close(a, r, atol=1e-8, rtol=0, msg=lambda m: f"grad {w}: {m}")
+        torch.testing.assert_close(a, r, atol=1e-8, rtol=0, msg=lambda m, w=w: f"grad {w}: {m}")
     assert_same(attnzoo.build("nystrom", landmarks=N + 20, pinv_iters=30)(q, k, v, key_padding_mask=mask), out)
 
 
@@ -154,8 +166,10 @@ def test_iterative_pinv_converges_to_the_exact_pseudo_inverse():
     assert torch.equal(iterative_pinv(torch.zeros(2, 3, 3), 4), torch.zeros(2, 3, 3))
     # The whole mechanism approaches its exact-pinv reference as the iterations grow.
     exact_out = reference_nystrom(q, k, v, landmarks=9, pinv_iters=None)
-    gaps = [float((attnzoo.build("nystrom", landmarks=9, pinv_iters=it)(q, k, v) - exact_out).abs().max())
-            for it in (0, 12, 18, 30)]
+    gaps = [
+        float((attnzoo.build("nystrom", landmarks=9, pinv_iters=it)(q, k, v) - exact_out).abs().max())
+        for it in (0, 12, 18, 30)
+    ]
     assert gaps == sorted(gaps, reverse=True) and gaps[-1] < 1e-9, gaps
 
 
@@ -209,9 +223,9 @@ def test_causal_in_the_strong_sense_or_refused(name):
         for t in (0, 5, 20, 35):
             q2, k2, v2 = (x.clone() for x in (q, k, v))
             for x in (q2, k2, v2):
-                x[:, :, t + 1:] = torch.randn_like(x[:, :, t + 1:]) * 3
+                x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 3
             before, after = module(q, k, v, causal=True), module(q2, k2, v2, causal=True)
-            assert_same(after[:, :, :t + 1], before[:, :, :t + 1], what=f"{name} {config}: outputs <= {t}")
+            assert_same(after[:, :, : t + 1], before[:, :, : t + 1], what=f"{name} {config}: outputs <= {t}")
 
 
 @pytest.mark.parametrize("name", LOW_RANK)
@@ -244,11 +258,21 @@ def test_registry_entries():
     assert not attnzoo.describe("nystrom").capabilities.cross_attention
 
 
-@pytest.mark.parametrize("name, field, value", [
-    ("linformer", "k", 0), ("linformer", "max_len", 0), ("linformer", "heads", 0), ("linformer", "seed", -1),
-    ("compressed", "kernel", 0), ("compressed", "stride", 0), ("compressed", "heads", 0), ("compressed", "chunk", 0),
-    ("nystrom", "landmarks", 0), ("nystrom", "pinv_iters", -1),
-])
+@pytest.mark.parametrize(
+    "name, field, value",
+    [
+        ("linformer", "k", 0),
+        ("linformer", "max_len", 0),
+        ("linformer", "heads", 0),
+        ("linformer", "seed", -1),
+        ("compressed", "kernel", 0),
+        ("compressed", "stride", 0),
+        ("compressed", "heads", 0),
+        ("compressed", "chunk", 0),
+        ("nystrom", "landmarks", 0),
+        ("nystrom", "pinv_iters", -1),
+    ],
+)
 def test_bad_config_values_name_the_field(name, field, value):
     with pytest.raises(ValueError, match=f"^{field} must be >= "):
         attnzoo.build(name, **{field: value})

@@ -77,8 +77,10 @@ def test_padded_tokens_change_nothing_real():
     q2, v2 = q.clone(), v.clone()
     q2[:, :, 30:], v2[:, :, 30:] = torch.randn(2, 2, 10, 8, dtype=q.dtype), 100.0
     for causal in (False, True):
-        assert_same(lsh(q2, k, v2, causal=causal, key_padding_mask=mask)[:, :, :30],
-                    lsh(q, k, v, causal=causal, key_padding_mask=mask)[:, :, :30])
+        assert_same(
+            lsh(q2, k, v2, causal=causal, key_padding_mask=mask)[:, :, :30],
+            lsh(q, k, v, causal=causal, key_padding_mask=mask)[:, :, :30],
+        )
 
 
 def test_error_shrinks_as_hashing_rounds_grow():
@@ -86,11 +88,14 @@ def test_error_shrinks_as_hashing_rounds_grow():
     # concentrates on a token's cluster; more hashing rounds find more of it.
     g = torch.Generator().manual_seed(0)
     centres = torch.nn.functional.normalize(torch.randn(8, 16, generator=g, dtype=torch.float64), dim=-1)
-    q = (centres[torch.randint(0, 8, (256,), generator=g)] * 4 + 0.3 * torch.randn(256, 16, generator=g, dtype=torch.float64))
+    q = centres[torch.randint(0, 8, (256,), generator=g)] * 4 + 0.3 * torch.randn(
+        256, 16, generator=g, dtype=torch.float64
+    )
     q, v = q.view(1, 1, 256, 16), torch.randn(1, 1, 256, 16, generator=g, dtype=torch.float64)
     full = build(n_buckets=1, chunk=256)(q, q, v)
-    errors = [float((build(n_hashes=h, n_buckets=16, chunk=32)(q, q, v) - full).norm() / full.norm())
-              for h in (1, 2, 4, 8)]
+    errors = [
+        float((build(n_hashes=h, n_buckets=16, chunk=32)(q, q, v) - full).norm() / full.norm()) for h in (1, 2, 4, 8)
+    ]
     assert errors == sorted(errors, reverse=True) and errors[-1] < 0.5 * errors[0], errors
 
 
@@ -129,8 +134,10 @@ def test_training_draws_fresh_rotations_per_pass_head_and_layer():
     c = attnzoo.build("lsh", **{**CONFIG, "seed": None}).eval()
     c.load_state_dict(a.state_dict())  # the seed travels with the weights
     assert torch.equal(c(q, k, v), a(q, k, v))
-    assert not torch.equal(attnzoo.build("lsh", **CONFIG, resample=False)(q, k, v),
-                           attnzoo.build("lsh", **CONFIG, resample=False)(q, k, v) * 0)  # builds, runs
+    assert not torch.equal(
+        attnzoo.build("lsh", **CONFIG, resample=False)(q, k, v),
+        attnzoo.build("lsh", **CONFIG, resample=False)(q, k, v) * 0,
+    )  # builds, runs
 
 
 def test_causal_under_fresh_rotations():

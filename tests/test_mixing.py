@@ -203,8 +203,9 @@ def test_feedforward_false_makes_the_layer_the_papers_gmlp_block():
     assert default.ff is not None  # unchanged unless asked
     encoder = TransformerEncoder(16, 2, 2, "gmlp", max_len=12, feedforward=False)
     assert all(block.ff is None for block in encoder.layers)
-    lm = attnzoo.nn.CausalLM(vocab_size=7, dim=16, depth=1, heads=2, mechanism="gmlp", positional=None,
-                             max_len=12, feedforward=False)
+    lm = attnzoo.nn.CausalLM(
+        vocab_size=7, dim=16, depth=1, heads=2, mechanism="gmlp", positional=None, max_len=12, feedforward=False
+    )
     assert lm.decoder.layers[0].ff is None and lm(torch.randint(0, 7, (1, 5))).shape == (1, 5, 7)
     with pytest.raises(TypeError, match="feedforward must be a bool"):
         TransformerEncoderLayer(16, 2, "gmlp", feedforward="no")

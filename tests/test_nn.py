@@ -89,8 +89,12 @@ def test_head_dim_can_differ_from_dim_over_heads():
 def test_heterogeneous_heads_equal_each_group_run_separately():
     # 2 local + 1 strided + 1 global + 4 softmax heads, with ALiBi: each group must see the
     # layer's own head indices (so slopes match the heads), and the outputs are concatenated.
-    groups = [("local", {"left": 2, "right": 2, "block": 16}, 2), ("strided", {"stride": 5, "block": 16}, 1),
-              ("global", {"indices": (0,), "block": 16}, 1), ("softmax", {}, 4)]
+    groups = [
+        ("local", {"left": 2, "right": 2, "block": 16}, 2),
+        ("strided", {"stride": 5, "block": 16}, 1),
+        ("global", {"indices": (0,), "block": 16}, 1),
+        ("softmax", {}, 4),
+    ]
     mha = attnzoo.nn.MultiHeadAttention(64, 8, groups, positional="alibi").double()
     x = torch.randn(2, 30, 64, dtype=torch.float64)
     split = lambda t: rearrange(t, "b n (h d) -> b h n d", h=8)  # noqa: E731
@@ -99,8 +103,15 @@ def test_heterogeneous_heads_equal_each_group_run_separately():
     parts, start = [], 0
     for attn, n in zip(mha.mechanisms, mha.group_heads):
         shifted = lambda s, b, h, i, j, o=start: alibi(s, b, h + o, i, j)  # noqa: E731
-        parts.append(attn(q[:, start : start + n], k[:, start : start + n], v[:, start : start + n],
-                          causal=True, score_mod=shifted))
+        parts.append(
+            attn(
+                q[:, start : start + n],
+                k[:, start : start + n],
+                v[:, start : start + n],
+                causal=True,
+                score_mod=shifted,
+            )
+        )
         start += n
     expected = mha.out_proj(rearrange(torch.cat(parts, dim=1), "b h n d -> b n (h d)"))
     assert mha.group_heads == (2, 1, 1, 4)
@@ -116,9 +127,11 @@ def test_heterogeneous_heads_forward_and_decode_step():
     out = mha(x, causal=True)
     split = lambda t: rearrange(t, "b n (h d) -> b h n d", h=8)  # noqa: E731
     q, k, v = split(mha.q_proj(x)), split(mha.k_proj(x)), split(mha.v_proj(x))
-    parts = [mha.mechanisms[0](q[:, :2], k[:, :2], v[:, :2], causal=True),
-             mha.mechanisms[1](q[:, 2:4], k[:, 2:4], v[:, 2:4], causal=True),
-             mha.mechanisms[2](q[:, 4:], k[:, 4:], v[:, 4:], causal=True)]
+    parts = [
+        mha.mechanisms[0](q[:, :2], k[:, :2], v[:, :2], causal=True),
+        mha.mechanisms[1](q[:, 2:4], k[:, 2:4], v[:, 2:4], causal=True),
+        mha.mechanisms[2](q[:, 4:], k[:, 4:], v[:, 4:], causal=True),
+    ]
     expected = mha.out_proj(rearrange(torch.cat(parts, dim=1), "b h n d -> b n (h d)"))
     assert_same(out, expected)
     with pytest.raises(ValueError, match="does not support a decode step"):

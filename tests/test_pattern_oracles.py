@@ -5,10 +5,25 @@ from __future__ import annotations
 import torch
 
 from oracles import (
-    axial_oracle, bigbird_oracle, block2d_oracle, block_local_oracle, causal_oracle, dilated_oracle, etc_oracle,
-    full_oracle, global_tokens_oracle, graph_oracle, longformer_oracle, per_head_oracle, random_blocks_oracle,
-    random_oracle, sliding_window_oracle, sparse_transformer_fixed_oracle, sparse_transformer_strided_oracle,
-    star_oracle, strided_oracle,
+    axial_oracle,
+    bigbird_oracle,
+    block2d_oracle,
+    block_local_oracle,
+    causal_oracle,
+    dilated_oracle,
+    etc_oracle,
+    full_oracle,
+    global_tokens_oracle,
+    graph_oracle,
+    longformer_oracle,
+    per_head_oracle,
+    random_blocks_oracle,
+    random_oracle,
+    sliding_window_oracle,
+    sparse_transformer_fixed_oracle,
+    sparse_transformer_strided_oracle,
+    star_oracle,
+    strided_oracle,
 )
 
 
@@ -23,8 +38,10 @@ def test_full_and_causal_aligned():
 
 
 def test_sliding_window():
-    assert torch.equal(sliding_window_oracle(5, 5, 1, 0), B([
-        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]))
+    assert torch.equal(
+        sliding_window_oracle(5, 5, 1, 0),
+        B([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]),
+    )
     # aligned: n_q=1, n_kv=4 -> p = 3; window [1, 4] clipped to the keys
     assert torch.equal(sliding_window_oracle(1, 4, 2, 1), B([[0, 1, 1, 1]]))
 
@@ -70,12 +87,12 @@ def test_star_etc():
 
 def test_sparse_transformer():
     st = sparse_transformer_strided_oracle(5, 2, 2)
-    assert st[0, 4].nonzero().flatten().tolist() == [3, 4]      # A: 4 - 2 < j <= 4
-    assert st[1, 4].nonzero().flatten().tolist() == [0, 2, 4]   # B: (4 - j) % 2 == 0
+    assert st[0, 4].nonzero().flatten().tolist() == [3, 4]  # A: 4 - 2 < j <= 4
+    assert st[1, 4].nonzero().flatten().tolist() == [0, 2, 4]  # B: (4 - j) % 2 == 0
     assert sparse_transformer_strided_oracle(3, 2, 1)[0].equal(st[1, :3, :3])  # one head -> B
     fx = sparse_transformer_fixed_oracle(6, 3, 1, 2)
-    assert fx[0, 4].nonzero().flatten().tolist() == [3, 4]      # A: same block, causal
-    assert fx[1, 5].nonzero().flatten().tolist() == [2, 5]      # B: j % 3 == 2, causal
+    assert fx[0, 4].nonzero().flatten().tolist() == [3, 4]  # A: same block, causal
+    assert fx[1, 5].nonzero().flatten().tolist() == [2, 5]  # B: j % 3 == 2, causal
     assert fx[1, 1].nonzero().flatten().tolist() == []
 
 
@@ -87,16 +104,27 @@ def test_block2d_axial():
     assert torch.equal(m, m.T) and int(m.sum()) == 16 * 4
     m = block2d_oracle(4, 4, (2, 2), (1, 0))
     assert m[0].nonzero().flatten().tolist() == [0, 1, 4, 5, 8, 9]  # rows -1..2, cols 0..1
-    assert torch.equal(axial_oracle(2, 3), B([
-        [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 0, 1],
-        [1, 0, 0, 1, 1, 1], [0, 1, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]]))
+    assert torch.equal(
+        axial_oracle(2, 3),
+        B(
+            [
+                [1, 1, 1, 1, 0, 0],
+                [1, 1, 1, 0, 1, 0],
+                [1, 1, 1, 0, 0, 1],
+                [1, 0, 0, 1, 1, 1],
+                [0, 1, 0, 1, 1, 1],
+                [0, 0, 1, 1, 1, 1],
+            ]
+        ),
+    )
 
 
 def test_graph_per_head():
     ring = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
     assert torch.equal(graph_oracle(4, ring), B([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]]))
-    assert torch.equal(graph_oracle(4, ring, self_loops=False),
-                       B([[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0]]))
+    assert torch.equal(
+        graph_oracle(4, ring, self_loops=False), B([[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0]])
+    )
     a, b = causal_oracle(3, 3), full_oracle(3, 3)
     ph = per_head_oracle([a, b], 4)
     assert ph.shape == (4, 3, 3) and all(ph[h].equal(m) for h, m in enumerate([a, a, b, b]))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnzoo import describe, patterns as P
-from attnzoo.patterns.algebra import Pattern
 import oracles as O
+from attnzoo import describe
+from attnzoo import patterns as P
+from attnzoo.patterns.algebra import Pattern
 
 SIZES = [(1, 1), (5, 5), (64, 64), (100, 100), (257, 257), (5, 64), (64, 100)]
 SQUARE = [s for s in SIZES if s[0] == s[1]]
@@ -16,20 +17,53 @@ SQUARE = [s for s in SIZES if s[0] == s[1]]
 CASES = {
     "full": (P.full, O.full_oracle, SIZES, True),
     "causal": (P.causal, O.causal_oracle, SIZES, True),
-    "sliding_window(3,1)": (lambda: P.sliding_window(3, 1), lambda a, b: O.sliding_window_oracle(a, b, 3, 1), SIZES, True),
-    "sliding_window(0,0)": (lambda: P.sliding_window(0, 0), lambda a, b: O.sliding_window_oracle(a, b, 0, 0), SIZES, True),
+    "sliding_window(3,1)": (
+        lambda: P.sliding_window(3, 1),
+        lambda a, b: O.sliding_window_oracle(a, b, 3, 1),
+        SIZES,
+        True,
+    ),
+    "sliding_window(0,0)": (
+        lambda: P.sliding_window(0, 0),
+        lambda a, b: O.sliding_window_oracle(a, b, 0, 0),
+        SIZES,
+        True,
+    ),
     "local(17)": (lambda: P.local(17), lambda a, b: O.sliding_window_oracle(a, b, 17, 17), SIZES, True),
     "dilated(2,3,4)": (lambda: P.dilated(2, 3, 4), lambda a, b: O.dilated_oracle(a, b, 2, 3, 4), SIZES, True),
     "strided(7)": (lambda: P.strided(7), lambda a, b: O.strided_oracle(a, b, 7), SIZES, True),
-    "global_tokens": (lambda: P.global_tokens([0, 3, 60, 99]), lambda a, b: O.global_tokens_oracle(a, b, [0, 3, 60, 99]), SIZES, True),
+    "global_tokens": (
+        lambda: P.global_tokens([0, 3, 60, 99]),
+        lambda a, b: O.global_tokens_oracle(a, b, [0, 3, 60, 99]),
+        SIZES,
+        True,
+    ),
     "block_local(6)": (lambda: P.block_local(6), lambda a, b: O.block_local_oracle(a, b, 6), SIZES, True),
-    "random(3)": (lambda: P.random(3, seed=5), lambda a, b: O.random_oracle(a, b, P.random(3, seed=5).table(a, b)), SIZES, True),
-    "random_blocks(2,8)": (lambda: P.random_blocks(2, 8, seed=1),
-                           lambda a, b: O.random_blocks_oracle(a, b, 8, P.random_blocks(2, 8, seed=1).table(b)), SIZES, True),
+    "random(3)": (
+        lambda: P.random(3, seed=5),
+        lambda a, b: O.random_oracle(a, b, P.random(3, seed=5).table(a, b)),
+        SIZES,
+        True,
+    ),
+    "random_blocks(2,8)": (
+        lambda: P.random_blocks(2, 8, seed=1),
+        lambda a, b: O.random_blocks_oracle(a, b, 8, P.random_blocks(2, 8, seed=1).table(b)),
+        SIZES,
+        True,
+    ),
     "longformer": (lambda: P.longformer(4, [0, 9]), lambda a, b: O.longformer_oracle(a, b, 4, [0, 9]), SIZES, False),
-    "longformer dilated": (lambda: P.longformer(3, [1], dilation=2), lambda a, b: O.longformer_oracle(a, b, 3, [1], 2), SIZES, False),
-    "bigbird": (lambda: P.bigbird(8, 3, 2, 2, seed=3),
-                lambda a, b: O.bigbird_oracle(a, b, 8, 3, 2, P.random_blocks(2, 8, seed=3).table(b)), SIZES, False),
+    "longformer dilated": (
+        lambda: P.longformer(3, [1], dilation=2),
+        lambda a, b: O.longformer_oracle(a, b, 3, [1], 2),
+        SIZES,
+        False,
+    ),
+    "bigbird": (
+        lambda: P.bigbird(8, 3, 2, 2, seed=3),
+        lambda a, b: O.bigbird_oracle(a, b, 8, 3, 2, P.random_blocks(2, 8, seed=3).table(b)),
+        SIZES,
+        False,
+    ),
     "star": (P.star, lambda a, b: O.star_oracle(a, b, 0), SIZES, False),
     "etc": (lambda: P.etc(3, 2), lambda a, b: O.etc_oracle(a, b, 3, 2), SIZES, False),
     "causal local": (lambda: P.local(5) & P.causal(), lambda a, b: O.sliding_window_oracle(a, b, 5, 0), SIZES, True),
@@ -69,13 +103,22 @@ def test_pattern_equals_oracle_and_blocks_are_exact(name):
 
 GRID_CASES = {
     "block2d": (lambda: P.block2d(6, 10, (2, 4), (1, 2)), lambda: O.block2d_oracle(6, 10, (2, 4), (1, 2)), 60),
-    "block2d no margin": (lambda: P.block2d(16, 16, (4, 4), (0, 0)), lambda: O.block2d_oracle(16, 16, (4, 4), (0, 0)), 256),
+    "block2d no margin": (
+        lambda: P.block2d(16, 16, (4, 4), (0, 0)),
+        lambda: O.block2d_oracle(16, 16, (4, 4), (0, 0)),
+        256,
+    ),
     "axial": (lambda: P.axial(7, 9), lambda: O.axial_oracle(7, 9), 63),
     "graph ring with chords": (
-        lambda: P.graph(ring_with_chords(100), 100), lambda: O.graph_oracle(100, ring_with_chords(100)), 100),
+        lambda: P.graph(ring_with_chords(100), 100),
+        lambda: O.graph_oracle(100, ring_with_chords(100)),
+        100,
+    ),
     "graph no self loops": (
         lambda: P.graph(ring_with_chords(37), 37, self_loops=False),
-        lambda: O.graph_oracle(37, ring_with_chords(37), self_loops=False), 37),
+        lambda: O.graph_oracle(37, ring_with_chords(37), self_loops=False),
+        37,
+    ),
 }
 
 
@@ -103,10 +146,14 @@ def test_sparse_transformer_heads(n):
     for heads in (2, 4):
         strided = P.sparse_transformer_strided(8).resolve_heads(heads)
         fixed = P.sparse_transformer_fixed(8, 2).resolve_heads(heads)
-        for pattern, want in ((strided, O.sparse_transformer_strided_oracle(n, 8, heads)),
-                              (fixed, O.sparse_transformer_fixed_oracle(n, 8, 2, heads))):
+        for pattern, want in (
+            (strided, O.sparse_transformer_strided_oracle(n, 8, heads)),
+            (fixed, O.sparse_transformer_fixed_oracle(n, 8, 2, heads)),
+        ):
             h = torch.arange(heads).view(-1, 1, 1)
-            got = pattern.mask_mod_for(n, n)(torch.zeros(()), h, torch.arange(n).view(1, -1, 1), torch.arange(n).view(1, 1, -1))
+            got = pattern.mask_mod_for(n, n)(
+                torch.zeros(()), h, torch.arange(n).view(1, -1, 1), torch.arange(n).view(1, 1, -1)
+            )
             assert torch.equal(got, want)
             groups = pattern.dense(n)
             for block in (3, 16):

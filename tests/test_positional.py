@@ -8,11 +8,23 @@ import torch
 import attnzoo
 from attnzoo.backends.reference import reference_attention
 from attnzoo.positional import (
-    ALiBi, LearnedPositionalEncoding, RelativePositionalEncoding, RotaryEmbedding, SinusoidalPositionalEncoding,
-    alibi_slopes, sinusoidal_table,
+    ALiBi,
+    LearnedPositionalEncoding,
+    RelativePositionalEncoding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    alibi_slopes,
+    sinusoidal_table,
 )
 from conftest import grads, make_qkv
-from oracles import alibi_bias_oracle, alibi_slopes_oracle, attention_oracle, rope_oracle, shaw_relative_oracle, sinusoidal_oracle
+from oracles import (
+    alibi_bias_oracle,
+    alibi_slopes_oracle,
+    attention_oracle,
+    rope_oracle,
+    shaw_relative_oracle,
+    sinusoidal_oracle,
+)
 from tolerances import assert_same
 
 

@@ -40,8 +40,9 @@ def test_main_writes_json_lines_and_prints_a_table(tmp_path):
     parser = argparse.ArgumentParser()
     profile.add_arguments(parser)
     out = tmp_path / "profile.jsonl"
-    args = parser.parse_args(["--mechanism", "softmax", "--n", "32", "--dim", "32", "--heads", "2",
-                              "--repeats", "1", "--out", str(out)])
+    args = parser.parse_args(
+        ["--mechanism", "softmax", "--n", "32", "--dim", "32", "--heads", "2", "--repeats", "1", "--out", str(out)]
+    )
     args.argv = ["bench", "profile", "--mechanism", "softmax"]
     console = Console(width=200, record=True)
     profile.main(args, console)

@@ -78,7 +78,9 @@ def test_gradcheck_float64():
     q, k, v = make_qkv(2, 2, 4, 5, d=3)
     mask = torch.tensor([[True, True, False, True, True], [True, True, True, True, True]])
     for normalizer in ("softmax", "relu"):
-        fn = lambda q, k, v: reference_attention(q, k, v, causal=True, key_padding_mask=mask, normalizer=normalizer)  # noqa: E731
+        fn = lambda q, k, v, normalizer=normalizer: reference_attention(  # noqa: E731
+            q, k, v, causal=True, key_padding_mask=mask, normalizer=normalizer
+        )
         assert torch.autograd.gradcheck(fn, (q, k, v))
 
 

@@ -38,7 +38,9 @@ def test_every_entry_builds_with_defaults_and_declares_itself(name):
 
 
 def test_unknown_key_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'bogus' for 'softmax'; valid keys: normalizer, scale"):
+    with pytest.raises(
+        ValueError, match=r"unknown config key\(s\) 'bogus' for 'softmax'; valid keys: normalizer, scale"
+    ):
         attnzoo.build("softmax", bogus=1)
 
 
@@ -64,18 +66,30 @@ def test_register_demands_a_frozen_keyword_only_config():
         x: int = 1
 
     with pytest.raises(TypeError, match="frozen, keyword-only"):
-        register("loose", config=Loose, family="x", summary="x", paper="x",
-                 capabilities=Capabilities(causal=False, key_padding=False),
-                 complexity=Complexity(time="O(1)", memory="O(1)"))
+        register(
+            "loose",
+            config=Loose,
+            family="x",
+            summary="x",
+            paper="x",
+            capabilities=Capabilities(causal=False, key_padding=False),
+            complexity=Complexity(time="O(1)", memory="O(1)"),
+        )
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Dup(Config):
         pass
 
     with pytest.raises(ValueError, match="already registered"):
-        register("softmax", config=Dup, family="x", summary="x", paper="x",
-                 capabilities=Capabilities(causal=False, key_padding=False),
-                 complexity=Complexity(time="O(1)", memory="O(1)"))
+        register(
+            "softmax",
+            config=Dup,
+            family="x",
+            summary="x",
+            paper="x",
+            capabilities=Capabilities(causal=False, key_padding=False),
+            complexity=Complexity(time="O(1)", memory="O(1)"),
+        )
 
 
 def test_refusals_name_mechanisms_that_can(monkeypatch):
@@ -84,6 +98,7 @@ def test_refusals_name_mechanisms_that_can(monkeypatch):
 
     monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
     monkeypatch.setattr(registry, "_BY_CONFIG", dict(registry._BY_CONFIG))
+
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class NoCausalConfig(Config):
         pass
@@ -94,9 +109,15 @@ def test_refusals_name_mechanisms_that_can(monkeypatch):
         def _attend(self, q, k, v, *, causal, key_padding_mask, score_mod):
             return v
 
-    register("_test_no_causal", config=NoCausalConfig, family="test", summary="t", paper="t",
-             capabilities=Capabilities(causal=False, key_padding=False),
-             complexity=Complexity(time="O(1)", memory="O(1)"))(NoCausal)
+    register(
+        "_test_no_causal",
+        config=NoCausalConfig,
+        family="test",
+        summary="t",
+        paper="t",
+        capabilities=Capabilities(causal=False, key_padding=False),
+        complexity=Complexity(time="O(1)", memory="O(1)"),
+    )(NoCausal)
     q = torch.randn(1, 1, 3, 4)
     module = attnzoo.build("_test_no_causal")
     assert torch.equal(module(q, q, q), q)

@@ -15,24 +15,62 @@ from attnzoo.bench import report
 
 
 def train(mechanism, task, acc, steps, *, peak=2**20, chance=0.1, size="tiny", **extra):
-    row = {"kind": "train", "task": task, "size": size, "mechanism": mechanism, "config": {}, "chance": chance,
-           "seq_len": 256, "world_size": 1, "git": "abc123", "command": "attnzoo bench train", **extra}
+    row = {
+        "kind": "train",
+        "task": task,
+        "size": size,
+        "mechanism": mechanism,
+        "config": {},
+        "chance": chance,
+        "seq_len": 256,
+        "world_size": 1,
+        "git": "abc123",
+        "command": "attnzoo bench train",
+        **extra,
+    }
     if acc is None:  # a failed run carries its error and no figures
         return {**row, "error": "RuntimeError: out of memory"}
-    return {**row, "test_accuracy": acc, "val_accuracy": acc, "steps": 100, "steps_per_s": steps,
-            "tokens_per_s": 1000.0 * (steps or 0), "peak_memory_bytes": peak, "wall_s": 10.0}
+    return {
+        **row,
+        "test_accuracy": acc,
+        "val_accuracy": acc,
+        "steps": 100,
+        "steps_per_s": steps,
+        "tokens_per_s": 1000.0 * (steps or 0),
+        "peak_memory_bytes": peak,
+        "wall_s": 10.0,
+    }
 
 
 # softmax: A 80%, B 60% -> 70; linear: A 70%, B failed -> 70 over A only; local: A 90% only.
-TRAIN = [train("softmax", "A", 0.8, 10.0, peak=4 * 2**20), train("softmax", "B", 0.6, 20.0),
-         train("linear", "A", 0.7, 40.0, peak=2**20), train("linear", "B", None, None),
-         train("local", "A", 0.9, 5.0), train("softmax", "mqar", 0.95, 10.0), train("linear", "mqar", 0.5, 30.0)]
+TRAIN = [
+    train("softmax", "A", 0.8, 10.0, peak=4 * 2**20),
+    train("softmax", "B", 0.6, 20.0),
+    train("linear", "A", 0.7, 40.0, peak=2**20),
+    train("linear", "B", None, None),
+    train("local", "A", 0.9, 5.0),
+    train("softmax", "mqar", 0.95, 10.0),
+    train("linear", "mqar", 0.5, 30.0),
+]
 
 
 def speed(mechanism, n, forward_s, peak, backend="auto", **extra):
-    return {"kind": "speed", "mechanism": mechanism, "config": {}, "backend": backend, "backend_ran": mechanism,
-            "n": n, "batch": 1, "heads": 8, "dim": 64, "causal": False, "forward_s": forward_s,
-            "peak_forward_bytes": peak, "correct": True, **extra}
+    return {
+        "kind": "speed",
+        "mechanism": mechanism,
+        "config": {},
+        "backend": backend,
+        "backend_ran": mechanism,
+        "n": n,
+        "batch": 1,
+        "heads": 8,
+        "dim": 64,
+        "causal": False,
+        "forward_s": forward_s,
+        "peak_forward_bytes": peak,
+        "correct": True,
+        **extra,
+    }
 
 
 def write(path, rows):
@@ -52,7 +90,10 @@ def test_lra_table_averages_over_present_tasks_and_keeps_failures():
     assert failed["accuracy"] is None and "out of memory" in failed["errors"][0]
     # Two runs of a cell are averaged.
     twice = report.lra_table([train("softmax", "A", 0.5, 1.0), train("softmax", "A", 0.7, 1.0)])
-    assert twice["cells"]["softmax"]["A"]["accuracy"] == pytest.approx(60.0) and twice["cells"]["softmax"]["A"]["runs"] == 2
+    assert (
+        twice["cells"]["softmax"]["A"]["accuracy"] == pytest.approx(60.0)
+        and twice["cells"]["softmax"]["A"]["runs"] == 2
+    )
 
 
 def test_bubble_x_is_the_geometric_mean_of_steps_per_s_ratios():
@@ -70,9 +111,14 @@ def test_bubble_x_is_the_geometric_mean_of_steps_per_s_ratios():
 
 
 def test_bubble_x_falls_back_to_speed_rows_at_the_largest_common_n():
-    rows = [speed("softmax", 1024, 1.0, 10), speed("softmax", 4096, 16.0, 100), speed("linear", 1024, 0.5, 5),
-            speed("linear", 4096, 2.0, 20), speed("linear", 4096, 4.0, 20, backend="slow"),
-            speed("local", 16384, 1.0, 1)]
+    rows = [
+        speed("softmax", 1024, 1.0, 10),
+        speed("softmax", 4096, 16.0, 100),
+        speed("linear", 1024, 0.5, 5),
+        speed("linear", 4096, 2.0, 20),
+        speed("linear", 4096, 4.0, 20, backend="slow"),
+        speed("local", 16384, 1.0, 1),
+    ]
     ratios = report.speed_ratios(rows)
     assert ratios["linear"] == (8.0, 20, 4096) and ratios["softmax"] == (1.0, 100, 4096)
     assert "local" not in ratios  # no softmax at 16384
@@ -84,7 +130,10 @@ def test_bubble_x_falls_back_to_speed_rows_at_the_largest_common_n():
 
 def test_mqar_rows_sit_beside_softmax():
     rows = report.mqar_rows(TRAIN)
-    assert [(r["mechanism"], r["accuracy"], r["softmax"]) for r in rows] == [("softmax", 95.0, 95.0), ("linear", 50.0, 95.0)]
+    assert [(r["mechanism"], r["accuracy"], r["softmax"]) for r in rows] == [
+        ("softmax", 95.0, 95.0),
+        ("linear", 50.0, 95.0),
+    ]
 
 
 def test_bad_input_names_file_and_line(tmp_path):
@@ -100,25 +149,78 @@ def test_bad_input_names_file_and_line(tmp_path):
 
 
 def test_report_is_self_contained(tmp_path):
-    meta = {"kind": "meta", "command": "attnzoo bench speed --n 1024,4096", "processor": "AMD EPYC", "cpus": 2,
-            "torch": "2.13.0", "date": "2026-01-01"}
-    sdpa = [{"kind": "sdpa", "n": n, "causal": False, "forward_s": t, "peak_forward_bytes": m}
-            for n, t, m in ((1024, 1.0, 2**20), (4096, 16.0, 2**24))]
-    speeds = [speed("softmax", 1024, 1.0, 2**20), speed("softmax", 4096, 16.0, 2**24),
-              speed("linear", 1024, 0.1, 2**18), speed("linear", 4096, 0.4, 2**20),
-              {"kind": "speed", "mechanism": "local", "config": {}, "backend": "auto", "n": 1024, "error": "ValueError: x"}]
-    fit = [{"kind": "fit", "mechanism": "linear", "config": {}, "backend": "auto", "sizes": [1024, 4096],
-            "time_exponent": 1.0, "memory_exponent": 1.0}]
-    prof = [{"kind": "profile", "mechanism": m, "config": {}, "n": n, "attention_s": a, "ffn_s": 1.0, "block_s": a + 1,
-             "attention_share": a / (a + 1)} for m in ("softmax", "linear") for n, a in ((256, 0.5), (1024, 2.0))]
+    meta = {
+        "kind": "meta",
+        "command": "attnzoo bench speed --n 1024,4096",
+        "processor": "AMD EPYC",
+        "cpus": 2,
+        "torch": "2.13.0",
+        "date": "2026-01-01",
+    }
+    sdpa = [
+        {"kind": "sdpa", "n": n, "causal": False, "forward_s": t, "peak_forward_bytes": m}
+        for n, t, m in ((1024, 1.0, 2**20), (4096, 16.0, 2**24))
+    ]
+    speeds = [
+        speed("softmax", 1024, 1.0, 2**20),
+        speed("softmax", 4096, 16.0, 2**24),
+        speed("linear", 1024, 0.1, 2**18),
+        speed("linear", 4096, 0.4, 2**20),
+        {"kind": "speed", "mechanism": "local", "config": {}, "backend": "auto", "n": 1024, "error": "ValueError: x"},
+    ]
+    fit = [
+        {
+            "kind": "fit",
+            "mechanism": "linear",
+            "config": {},
+            "backend": "auto",
+            "sizes": [1024, 4096],
+            "time_exponent": 1.0,
+            "memory_exponent": 1.0,
+        }
+    ]
+    prof = [
+        {
+            "kind": "profile",
+            "mechanism": m,
+            "config": {},
+            "n": n,
+            "attention_s": a,
+            "ffn_s": 1.0,
+            "block_s": a + 1,
+            "attention_share": a / (a + 1),
+        }
+        for m in ("softmax", "linear")
+        for n, a in ((256, 0.5), (1024, 2.0))
+    ]
     prof.append({"kind": "profile", "mechanism": "graph", "config": {}, "n": 256, "error": "ValueError: fixed size"})
-    fidelity = [{"kind": "fidelity", "mechanism": "linear", "config": {}, "applicable": True, "reason": None,
-                 "mean_cosine": 0.91, "min_cosine": 0.5, "retrieval_at_1": 0.8, "n_passages": 10, "seconds": 1.0,
-                 "model": "tiny"},
-                {"kind": "fidelity", "mechanism": "fnet", "config": {}, "applicable": False,
-                 "reason": "a token mixer has no attention weights"}]
-    files = [write(tmp_path / "speed.jsonl", [meta, *sdpa, *speeds, *fit]), write(tmp_path / "train.jsonl", TRAIN),
-             write(tmp_path / "more.jsonl", [meta, *prof, *fidelity])]
+    fidelity = [
+        {
+            "kind": "fidelity",
+            "mechanism": "linear",
+            "config": {},
+            "applicable": True,
+            "reason": None,
+            "mean_cosine": 0.91,
+            "min_cosine": 0.5,
+            "retrieval_at_1": 0.8,
+            "n_passages": 10,
+            "seconds": 1.0,
+            "model": "tiny",
+        },
+        {
+            "kind": "fidelity",
+            "mechanism": "fnet",
+            "config": {},
+            "applicable": False,
+            "reason": "a token mixer has no attention weights",
+        },
+    ]
+    files = [
+        write(tmp_path / "speed.jsonl", [meta, *sdpa, *speeds, *fit]),
+        write(tmp_path / "train.jsonl", TRAIN),
+        write(tmp_path / "more.jsonl", [meta, *prof, *fidelity]),
+    ]
     out = tmp_path / "report"
     parser = argparse.ArgumentParser()
     report.add_arguments(parser)
@@ -149,8 +251,18 @@ def test_missing_sections_say_what_is_missing(tmp_path):
 
 def test_bubble_y_without_a_common_task_uses_the_task_most_mechanisms_ran():
     def row(m, task, acc):
-        return {"kind": "train", "task": task, "size": "quick", "mechanism": m, "config": {}, "test_accuracy": acc,
-                "chance": 0.1, "steps_per_s": 10.0, "peak_memory_bytes": 2**20}
+        return {
+            "kind": "train",
+            "task": task,
+            "size": "quick",
+            "mechanism": m,
+            "config": {},
+            "test_accuracy": acc,
+            "chance": 0.1,
+            "steps_per_s": 10.0,
+            "peak_memory_bytes": 2**20,
+        }
+
     rows = [row("softmax", "A", 0.9), row("softmax", "B", 0.5), row("linear", "A", 0.4), row("fnet", "B", 0.3)]
     rows.append(row("local", "A", 0.6))
     accuracy, used = report.comparable_accuracy(report.lra_table(rows))

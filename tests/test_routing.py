@@ -263,8 +263,13 @@ def test_error_against_full_attention_shrinks_as_windows_cover_the_planted_clust
 
 @pytest.mark.parametrize(
     "config, field",
-    [({"n_clusters": 0}, "n_clusters"), ({"window": 0}, "window"), ({"decay": 1.5}, "decay"),
-     ({"decay": -0.1}, "decay"), ({"scale": 0.0}, "scale")],
+    [
+        ({"n_clusters": 0}, "n_clusters"),
+        ({"window": 0}, "window"),
+        ({"decay": 1.5}, "decay"),
+        ({"decay": -0.1}, "decay"),
+        ({"scale": 0.0}, "scale"),
+    ],
 )
 def test_bad_config_values_name_the_field(config, field):
     with pytest.raises(ValueError, match=field):

@@ -9,8 +9,8 @@ from torch import nn
 from attnzoo.nn.cbam import CBAM
 from attnzoo.nn.sharnn import SHARNN, Boom, SingleHeadAttention
 
-
 # ---------------------------------------------------------------- SHA-RNN
+
 
 def test_sharnn_shapes_and_tied_head():
     torch.manual_seed(0)
@@ -96,13 +96,18 @@ def test_sharnn_rejects_bad_tokens(tokens, err):
 
 
 def test_sharnn_rejects_bad_config():
-    for kwargs in ({"vocab_size": 0, "dim": 8}, {"vocab_size": 5, "dim": 8, "depth": 0},
-                   {"vocab_size": 5, "dim": 8, "dropout": 1.5}, {"vocab_size": 5, "dim": 8, "ff_mult": 0}):
+    for kwargs in (
+        {"vocab_size": 0, "dim": 8},
+        {"vocab_size": 5, "dim": 8, "depth": 0},
+        {"vocab_size": 5, "dim": 8, "dropout": 1.5},
+        {"vocab_size": 5, "dim": 8, "ff_mult": 0},
+    ):
         with pytest.raises(ValueError):
             SHARNN(**kwargs)
 
 
 # ---------------------------------------------------------------- CBAM
+
 
 def test_cbam_shapes():
     assert CBAM(32, reduction=16)(torch.randn(2, 32, 9, 5)).shape == (2, 32, 9, 5)
@@ -128,7 +133,10 @@ def test_cbam_parameter_structure():
     shapes = {name: tuple(p.shape) for name, p in cbam.named_parameters()}
     # one shared MLP (C -> C/r -> C) for both pooling paths, and one 2->1 7x7 conv
     assert shapes == {
-        "mlp.0.weight": (2, 32), "mlp.0.bias": (2,), "mlp.2.weight": (32, 2), "mlp.2.bias": (32,),
+        "mlp.0.weight": (2, 32),
+        "mlp.0.bias": (2,),
+        "mlp.2.weight": (32, 2),
+        "mlp.2.bias": (32,),
         "spatial.weight": (1, 2, 7, 7),
     }
     assert cbam.spatial.padding == (3, 3)
@@ -158,8 +166,12 @@ def test_cbam_training_smoke():
     x = torch.randn(128, 2, 8, 8)
     y = (x[:, 0, :4, :4].mean((1, 2)) > x[:, 1, :4, :4].mean((1, 2))).long()
     model = nn.Sequential(
-        nn.Conv2d(2, 8, 3, padding=1), nn.ReLU(), CBAM(8, reduction=2),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2),
+        nn.Conv2d(2, 8, 3, padding=1),
+        nn.ReLU(),
+        CBAM(8, reduction=2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 2),
     )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []

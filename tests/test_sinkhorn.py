@@ -31,8 +31,9 @@ def _reference(module, q, k, v, causal, mask):
     cfg = module.config
     q, k, v = module.zero_padded(mask, q, k, v)  # self-attention only: padded q, k, v reach it as zeros
     P = module.permutation(k, mask, causal)
-    return reference_sinkhorn(q, k, v, P, block=cfg.block, causal=causal, key_padding_mask=mask,
-                              scale=cfg.scale, sortcut=cfg.sortcut)
+    return reference_sinkhorn(
+        q, k, v, P, block=cfg.block, causal=causal, key_padding_mask=mask, scale=cfg.scale, sortcut=cfg.sortcut
+    )
 
 
 # SortCut refuses causal (tested below).
@@ -111,11 +112,11 @@ def test_causal_in_the_strong_sense(padded):
     q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
     changed = [x.clone() for x in (q, k, v)]
     for x in changed:
-        x[:, :, t + 1:] = torch.randn_like(x[:, :, t + 1:]) * 3
+        x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 3
     before = module(q, k, v, causal=True, key_padding_mask=mask)
     after = module(*changed, causal=True, key_padding_mask=mask)
     assert torch.equal(before[:, :, : t + 1], after[:, :, : t + 1])
-    assert not torch.allclose(before[1, :, t + 1:], after[1, :, t + 1:])
+    assert not torch.allclose(before[1, :, t + 1 :], after[1, :, t + 1 :])
     # Without causal the sort (and so earlier outputs) sees the future.
     assert not torch.allclose(module(q, k, v)[1, :, : t + 1], module(*changed)[1, :, : t + 1])
 
@@ -201,13 +202,22 @@ def test_implied_attention_reproduces_the_output(causal, sortcut):
 
 def test_real_blocks_pads_the_tail():
     real = real_blocks(None, 1, N, BLOCK, torch.device("cpu"))
-    assert real.shape == (1, NB, BLOCK) and int(real.sum()) == N and not real[0, -1, N % BLOCK:].any()
+    assert real.shape == (1, NB, BLOCK) and int(real.sum()) == N and not real[0, -1, N % BLOCK :].any()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("block", 0), ("n_iters", 0), ("temperature", 0.0), ("max_blocks", 0), ("head_dim", 0),
-    ("sortcut", 0), ("sortcut", 300), ("scale", -1.0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("block", 0),
+        ("n_iters", 0),
+        ("temperature", 0.0),
+        ("max_blocks", 0),
+        ("head_dim", 0),
+        ("sortcut", 0),
+        ("sortcut", 300),
+        ("scale", -1.0),
+    ],
+)
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         attnzoo.build("sinkhorn", **{field: value})

@@ -17,12 +17,22 @@ from tolerances import assert_close_to_golden
 B, H, N, D = 2, 4, 75, 16  # N not a multiple of the 16-wide tiles
 RING = tuple((i, (i + d) % N) for i in range(N) for d in (1, -1, 7))
 SMALL = {
-    "local": dict(left=5, right=3), "dilated": dict(left=3, right=2, dilation=3), "strided": dict(stride=9),
-    "global": dict(indices=(0, 40)), "random": dict(r=6, seed=1), "block_local": dict(size=10),
-    "longformer": dict(window=4, global_indices=(0,), dilation=(1, 2)), "bigbird": dict(block=16, random_blocks=1),
-    "star": dict(), "etc": dict(window=3, n_global=2), "sparse_transformer_strided": dict(l=8),
-    "sparse_transformer_fixed": dict(l=8, c=2), "block2d": dict(h=5, w=15, query_block=(2, 4), memory_margin=(1, 2)),
-    "axial": dict(h=5, w=15), "graph": dict(edges=RING, n=N), "pattern": dict(pattern=P.per_head([P.local(2), P.strided(5)])),
+    "local": dict(left=5, right=3),
+    "dilated": dict(left=3, right=2, dilation=3),
+    "strided": dict(stride=9),
+    "global": dict(indices=(0, 40)),
+    "random": dict(r=6, seed=1),
+    "block_local": dict(size=10),
+    "longformer": dict(window=4, global_indices=(0,), dilation=(1, 2)),
+    "bigbird": dict(block=16, random_blocks=1),
+    "star": dict(),
+    "etc": dict(window=3, n_global=2),
+    "sparse_transformer_strided": dict(l=8),
+    "sparse_transformer_fixed": dict(l=8, c=2),
+    "block2d": dict(h=5, w=15, query_block=(2, 4), memory_margin=(1, 2)),
+    "axial": dict(h=5, w=15),
+    "graph": dict(edges=RING, n=N),
+    "pattern": dict(pattern=P.per_head([P.local(2), P.strided(5)])),
 }
 SPARSE = attnzoo.names(family="sparse")
 
@@ -194,8 +204,12 @@ def test_triangular_tiles_run_unmasked_and_stay_exact(causal, dtype):
     kinds = {p.kind for p in plan_for(Call(q, k, v, call_pattern, None, None, 0.25, 16)).pieces}
     assert kinds == {"full", "tril", "triu", "mask"}
     golden_in = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
-    golden = attnzoo.attend(*golden_in, pattern=pattern, causal=causal, key_padding_mask=mask, backend="reference", block=16)
-    reference = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=mask, backend="reference", block=16)
+    golden = attnzoo.attend(
+        *golden_in, pattern=pattern, causal=causal, key_padding_mask=mask, backend="reference", block=16
+    )
+    reference = attnzoo.attend(
+        q, k, v, pattern=pattern, causal=causal, key_padding_mask=mask, backend="reference", block=16
+    )
     actual = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=mask, backend="blocked", block=16)
     assert_close_to_golden(actual, reference, golden.detach(), what="triangles forward")
     if dtype == torch.float32:

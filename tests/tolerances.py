@@ -41,8 +41,6 @@ All numbers live in ``TOLERANCES``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -84,18 +82,21 @@ def _check_nonfinite(x: Tensor, golden: Tensor, name: str, what: str) -> None:
     if bool(bad.any()):
         raise AssertionError(
             f"{what}: {name} ({dtype}) has {int(bad.sum())} NaN/inf entries where golden is finite "
-            f"(first at index {tuple(bad.nonzero()[0].tolist())})")
+            f"(first at index {tuple(bad.nonzero()[0].tolist())})"
+        )
     g_nf = ~g_fin
     if bool(g_nf.any()):
         mismatch = g_nf & ~((torch.isnan(g) & torch.isnan(x)) | (x == g))
         if bool(mismatch.any()):
             raise AssertionError(
                 f"{what}: {name} does not reproduce golden's NaN/inf at {int(mismatch.sum())} entries "
-                f"(first at index {tuple(mismatch.nonzero()[0].tolist())})")
+                f"(first at index {tuple(mismatch.nonzero()[0].tolist())})"
+            )
 
 
-def assert_close_to_golden(actual: Tensor, reference: Tensor, golden: Tensor, *,
-                           factor: float = DEFAULT_FACTOR, what: str = "output") -> None:
+def assert_close_to_golden(
+    actual: Tensor, reference: Tensor, golden: Tensor, *, factor: float = DEFAULT_FACTOR, what: str = "output"
+) -> None:
     """Golden-relative check (see module docstring).
 
     ``actual`` and ``reference`` are computed in the same dtype X; ``golden`` is the
@@ -103,13 +104,16 @@ def assert_close_to_golden(actual: Tensor, reference: Tensor, golden: Tensor, *,
     where ``err`` is the max-abs error vs golden.
     """
     if actual.dtype != reference.dtype:
-        raise AssertionError(f"{what}: actual ({actual.dtype}) and reference ({reference.dtype}) "
-                             "must be computed in the same dtype")
+        raise AssertionError(
+            f"{what}: actual ({actual.dtype}) and reference ({reference.dtype}) must be computed in the same dtype"
+        )
     if golden.dtype != torch.float64:
         raise AssertionError(f"{what}: golden must be float64, got {golden.dtype}")
     if actual.shape != golden.shape or reference.shape != golden.shape:
-        raise AssertionError(f"{what}: shape mismatch: actual {tuple(actual.shape)}, "
-                             f"reference {tuple(reference.shape)}, golden {tuple(golden.shape)}")
+        raise AssertionError(
+            f"{what}: shape mismatch: actual {tuple(actual.shape)}, "
+            f"reference {tuple(reference.shape)}, golden {tuple(golden.shape)}"
+        )
     dtype = actual.dtype
     floor = _tol(dtype)["floor"]
 
@@ -117,8 +121,9 @@ def assert_close_to_golden(actual: Tensor, reference: Tensor, golden: Tensor, *,
     try:
         _check_nonfinite(reference, golden, "reference", what)
     except AssertionError as e:
-        raise AssertionError(f"{e} -- the reference itself is broken in {dtype}, "
-                             "so the golden-relative comparison is meaningless") from None
+        raise AssertionError(
+            f"{e} -- the reference itself is broken in {dtype}, so the golden-relative comparison is meaningless"
+        ) from None
 
     act_err = max_abs_error(actual, golden)
     ref_err = max_abs_error(reference, golden)
@@ -128,7 +133,8 @@ def assert_close_to_golden(actual: Tensor, reference: Tensor, golden: Tensor, *,
         raise AssertionError(
             f"{what} ({dtype}): max-abs error vs float64 golden is {act_err:.3e}, "
             f"reference's is {ref_err:.3e} (ratio {ratio:.2f}x); allowed "
-            f"{factor:g} * {ref_err:.3e} + floor {floor:.0e} = {bound:.3e}")
+            f"{factor:g} * {ref_err:.3e} + floor {floor:.0e} = {bound:.3e}"
+        )
 
 
 def _less_precise(a: torch.dtype, b: torch.dtype) -> torch.dtype:
@@ -137,8 +143,7 @@ def _less_precise(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
 
 
-def assert_same(actual: Tensor, expected: Tensor, *, dtype: Optional[torch.dtype] = None,
-                what: str = "output") -> None:
+def assert_same(actual: Tensor, expected: Tensor, *, dtype: torch.dtype | None = None, what: str = "output") -> None:
     """Direct comparison with the per-dtype atol/rtol table.
 
     ``dtype`` picks the table row; by default the tensors' dtype (or, if they
@@ -149,8 +154,10 @@ def assert_same(actual: Tensor, expected: Tensor, *, dtype: Optional[torch.dtype
         dtype = _less_precise(actual.dtype, expected.dtype)
     tol = _tol(dtype)
     torch.testing.assert_close(
-        actual.detach().to(torch.float64), expected.detach().to(torch.float64),
-        atol=tol["atol"], rtol=tol["rtol"],
+        actual.detach().to(torch.float64),
+        expected.detach().to(torch.float64),
+        atol=tol["atol"],
+        rtol=tol["rtol"],
         msg=lambda m: f"{what} (tolerances of {dtype}: atol={tol['atol']:g}, rtol={tol['rtol']:g}):\n{m}",
     )
 
@@ -164,9 +171,15 @@ def assert_path_close_to_golden(fast, reference, inputs: tuple[Tensor, ...], *, 
     actual, ref = fast(*inputs), reference(*inputs)
     assert_close_to_golden(actual, ref, golden.detach(), what=f"{what} forward")
     g = torch.randn(golden.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    grads = [torch.autograd.grad(out, ins, g.to(out.dtype), allow_unused=True)
-             for out, ins in ((actual, inputs), (ref, inputs), (golden, golden_in))]
+    grads = [
+        torch.autograd.grad(out, ins, g.to(out.dtype), allow_unused=True)
+        for out, ins in ((actual, inputs), (ref, inputs), (golden, golden_in))
+    ]
     for name, a, r, gold in zip(range(len(inputs)), *grads):
         zero = lambda x, like: torch.zeros_like(like) if x is None else x  # noqa: E731
-        assert_close_to_golden(zero(a, inputs[name]), zero(r, inputs[name]), zero(gold, golden_in[name]),
-                               what=f"{what} grad of input {name}")
+        assert_close_to_golden(
+            zero(a, inputs[name]),
+            zero(r, inputs[name]),
+            zero(gold, golden_in[name]),
+            what=f"{what} grad of input {name}",
+        )

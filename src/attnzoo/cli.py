@@ -99,8 +99,13 @@ def cmd_show(console: Console, args: argparse.Namespace) -> None:
     out = Path(args.out or f"{name}.png")
     module = attnzoo.build(name, **config)
     if getattr(module, "pattern", None) is not None:
-        viz.draw_pattern(module.pattern.resolve_heads(2 * getattr(module.pattern, "n_groups", 1)), args.n, out,
-                         block=args.grid, causal=args.causal)
+        viz.draw_pattern(
+            module.pattern.resolve_heads(2 * getattr(module.pattern, "n_groups", 1)),
+            args.n,
+            out,
+            block=args.grid,
+            causal=args.causal,
+        )
     elif callable(getattr(module, "implied_attention", None)):
         # Content-based mechanisms: what a real forward pass on random inputs attended to.
         torch.manual_seed(0)
@@ -118,41 +123,77 @@ CAUSAL_MODES = {"no": (False,), "yes": (True,), "both": (False, True)}
 def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
     from attnzoo.bench import speed
 
-    mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or tuple((name, {}) for name in attnzoo.names())
+    mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or tuple(
+        (name, {}) for name in attnzoo.names()
+    )
     setting = speed.Setting(
-        mechanisms=mechanisms, backends=tuple(args.backend.split(",")), sizes=tuple(int(n) for n in args.n.split(",")),
-        batch=args.batch, heads=args.heads, dim=args.dim, causal_modes=CAUSAL_MODES[args.causal], repeats=args.repeats,
-        backward=not args.no_backward, sdpa_max_n=args.sdpa_max_n,
+        mechanisms=mechanisms,
+        backends=tuple(args.backend.split(",")),
+        sizes=tuple(int(n) for n in args.n.split(",")),
+        batch=args.batch,
+        heads=args.heads,
+        dim=args.dim,
+        causal_modes=CAUSAL_MODES[args.causal],
+        repeats=args.repeats,
+        backward=not args.no_backward,
+        sdpa_max_n=args.sdpa_max_n,
         extra={"command": "attnzoo " + " ".join(sys.argv[1:] if args.argv is None else args.argv)},
     )
     table = Table(title="attnzoo bench speed (ratios are against dense SDPA in the same run)")
-    for column in ("mechanism", "backend", "N", "causal", "fwd ms", "fwd+bwd ms", "x SDPA fwd", "x SDPA f+b", "f+b spread",
-                   "bound", "peak MiB", "GFLOP/s", "note"):
+    for column in (
+        "mechanism",
+        "backend",
+        "N",
+        "causal",
+        "fwd ms",
+        "fwd+bwd ms",
+        "x SDPA fwd",
+        "x SDPA f+b",
+        "f+b spread",
+        "bound",
+        "peak MiB",
+        "GFLOP/s",
+        "note",
+    ):
         table.add_column(column)
 
     def echo(row: dict) -> None:
         if row["kind"] == "meta":
-            console.print(f"{row['processor']}, {row['cpus']} cpus, torch {row['torch']}, "
-                          f"2048^2 matmul {row['matmul_2048_gflops']:.0f} GFLOP/s")
+            console.print(
+                f"{row['processor']}, {row['cpus']} cpus, torch {row['torch']}, "
+                f"2048^2 matmul {row['matmul_2048_gflops']:.0f} GFLOP/s"
+            )
             return
         if row["kind"] == "fit":
             fits.append(row)
             return
         name = "SDPA (dense)" if row["kind"] == "sdpa" else row["mechanism"]
         spread = row.get("speedup_forward_backward_spread")
-        table.add_row(name, row.get("backend_ran", row.get("backend", "-")), str(row["n"]), "yes" if row.get("causal") else "no",
-                      _ms(row.get("forward_s")), _ms(row.get("forward_backward_s")), _x(row.get("speedup_forward_vs_sdpa")),
-                      _x(row.get("speedup_forward_backward_vs_sdpa")), f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
-                      _x(row.get("density_bound")), _mib(row.get("peak_forward_bytes")),
-                      _num(row.get("useful_gflops")), row.get("error", {True: "", False: "FAILED check", None: "unchecked"}[row.get("correct", True)]))
+        table.add_row(
+            name,
+            row.get("backend_ran", row.get("backend", "-")),
+            str(row["n"]),
+            "yes" if row.get("causal") else "no",
+            _ms(row.get("forward_s")),
+            _ms(row.get("forward_backward_s")),
+            _x(row.get("speedup_forward_vs_sdpa")),
+            _x(row.get("speedup_forward_backward_vs_sdpa")),
+            f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "-",
+            _x(row.get("density_bound")),
+            _mib(row.get("peak_forward_bytes")),
+            _num(row.get("useful_gflops")),
+            row.get("error", {True: "", False: "FAILED check", None: "unchecked"}[row.get("correct", True)]),
+        )
 
     fits: list[dict] = []
     speed.write_lines(speed.run(setting), Path(args.out) if args.out else None, echo)
     console.print(table)
     for fit in fits:
-        console.print(f"{fit['mechanism']} ({fit['backend']}, {'causal' if fit['causal'] else 'non-causal'}) over "
-                      f"N={fit['sizes']}: time ~ N^{_num2(fit['time_exponent'])}, peak memory ~ "
-                      f"N^{_num2(fit['memory_exponent'])}, beats SDPA from N={fit['crossover_n'] or 'never'}")
+        console.print(
+            f"{fit['mechanism']} ({fit['backend']}, {'causal' if fit['causal'] else 'non-causal'}) over "
+            f"N={fit['sizes']}: time ~ N^{_num2(fit['time_exponent'])}, peak memory ~ "
+            f"N^{_num2(fit['memory_exponent'])}, beats SDPA from N={fit['crossover_n'] or 'never'}"
+        )
     if args.out:
         console.print(f"results: {args.out}")
 
@@ -169,8 +210,13 @@ def cmd_bench_decode(console: Console, args: argparse.Namespace) -> None:
 
     def echo(row: dict) -> None:
         if row["kind"] == "decode":
-            table.add_row(row["mechanism"], str(row.get("position", "-")), _ms(row.get("step_s")),
-                          _num(row.get("steps_per_s")), row.get("error", ""))
+            table.add_row(
+                row["mechanism"],
+                str(row.get("position", "-")),
+                _ms(row.get("step_s")),
+                _num(row.get("steps_per_s")),
+                row.get("error", ""),
+            )
 
     speed.write_lines(rows, Path(args.out) if args.out else None, echo)
     console.print(table)
@@ -198,7 +244,10 @@ def _num(x: float | None) -> str:
 
 # Commands whose module brings its own arguments: (command, bench subcommand) -> (module, help).
 _MODULE_COMMANDS = {
-    ("bench", "train"): ("attnzoo.bench.train_cli", "train a small model on a generated task (resumable, torchrun-ready)"),
+    ("bench", "train"): (
+        "attnzoo.bench.train_cli",
+        "train a small model on a generated task (resumable, torchrun-ready)",
+    ),
     ("bench", "profile"): ("attnzoo.bench.profile", "share of a transformer block's time spent in attention vs FFN"),
     ("bench", "fidelity"): ("attnzoo.bench.fidelity", "swap mechanisms into a pretrained encoder (needs attnzoo[hf])"),
     ("bench", "suite"): ("attnzoo.bench.suite", "the main job: sweep every mechanism, train, and write the report"),
@@ -210,7 +259,11 @@ def _add_module_commands(sub: Any, bench: Any) -> dict[tuple[str, str | None], A
     modules = {}
     for (command, bench_command), (module_name, help_text) in _MODULE_COMMANDS.items():
         module = importlib.import_module(module_name)
-        parser = bench.add_parser(bench_command, help=help_text) if bench_command else sub.add_parser(command, help=help_text)
+        parser = (
+            bench.add_parser(bench_command, help=help_text)
+            if bench_command
+            else sub.add_parser(command, help=help_text)
+        )
         module.add_arguments(parser)
         modules[command, bench_command] = module
     return modules
@@ -241,17 +294,32 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--out", help="output PNG (or folder with --all)")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     sp = bench.add_parser("speed", help="time and memory of mechanisms vs dense SDPA in the same run")
-    sp.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]",
-                    help="repeatable; default: every registered attention mechanism with its defaults")
+    sp.add_argument(
+        "--mechanism",
+        action="append",
+        default=[],
+        metavar="NAME[:key=value,...]",
+        help="repeatable; default: every registered attention mechanism with its defaults",
+    )
     sp.add_argument("--backend", default="auto", help="comma-separated: auto,blocked,flex,reference")
     sp.add_argument("--n", default="1024,4096,16384", help="comma-separated sequence lengths")
     sp.add_argument("--batch", type=int, default=1)
     sp.add_argument("--heads", type=int, default=8)
     sp.add_argument("--dim", type=int, default=64)
-    sp.add_argument("--causal", nargs="?", const="yes", default="no", choices=tuple(CAUSAL_MODES),
-                    help="causal attention (vs SDPA's causal kernel); 'both' runs every size both ways")
-    sp.add_argument("--repeats", type=int, default=5,
-                    help="interleaved (SDPA, mechanism) pairs per figure, after two warm-ups each; ratios are medians")
+    sp.add_argument(
+        "--causal",
+        nargs="?",
+        const="yes",
+        default="no",
+        choices=tuple(CAUSAL_MODES),
+        help="causal attention (vs SDPA's causal kernel); 'both' runs every size both ways",
+    )
+    sp.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="interleaved (SDPA, mechanism) pairs per figure, after two warm-ups each; ratios are medians",
+    )
     sp.add_argument("--no-backward", action="store_true", help="time the forward only")
     sp.add_argument("--sdpa-max-n", type=int, default=16384, help="skip the dense SDPA reference above this N")
     sp.add_argument("--out", help="write JSON lines here")

@@ -39,8 +39,7 @@ import attnzoo
 from attnzoo.registry import config_fields, make_config
 
 try:
-    from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
-    from transformers import masking_utils
+    from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel, masking_utils
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "attnzoo.hf needs Hugging Face transformers; install it with: pip install 'attnzoo[hf]'"
@@ -82,8 +81,10 @@ def use(model: PreTrainedModel, mechanism: str = "softmax", **config: Any) -> Pr
         cfg.attnzoo_config = dict(config)
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
-        raise ValueError(f"{type(model).__name__} cannot switch attention implementation (it does not go through "
-                         "transformers' AttentionInterface), so attnzoo cannot run inside it")
+        raise ValueError(
+            f"{type(model).__name__} cannot switch attention implementation (it does not go through "
+            "transformers' AttentionInterface), so attnzoo cannot run inside it"
+        )
     return model
 
 
@@ -118,8 +119,14 @@ def check(mechanism: str, config: dict[str, Any], *, causal: bool) -> None:
 
 
 def attention(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The ``"attnzoo"`` attention function (``AttentionInterface`` signature).
 
@@ -156,8 +163,14 @@ def attention(
 
 
 def mask(
-    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-    mask_function: Any = None, attention_mask: Tensor | None = None, **kwargs: Any,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
 ) -> Tensor | None:
     """The ``"attnzoo"`` mask function (``AttentionMaskInterface``): for a plain causal or
     bidirectional mask over a 2-D padding mask, return that padding mask as ``(B, N_kv)`` bool
@@ -172,9 +185,16 @@ def mask(
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     return masking_utils.sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-        mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
-        allow_is_bidirectional_skip=False, **kwargs,
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+        **kwargs,
     )
 
 
@@ -205,8 +225,10 @@ def key_padding(attention_mask: Tensor | None, n_q: int, n_kv: int, causal: bool
     if attention_mask.dtype != torch.bool:
         allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
         if bool((attention_mask[allowed] != 0).any()):
-            raise ValueError("attention_mask is an additive bias (non-zero values at attended pairs), not a mask; "
-                             "attnzoo mechanisms take key padding (+ causal) only")
+            raise ValueError(
+                "attention_mask is an additive bias (non-zero values at attended pairs), not a mask; "
+                "attnzoo mechanisms take key padding (+ causal) only"
+            )
     allowed = allowed.expand(-1, -1, n_q, n_kv)
     real = allowed.any(dim=(1, 2))  # (B, N_kv): keys some query attends
     tri = torch.ones(n_q, n_kv, dtype=torch.bool, device=real.device).tril(n_kv - n_q)
@@ -259,8 +281,10 @@ def _configs(model: nn.Module) -> list[PretrainedConfig]:
 
 def _tuples(config: dict[str, Any]) -> dict[str, Any]:
     """Lists back to tuples: a config saved to config.json comes back with JSON lists."""
+
     def conv(v: Any) -> Any:
         return tuple(conv(x) for x in v) if isinstance(v, (list, tuple)) else v
+
     return {k: conv(v) for k, v in dict(config).items()}
 
 

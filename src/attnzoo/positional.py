@@ -118,6 +118,7 @@ def alibi_slopes(heads: int) -> Tensor:
     """Press et al. 2022 (https://arxiv.org/abs/2108.12409) head slopes: a geometric sequence
     ``2^(-8/n)``, ``2^(-16/n)``, ...; for a head count that is not a power of two, the slopes of
     the power of two below it, then every other slope of the next power of two."""
+
     def geometric(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
 
@@ -158,7 +159,9 @@ class RelativePositionalEncoding(PositionalEncoding):
 
     biases_scores = True
 
-    def __init__(self, head_dim: int, max_distance: int = 16, *, values: bool = True, scale: float | None = None) -> None:
+    def __init__(
+        self, head_dim: int, max_distance: int = 16, *, values: bool = True, scale: float | None = None
+    ) -> None:
         super().__init__()
         check_positive_int(head_dim, "head_dim")
         check_positive_int(max_distance, "max_distance")
@@ -191,7 +194,9 @@ class RelativePositionalEncoding(PositionalEncoding):
         return torch.einsum("bhir,rd->bhid", mass, self.rel_v.to(weights.dtype))
 
 
-def build_positional(name: str | PositionalEncoding | None, *, dim: int, heads: int, head_dim: int) -> PositionalEncoding | None:
+def build_positional(
+    name: str | PositionalEncoding | None, *, dim: int, heads: int, head_dim: int
+) -> PositionalEncoding | None:
     """Resolve ``MultiHeadAttention(positional=...)``: an instance, None, or one of the names
     ``"sinusoidal"``, ``"rope"``, ``"alibi"``, ``"relative"`` (Shaw, max_distance=16, with
     values). A learned table needs its length: pass ``LearnedPositionalEncoding(dim, max_len)``."""
@@ -208,4 +213,3 @@ def build_positional(name: str | PositionalEncoding | None, *, dim: int, heads: 
     if name not in factories:
         raise ValueError(f"positional must be None, a PositionalEncoding, or one of {sorted(factories)}, got {name!r}")
     return factories[name]()
-

@@ -13,12 +13,12 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from torch import nn
 
 from attnzoo.spec import Capabilities, Complexity, Spec
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,8 +68,15 @@ def register(
 
     def decorate(module: type[nn.Module]) -> type[nn.Module]:
         spec = Spec(
-            name=name, family=family, summary=summary, paper=paper, config=config, module=module,
-            capabilities=capabilities, complexity=complexity, notes=notes,
+            name=name,
+            family=family,
+            summary=summary,
+            paper=paper,
+            config=config,
+            module=module,
+            capabilities=capabilities,
+            complexity=complexity,
+            notes=notes,
         )
         _SPECS[name] = spec
         _BY_CONFIG[config] = spec

@@ -11,8 +11,9 @@ keys) it is ``t``, so causal masks and position biases need no special case when
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 from torch import Tensor
 

@@ -48,8 +48,11 @@ GALLERY_CONFIGS: dict[str, dict[str, Any]] = {
     "sparse_transformer_fixed": dict(l=8, c=2),
     "block2d": dict(h=8, w=8, query_block=(4, 4), memory_margin=(2, 2)),
     "axial": dict(h=8, w=8),
-    "graph": dict(edges=tuple((i, (i + s) % 64) for i in range(64) for s in (1, -1))
-                  + tuple((i, (i + 32) % 64) for i in range(0, 64, 8)), n=64),
+    "graph": dict(
+        edges=tuple((i, (i + s) % 64) for i in range(64) for s in (1, -1))
+        + tuple((i, (i + 32) % 64) for i in range(0, 64, 8)),
+        n=64,
+    ),
     "pattern": dict(pattern=P.per_head([P.local(2), P.strided(8)])),
 }
 
@@ -95,14 +98,23 @@ def _draw_mask(ax: Any, mask: np.ndarray, tiles: np.ndarray | None, block: int |
     ax.grid(which="minor", color=GRID, linewidth=0.5)
     ax.tick_params(which="minor", length=0)
     qb, kb = np.nonzero(tiles)
-    rects = [Rectangle((k * block - 0.5, q * block - 0.5), min(block, n_kv - k * block), min(block, n_q - q * block))
-             for q, k in zip(qb.tolist(), kb.tolist())]
+    rects = [
+        Rectangle((k * block - 0.5, q * block - 0.5), min(block, n_kv - k * block), min(block, n_q - q * block))
+        for q, k in zip(qb.tolist(), kb.tolist())
+    ]
     colours = [FULL_EDGE if kind == 2 else PARTIAL_EDGE for kind in tiles[qb, kb].tolist()]
     ax.add_collection(PatchCollection(rects, facecolor="none", edgecolor=colours, linewidth=1.0))
 
 
-def draw_pattern(pattern: P.Pattern, n: int, out: str | Path, *, block: int | None = None,
-                 title: str | None = None, causal: bool = False) -> Path:
+def draw_pattern(
+    pattern: P.Pattern,
+    n: int,
+    out: str | Path,
+    *,
+    block: int | None = None,
+    title: str | None = None,
+    causal: bool = False,
+) -> Path:
     """Draw ``pattern`` on ``n`` positions as a PNG at ``out``: computed (query, key) pairs in
     blue, rows = queries, columns = keys. With ``block``, the ``block x block`` tile grid of
     ``pattern.blocks(n, n, block)``: full tiles outlined light blue, partial tiles outlined
@@ -126,9 +138,11 @@ def draw_pattern(pattern: P.Pattern, n: int, out: str | Path, *, block: int | No
             ax.set_title(_wrap(f"head group {g}: {parts[g]!r} ({100 * mask[g].mean():.1f}%)", 55), fontsize=8)
     fig.suptitle(heading, fontsize=10)
     if tiles is not None:
-        handles = [Patch(color=STRONG, label="computed pair"),
-                   Patch(facecolor="white", edgecolor=FULL_EDGE, label=f"full {block}x{block} tile"),
-                   Patch(facecolor=PARTIAL_FILL, edgecolor=PARTIAL_EDGE, label="partial tile (masked pairs shaded)")]
+        handles = [
+            Patch(color=STRONG, label="computed pair"),
+            Patch(facecolor="white", edgecolor=FULL_EDGE, label=f"full {block}x{block} tile"),
+            Patch(facecolor=PARTIAL_FILL, edgecolor=PARTIAL_EDGE, label="partial tile (masked pairs shaded)"),
+        ]
         fig.legend(handles=handles, loc="outside lower center", ncol=3 if groups > 1 else 2, fontsize=7, frameon=False)
     return _save(fig, out)
 
@@ -143,8 +157,10 @@ def draw_weights(weights: torch.Tensor | np.ndarray, out: str | Path, *, title: 
     if w.dim() == 2:
         w = w[None]
     if w.dim() != 3:
-        raise ValueError(f"weights must be (H, N_q, N_kv) or (N_q, N_kv) (or (1, H, N_q, N_kv)), got shape "
-                         f"{tuple(w.shape)}; pass weights[b] to draw batch element b")
+        raise ValueError(
+            f"weights must be (H, N_q, N_kv) or (N_q, N_kv) (or (1, H, N_q, N_kv)), got shape "
+            f"{tuple(w.shape)}; pass weights[b] to draw batch element b"
+        )
     heads, shown = w.shape[0], w[:8].numpy()
     cols, rows = min(len(shown), 4), -(-len(shown) // 4)
     fig, axes = _figure(rows, cols, (3.6 * cols + 1.0, 3.8 * rows + 0.4))
@@ -164,9 +180,9 @@ def draw_weights(weights: torch.Tensor | np.ndarray, out: str | Path, *, title: 
 
 def mechanism_pattern(name: str, n: int, /, **config: Any) -> P.Pattern:
     """The pattern (``.pattern``) of the registered sparse mechanism ``name`` built with
-    ``config``, checked to be defined on ``n`` positions (graph, axial and block2d are defined
-    on a fixed number). ``name`` and ``n`` are positional-only, so ``config`` may hold an ``n``
-(graph's). ``GALLERY_CONFIGS[name]`` is a config that suits n = 64."""
+        ``config``, checked to be defined on ``n`` positions (graph, axial and block2d are defined
+        on a fixed number). ``name`` and ``n`` are positional-only, so ``config`` may hold an ``n``
+    (graph's). ``GALLERY_CONFIGS[name]`` is a config that suits n = 64."""
     if describe(name).family != "sparse":
         raise ValueError(f"{name!r} is not a sparse mechanism; sparse ones: {', '.join(names(family='sparse'))}")
     pattern = build(name, **config).pattern
@@ -191,20 +207,32 @@ def gallery(out_dir: str | Path, *, n: int = 64, block: int = 8) -> list[Path]:
     sparse = names(family="sparse")
     missing = [name for name in sparse if name not in GALLERY_CONFIGS]
     if missing:
-        raise ValueError(f"no GALLERY_CONFIGS entry for sparse mechanism(s) {', '.join(missing)}: "
-                         "add a config that makes a readable picture at n = 64 to attnzoo.viz.GALLERY_CONFIGS")
-    entries = [("softmax", P.full(), block, describe("softmax").summary, "full attention"),
-               ("causal", P.causal(), block, "Exact attention with causal=True.", "j <= i")]
+        raise ValueError(
+            f"no GALLERY_CONFIGS entry for sparse mechanism(s) {', '.join(missing)}: "
+            "add a config that makes a readable picture at n = 64 to attnzoo.viz.GALLERY_CONFIGS"
+        )
+    entries = [
+        ("softmax", P.full(), block, describe("softmax").summary, "full attention"),
+        ("causal", P.causal(), block, "Exact attention with causal=True.", "j <= i"),
+    ]
     for name in sparse:
         config = GALLERY_CONFIGS[name]
-        entries.append((name, mechanism_pattern(name, n, **config), config.get("block", block),
-                        describe(name).summary, _show_config(config)))
+        entries.append(
+            (
+                name,
+                mechanism_pattern(name, n, **config),
+                config.get("block", block),
+                describe(name).summary,
+                _show_config(config),
+            )
+        )
     paths = [draw_pattern(pattern, n, out_dir / f"{name}.png", block=tile) for name, pattern, tile, _, _ in entries]
     figures = "\n".join(
         f'<figure><img src="{html.escape(path.name)}" alt="{html.escape(name)} pattern">'
         f"<figcaption><b>{html.escape(name)}</b>: {html.escape(summary)}<br><code>{html.escape(config)}</code>"
         "</figcaption></figure>"
-        for path, (name, _, _, summary, config) in zip(paths, entries))
+        for path, (name, _, _, summary, config) in zip(paths, entries)
+    )
     index = out_dir / "index.html"
     index.write_text(_INDEX.format(n=n, block=block, figures=figures), encoding="utf-8")
     return [*paths, index]

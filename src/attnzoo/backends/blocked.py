@@ -62,9 +62,14 @@ class Plan(TileGrid):
     pieces: tuple[Piece, ...]
 
 
-
-def make_plan(tiles: BlockList, head_groups: Tensor, *, pattern: Pattern | None = None,
-              mask_blocks: Tensor | None = None, max_kv_blocks: int = 32) -> Plan:
+def make_plan(
+    tiles: BlockList,
+    head_groups: Tensor,
+    *,
+    pattern: Pattern | None = None,
+    mask_blocks: Tensor | None = None,
+    max_kv_blocks: int = 32,
+) -> Plan:
     """Group tiles into pieces. ``head_groups (H,)`` maps heads to tile groups; ``mask_blocks``
     (bool per key block) forces tiles of those key blocks to use an explicit mask (blocks with
     padded keys); the ragged last key block always does. Given the ``pattern``, partial tiles
@@ -215,8 +220,19 @@ def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -
     return torch.matmul(probs, vx.to(cd)), lse
 
 
-def piece_backward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor,
-                   lse: Tensor, delta: Tensor, *, flash_ok: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def piece_backward(
+    piece: Piece,
+    ctx: Context,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    grad_out: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    *,
+    flash_ok: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
     """This piece's share of dq, dk, dv from the *total* ``out`` and ``lse`` (given per query
     block as ``(QB, B*Hg, block)``; rows with no visible key carry lse = +inf, so their
     recomputed probabilities are 0). ``delta`` is ``rowsum(dO * O) - dL/dlse``; the flash
@@ -233,7 +249,9 @@ def piece_backward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor, 
             args = _flip_rows(dox, qx, kx, vx, ox, lse_x) if flip else (dox, qx, kx, vx, ox, lse_x)
             grads = _flash_backward(*args, 0.0, True, scale=ctx.scale)
             return _flip_rows(*grads) if flip else grads
-        return _flash_backward(dox, qx, kx, vx, ox, lse_x, 0.0, False, attn_mask=_additive(visible, q.dtype), scale=ctx.scale)
+        return _flash_backward(
+            dox, qx, kx, vx, ox, lse_x, 0.0, False, attn_mask=_additive(visible, q.dtype), scale=ctx.scale
+        )
     cd = _compute_dtype(q)
     qx, kx, vx, dox = qx.to(cd), kx.to(cd), vx.to(cd), dox.to(cd)
     with torch.enable_grad():
@@ -245,7 +263,11 @@ def piece_backward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor, 
         d_scores = probs * (torch.matmul(dox, vx.transpose(-1, -2)) - delta_x[..., None])
         (d_raw,) = torch.autograd.grad(scores, raw, d_scores) if ctx.score_mod is not None else (d_scores,)
     d_raw = d_raw * ctx.scale
-    return torch.matmul(d_raw, kx), torch.matmul(d_raw.transpose(-1, -2), qx), torch.matmul(probs.detach().transpose(-1, -2), dox)
+    return (
+        torch.matmul(d_raw, kx),
+        torch.matmul(d_raw.transpose(-1, -2), qx),
+        torch.matmul(probs.detach().transpose(-1, -2), dox),
+    )
 
 
 def _pad(x: Tensor, n: int) -> Tensor:
@@ -256,8 +278,10 @@ def _row_chunks(piece: Piece, ctx: Context, bh: int) -> list[Piece]:
     """Split a piece's query blocks so one chunk's score matrix stays within SCORE_BUDGET."""
     per_row = bh * ctx.plan.block * ctx.plan.block * piece.kb.shape[1]
     step = max(1, SCORE_BUDGET // per_row)
-    return [Piece(piece.heads, piece.qb[s : s + step], piece.kb[s : s + step], piece.kind)
-            for s in range(0, piece.qb.numel(), step)]
+    return [
+        Piece(piece.heads, piece.qb[s : s + step], piece.kb[s : s + step], piece.kind)
+        for s in range(0, piece.qb.numel(), step)
+    ]
 
 
 def _chunks(ctx: Context, q: Tensor) -> list[Piece]:
@@ -315,12 +339,27 @@ class BlockedAttention(torch.autograd.Function):
         lse = torch.where(torch.isinf(lse), float("inf"), lse)  # rows that saw no key: probabilities 0
         dq, dk, dv = (torch.zeros(x.shape, dtype=cd, device=q.device) for x in (qp, kp, vp))
         for piece in _chunks(data, q):
-            dqx, dkx, dvx = piece_backward(piece, data, qp, kp, vp, op, gp, _block_rows(lse, piece, plan.block),
-                                           _block_rows(delta, piece, plan.block), flash_ok=not lse_grad)
+            dqx, dkx, dvx = piece_backward(
+                piece,
+                data,
+                qp,
+                kp,
+                vp,
+                op,
+                gp,
+                _block_rows(lse, piece, plan.block),
+                _block_rows(delta, piece, plan.block),
+                flash_ok=not lse_grad,
+            )
             _scatter(dq, dqx, piece, piece.qb, plan.block, batch)
             _scatter(dk, dkx, piece, piece.kb, plan.block, batch)
             _scatter(dv, dvx, piece, piece.kb, plan.block, batch)
-        return dq[:, :, : plan.n_q].to(q.dtype), dk[:, :, : plan.n_kv].to(k.dtype), dv[:, :, : plan.n_kv].to(v.dtype), None
+        return (
+            dq[:, :, : plan.n_q].to(q.dtype),
+            dk[:, :, : plan.n_kv].to(k.dtype),
+            dv[:, :, : plan.n_kv].to(v.dtype),
+            None,
+        )
 
 
 def _block_rows(x: Tensor, piece: Piece, block: int) -> Tensor:
@@ -344,9 +383,18 @@ def _scatter(target: Tensor, grad: Tensor, piece: Piece, blocks: Tensor, block: 
         view[:, piece.heads] += sub
 
 
-def blocked_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, mask_mod: MaskMod, scale: float,
-                      score_mod: ScoreMod | None = None, key_padding_mask: Tensor | None = None,
-                      return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def blocked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: Plan,
+    *,
+    mask_mod: MaskMod,
+    scale: float,
+    score_mod: ScoreMod | None = None,
+    key_padding_mask: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over the pieces of ``plan`` (see module docstring). Differentiable, the
     log-sum-exp ``(B, H, N_q)`` too (``-inf`` for rows that see no key) when ``return_lse``."""
     ctx = Context(plan, scale, mask_mod, score_mod, key_padding_mask, q.shape[0], q.shape[-1] == v.shape[-1])

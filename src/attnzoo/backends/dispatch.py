@@ -26,9 +26,10 @@ from attnzoo._checks import check_causal, check_choice, check_key_padding_mask, 
 from attnzoo.backends import blocked as blocked_backend
 from attnzoo.backends import flex as flex_backend
 from attnzoo.backends import structured as structured_backend
-from attnzoo.backends.windowed import structured_attention
 from attnzoo.backends.reference import reference_attention
-from attnzoo.patterns import Pattern, causal as causal_pattern, full
+from attnzoo.backends.windowed import structured_attention
+from attnzoo.patterns import Pattern, full
+from attnzoo.patterns import causal as causal_pattern
 from attnzoo.spec import ScoreMod
 
 BACKENDS = ("auto", "reference", "blocked", "flex")
@@ -128,8 +129,9 @@ def attend(
     name = _choose(backend, call)
     if name == "reference":
         mask_mod = pattern.mask_mod_for(q.shape[2], k.shape[2])
-        return reference_attention(q, k, v, key_padding_mask=key_padding_mask, mask_mod=mask_mod,
-                                   score_mod=score_mod, scale=scale)
+        return reference_attention(
+            q, k, v, key_padding_mask=key_padding_mask, mask_mod=mask_mod, score_mod=score_mod, scale=scale
+        )
     if name == "flex":
         return flex_backend.flex_attend(call)
     structure = structure_for(call)
@@ -139,8 +141,14 @@ def attend(
     _LAST.choice = Choice(_LAST.choice.backend, _LAST.choice.skipped, "tiles")
     plan = plan_for(call)
     return blocked_backend.blocked_attention(
-        q, k, v, plan, mask_mod=pattern.mask_mod_for(q.shape[2], k.shape[2]), scale=scale,
-        score_mod=score_mod, key_padding_mask=key_padding_mask,
+        q,
+        k,
+        v,
+        plan,
+        mask_mod=pattern.mask_mod_for(q.shape[2], k.shape[2]),
+        scale=scale,
+        score_mod=score_mod,
+        key_padding_mask=key_padding_mask,
     )
 
 
@@ -191,8 +199,14 @@ def plan_for(call: Call) -> blocked_backend.Plan:
     so repeated calls skip ``blocks()``."""
     n_q, n_kv = call.q.shape[2], call.k.shape[2]
     mask_blocks = padded_blocks(call.key_padding_mask, n_kv, call.block)
-    key = (call.pattern, n_q, n_kv, call.block, call.q.shape[1],
-           None if mask_blocks is None else bytes(mask_blocks.numpy()))
+    key = (
+        call.pattern,
+        n_q,
+        n_kv,
+        call.block,
+        call.q.shape[1],
+        None if mask_blocks is None else bytes(mask_blocks.numpy()),
+    )
     if key in _PLANS:
         _PLANS.move_to_end(key)
         return _PLANS[key]

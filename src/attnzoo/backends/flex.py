@@ -9,7 +9,8 @@ and size. On CPU, FlexAttention has no backward: inputs that require grad are re
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -37,8 +38,10 @@ def not_supported_reasons(call: Call) -> list[str]:
     q = call.q
     if q.device.type == "cpu":
         if any(t.requires_grad for t in (call.q, call.k, call.v)):
-            reasons.append("FlexAttention has no backward on CPU and refuses inputs that require grad; "
-                           "use backend='blocked' to train, or pass detached tensors")
+            reasons.append(
+                "FlexAttention has no backward on CPU and refuses inputs that require grad; "
+                "use backend='blocked' to train, or pass detached tensors"
+            )
         if q.dtype not in CPU_DTYPES:
             reasons.append(f"flex on CPU supports {', '.join(map(str, CPU_DTYPES))}, got {q.dtype}")
     elif q.device.type != "cuda":
@@ -63,8 +66,16 @@ def block_mask_for(call: Call) -> Any:
     n_q, n_kv, heads = call.q.shape[2], call.k.shape[2], call.q.shape[1]
     kpm = call.key_padding_mask
     mask_blocks = padded_blocks(kpm, n_kv, call.block)
-    key = (call.pattern, n_q, n_kv, call.block, heads, str(call.q.device),
-           None if mask_blocks is None else bytes(mask_blocks.numpy()), None if kpm is None else id(kpm))
+    key = (
+        call.pattern,
+        n_q,
+        n_kv,
+        call.block,
+        heads,
+        str(call.q.device),
+        None if mask_blocks is None else bytes(mask_blocks.numpy()),
+        None if kpm is None else id(kpm),
+    )
     if key in _MASKS:
         _MASKS.move_to_end(key)
         return _MASKS[key]

@@ -125,8 +125,14 @@ def reference_attention(
     if score_mod is not None:
         scores = score_mod(scores, *pair_indices(batch, heads, n_q, n_kv, q.device))
     visible = visible_pairs(
-        batch, heads, n_q, n_kv, causal=causal, key_padding_mask=key_padding_mask,
-        mask_mod=mask_mod, device=q.device,
+        batch,
+        heads,
+        n_q,
+        n_kv,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        mask_mod=mask_mod,
+        device=q.device,
     )
     weights = normalize_scores(scores, visible, normalizer)
     out = torch.einsum("bhij,bhjd->bhid", weights, vc).to(q.dtype)

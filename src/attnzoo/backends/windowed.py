@@ -18,7 +18,6 @@ from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.blocked import _compute_dtype
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
 
-
 # --- layout: heads, de-interleaving, windows ------------------------------------------------
 
 
@@ -54,8 +53,9 @@ def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
     total = max(front + w.start + (blocks - 1) * w.block + w.width, front + x.shape[1])
     x = F.pad(x, (0, 0, front, total - front - x.shape[1])).contiguous()
     first = front + w.start
-    return x[:, first:].as_strided((x.shape[0], blocks, w.width, x.shape[2]),
-                                   (x.stride(0), w.block * x.stride(1), x.stride(1), 1))
+    return x[:, first:].as_strided(
+        (x.shape[0], blocks, w.width, x.shape[2]), (x.stride(0), w.block * x.stride(1), x.stride(1), 1)
+    )
 
 
 def _window_mask(w: Windows, key_valid: Tensor | None, heads: int, blocks: int, dtype: torch.dtype) -> Tensor | None:
@@ -114,8 +114,9 @@ class _Saved:
         return tensors[:n_extra], _Saved(*tensors[n_extra:], ctx.is_causal)
 
 
-def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
-                  scale: float) -> tuple[Tensor, _Saved]:
+def _part_forward(
+    w: Windows, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float
+) -> tuple[Tensor, _Saved]:
     n, sub = q.shape[2], -(-q.shape[2] // w.stride)
     qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
     valid = _split_keys(key_valid, q.shape[0], n, w.stride, sub)
@@ -142,8 +143,9 @@ def _to_kernel(x: Tensor, w: Windows, saved: _Saved) -> Tensor:
     return F.pad(x, (0, 0, 0, saved.q.shape[1] * w.block - sub)).reshape(saved.out.shape[:-1] + (x.shape[-1],))
 
 
-def _part_backward(w: Windows, saved: _Saved, grad: Tensor, scale: float, out: Tensor | None = None,
-                   lse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _part_backward(
+    w: Windows, saved: _Saved, grad: Tensor, scale: float, out: Tensor | None = None, lse: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v gradients of one part. ``out``/``lse`` (``(B, H, N, Dv)``, ``(B, H, N)``) replace
     the part's own when it is one term of a union: the kernel's backward then uses the union's
     softmax (``delta = rowsum(dO * O)`` over the whole union)."""
@@ -152,8 +154,9 @@ def _part_backward(w: Windows, saved: _Saved, grad: Tensor, scale: float, out: T
     g = _to_kernel(grad, w, saved).contiguous()
     kernel_out = saved.out if out is None else _to_kernel(out, w, saved).contiguous()
     kernel_lse = saved.lse if lse is None else _to_kernel(lse[..., None], w, saved)[..., 0].contiguous()
-    dq, dk, dv = flash_attention_cpu_backward(g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0,
-                                              saved.is_causal, attn_mask=saved.mask, scale=scale)
+    dq, dk, dv = flash_attention_cpu_backward(
+        g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0, saved.is_causal, attn_mask=saved.mask, scale=scale
+    )
     if w.dense:
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
     bb = dq.shape[0] // heads
@@ -190,8 +193,15 @@ def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
 
 class _PartAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Windows, key_valid: Tensor | None,  # type: ignore[override]
-                scale: float) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        w: Windows,
+        key_valid: Tensor | None,  # type: ignore[override]
+        scale: float,
+    ) -> Tensor:
         out, saved = _part_forward(w, q, k, v, key_valid, scale)
         saved.stash(ctx)
         ctx.w, ctx.scale = w, scale
@@ -222,8 +232,15 @@ class _UnionAttention(torch.autograd.Function):
     union's output and log-sum-exp (see ``_part_backward``)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, part: WithGlobals,  # type: ignore[override]
-                key_valid: Tensor | None, scale: float) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        part: WithGlobals,  # type: ignore[override]
+        key_valid: Tensor | None,
+        scale: float,
+    ) -> Tensor:
         scores = _column_scores(part, q, k, key_valid, scale)
         lse = torch.logsumexp(scores, dim=-1)
         saved, out_w = None, None
@@ -285,8 +302,15 @@ class _MergedAttention(torch.autograd.Function):
     output and log-sum-exp (see ``_part_backward``)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, merged: Merged,  # type: ignore[override]
-                key_valid: Tensor | None, scale: float) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        merged: Merged,  # type: ignore[override]
+        key_valid: Tensor | None,
+        scale: float,
+    ) -> Tensor:
         outs, lses, saved = [], [], []
         for w in merged.parts:
             out, part = _part_forward(w, q, k, v, key_valid, scale)
@@ -294,11 +318,12 @@ class _MergedAttention(torch.autograd.Function):
             lses.append(_part_lse(w, part, q.shape[2], q.shape[1]))
             saved.append(part)
         lse = torch.logsumexp(torch.stack(lses), 0)  # [B, H, N]
-        out = sum(o * torch.exp(l - _finite(lse, 0.0))[..., None].to(o.dtype) for o, l in zip(outs, lses))
+        out = sum(o * torch.exp(p - _finite(lse, 0.0))[..., None].to(o.dtype) for o, p in zip(outs, lses))
         ctx.merged, ctx.scale, ctx.causal = merged, scale, [part.is_causal for part in saved]
         # save_for_backward (see ``_Saved.stash``): a retained graph can run backward twice.
-        ctx.save_for_backward(out, lse, *(t for part in saved for t in (part.q, part.k, part.v, part.out,
-                                                                         part.lse, part.mask)))
+        ctx.save_for_backward(
+            out, lse, *(t for part in saved for t in (part.q, part.k, part.v, part.out, part.lse, part.mask))
+        )
         return out
 
     @staticmethod
@@ -306,13 +331,16 @@ class _MergedAttention(torch.autograd.Function):
         out, lse, *tensors = ctx.saved_tensors
         saved = [_Saved(*tensors[6 * i : 6 * i + 6], causal) for i, causal in enumerate(ctx.causal)]
         lse = _finite(lse, float("inf"))  # rows that see nothing: p = 0
-        grads = [_part_backward(w, part, grad, ctx.scale, out, lse.to(part.lse.dtype))
-                 for w, part in zip(ctx.merged.parts, saved)]
+        grads = [
+            _part_backward(w, part, grad, ctx.scale, out, lse.to(part.lse.dtype))
+            for w, part in zip(ctx.merged.parts, saved)
+        ]
         return (*(sum(g[i] for g in grads) for i in range(3)), None, None, None)
 
 
-def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None,
-              scale: float) -> Tensor:
+def _run_part(
+    part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float
+) -> Tensor:
     if isinstance(part, Windows):
         return _PartAttention.apply(q, k, v, part, key_valid, scale)
     if isinstance(part, Merged):
@@ -323,8 +351,9 @@ def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Ten
     return out.index_copy(2, part.tokens.to(q.device), _global_rows(part, q, k, v, key_valid, scale))
 
 
-def structured_attention(q: Tensor, k: Tensor, v: Tensor, plan: Structure, *, scale: float,
-                         key_padding_mask: Tensor | None = None) -> Tensor:
+def structured_attention(
+    q: Tensor, k: Tensor, v: Tensor, plan: Structure, *, scale: float, key_padding_mask: Tensor | None = None
+) -> Tensor:
     """Exact attention over ``plan`` (see the module docstring). ``(B, H, N, D)`` in and out;
     rows with no visible key give zeros and zero gradient."""
     if len(plan.parts) == 1 and plan.parts[0][0] is None:

@@ -30,8 +30,14 @@ def previous(path: Path) -> Path:
     return path.with_name(path.stem + ".prev" + path.suffix)
 
 
-def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, meta: dict[str, Any], *,
-         keep_previous: bool = False) -> None:
+def save(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    meta: dict[str, Any],
+    *,
+    keep_previous: bool = False,
+) -> None:
     """Write ``model`` (and ``optimizer``, if given) with ``meta`` (JSON-able) atomically to ``path``."""
     tensors, aliases = _model_tensors(model)
     meta = {**meta, "aliases": aliases}
@@ -56,8 +62,14 @@ def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
     for key, value in model.state_dict().items():
-        same = (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
-                value.stride(), value.dtype)
+        same = (
+            value.device,
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            tuple(value.shape),
+            value.stride(),
+            value.dtype,
+        )
         if value.numel() and same in seen:
             aliases[key] = seen[same]
             continue
@@ -82,8 +94,10 @@ def _unreadable(path: Path, error: Exception) -> ValueError:
         return ValueError(f"checkpoint {path} does not exist")
     prev = previous(path)
     if prev.exists():
-        fix = (f"the checkpoint saved before it is {prev}: move it over the damaged one "
-               f"(mv {prev} {path}) and run the same command again to resume from there")
+        fix = (
+            f"the checkpoint saved before it is {prev}: move it over the damaged one "
+            f"(mv {prev} {path}) and run the same command again to resume from there"
+        )
     else:
         fix = "there is no earlier checkpoint beside it; delete it to start over"
     return ValueError(f"checkpoint {path} cannot be read (truncated or not a checkpoint: {error}); {fix}")
@@ -108,7 +122,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None =
     except (SafetensorError, OSError) as error:
         raise _unreadable(path, error) from error
     device = next(model.parameters()).device
-    weights = {key[len(_MODEL):]: value for key, value in tensors.items() if key.startswith(_MODEL)}
+    weights = {key[len(_MODEL) :]: value for key, value in tensors.items() if key.startswith(_MODEL)}
     weights.update({key: weights[stored] for key, stored in meta.get("aliases", {}).items()})
     try:
         model.load_state_dict(weights)
@@ -118,7 +132,7 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None =
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             if key.startswith(_OPTIM):
-                index, slot = key[len(_OPTIM):].split(".", 1)
+                index, slot = key[len(_OPTIM) :].split(".", 1)
                 # AdamW keeps its step counter on the CPU; moments live with the parameters.
                 state.setdefault(int(index), {})[slot] = value if slot == "step" else value.to(device)
         optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

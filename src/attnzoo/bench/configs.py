@@ -26,7 +26,9 @@ def sized(name: str, n: int) -> dict[str, Any]:
     """A config for ``name`` at sequence length ``n`` (see the module docstring)."""
     q, e = max(2, n // 4), max(2, n // 8)  # a quarter of the keys; an eighth for blocks
     h, w = _grid(n)
-    ring = tuple((i, (i + s) % n) for i in range(n) for s in (1, -1)) + tuple((i, (i + n // 2) % n) for i in range(0, n, 8))
+    ring = tuple((i, (i + s) % n) for i in range(n) for s in (1, -1)) + tuple(
+        (i, (i + n // 2) % n) for i in range(0, n, 8)
+    )
     table: dict[str, dict[str, Any]] = {
         "local": dict(left=q, right=q),
         "dilated": dict(left=q // 2, right=q // 2, dilation=2),

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -15,8 +16,9 @@ import attnzoo
 from attnzoo.bench.speed import machine
 
 
-def step_times(name: str, config: dict[str, Any], position: int, *, heads: int = 8, dim: int = 64,
-               steps: int = 32) -> list[float]:
+def step_times(
+    name: str, config: dict[str, Any], position: int, *, heads: int = 8, dim: int = 64, steps: int = 32
+) -> list[float]:
     """Seconds per single-token step after ``position`` tokens (B = 1)."""
     module = attnzoo.build(name, **config).eval()
     g = torch.Generator().manual_seed(0)
@@ -35,8 +37,13 @@ def step_times(name: str, config: dict[str, Any], position: int, *, heads: int =
     return times
 
 
-def run(mechanisms: tuple[tuple[str, dict[str, Any]], ...], positions: tuple[int, ...], command: str,
-        heads: int = 8, dim: int = 64) -> Iterator[dict[str, Any]]:
+def run(
+    mechanisms: tuple[tuple[str, dict[str, Any]], ...],
+    positions: tuple[int, ...],
+    command: str,
+    heads: int = 8,
+    dim: int = 64,
+) -> Iterator[dict[str, Any]]:
     yield {"kind": "meta", **machine(), "command": command}
     for name, config in mechanisms:
         if not attnzoo.describe(name).capabilities.decode_step:
@@ -44,5 +51,13 @@ def run(mechanisms: tuple[tuple[str, dict[str, Any]], ...], positions: tuple[int
             continue
         for position in positions:
             median = statistics.median(step_times(name, config, position, heads=heads, dim=dim))
-            yield {"kind": "decode", "mechanism": name, "config": config, "position": position, "heads": heads,
-                   "dim": dim, "step_s": median, "steps_per_s": 1 / median}
+            yield {
+                "kind": "decode",
+                "mechanism": name,
+                "config": config,
+                "position": position,
+                "heads": heads,
+                "dim": dim,
+                "step_s": median,
+                "steps_per_s": 1 / median,
+            }

@@ -21,9 +21,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -122,9 +123,15 @@ def batches(tokenizer: Any, texts: list[str], *, max_length: int, batch: int) ->
     order = sorted(range(len(texts)), key=lambda i: lengths[i])
     out = []
     for start in range(0, len(order), batch):
-        idx = order[start:start + batch]
-        out.append((idx, tokenizer([texts[i] for i in idx], padding=True, truncation=True,
-                                   max_length=max_length, return_tensors="pt")))
+        idx = order[start : start + batch]
+        out.append(
+            (
+                idx,
+                tokenizer(
+                    [texts[i] for i in idx], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+                ),
+            )
+        )
     return out
 
 
@@ -145,13 +152,21 @@ def compare(swapped: torch.Tensor, original: torch.Tensor) -> dict[str, float]:
     cos = (swapped * original).sum(-1)
     nearest = (swapped @ original.T).argmax(-1)
     hits = nearest == torch.arange(len(original))
-    return {"mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()),
-            "retrieval_at_1": float(hits.float().mean())}
+    return {
+        "mean_cosine": float(cos.mean()),
+        "min_cosine": float(cos.min()),
+        "retrieval_at_1": float(hits.float().mean()),
+    }
 
 
 def run(
-    mechanisms: tuple[tuple[str, dict[str, Any]], ...] = DEFAULTS, *, passages: list[dict[str, Any]] | None = None,
-    max_length: int = MAX_LENGTH, batch: int = 32, command: str = "", all_names: bool = True,
+    mechanisms: tuple[tuple[str, dict[str, Any]], ...] = DEFAULTS,
+    *,
+    passages: list[dict[str, Any]] | None = None,
+    max_length: int = MAX_LENGTH,
+    batch: int = 32,
+    command: str = "",
+    all_names: bool = True,
 ) -> Iterator[dict[str, Any]]:
     """Yield the meta row, then one ``fidelity`` row per mechanism config; with ``all_names``
     also one not-applicable row per registered mechanism that has no config here."""
@@ -165,10 +180,20 @@ def run(
     n = len(passages)
     start = time.perf_counter()
     original = embed(model, tokenized, n)
-    yield {"kind": "meta", "command": command, "model": MODEL, "n_passages": n, "max_length": max_length,
-           "batch": batch, "original_seconds": time.perf_counter() - start, "torch_threads": torch.get_num_threads(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "transformers": transformers.__version__, "attnzoo": attnzoo.__version__}
+    yield {
+        "kind": "meta",
+        "command": command,
+        "model": MODEL,
+        "n_passages": n,
+        "max_length": max_length,
+        "batch": batch,
+        "original_seconds": time.perf_counter() - start,
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attnzoo": attnzoo.__version__,
+    }
     base = {"kind": "fidelity", "n_passages": n, "model": MODEL}
     empty = {"mean_cosine": None, "min_cosine": None, "retrieval_at_1": None, "seconds": None}
     configured = {name for name, _ in mechanisms}
@@ -182,8 +207,14 @@ def run(
         except (ValueError, TypeError, RuntimeError) as error:
             yield {**row, "applicable": False, "reason": f"{type(error).__name__}: {error}", **empty}
             continue
-        yield {**row, "applicable": True, "reason": None, **compare(swapped, original), "seconds": seconds,
-               "note": NOTES.get(name)}
+        yield {
+            **row,
+            "applicable": True,
+            "reason": None,
+            **compare(swapped, original),
+            "seconds": seconds,
+            "note": NOTES.get(name),
+        }
     if all_names:
         for name in attnzoo.names():
             if name not in configured:
@@ -197,13 +228,26 @@ def _reason(name: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]",
-                        help="repeatable; default: every registered mechanism (configs sized for these passages)")
-    parser.add_argument("--limit", type=int, default=LIMIT,
-                        help=f"use the first LIMIT passages (default {LIMIT}, ~5 min on 2 cores; 0: all)")
+    parser.add_argument(
+        "--mechanism",
+        action="append",
+        default=[],
+        metavar="NAME[:key=value,...]",
+        help="repeatable; default: every registered mechanism (configs sized for these passages)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=LIMIT,
+        help=f"use the first LIMIT passages (default {LIMIT}, ~5 min on 2 cores; 0: all)",
+    )
     parser.add_argument("--passages", help="a JSONL file of {id, source, license, text} (default: the packaged set)")
-    parser.add_argument("--max-length", type=int, default=MAX_LENGTH,
-                        help=f"truncate passages to this many tokens (default {MAX_LENGTH}, the model's own; max 512)")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=MAX_LENGTH,
+        help=f"truncate passages to this many tokens (default {MAX_LENGTH}, the model's own; max 512)",
+    )
     parser.add_argument("--batch", type=int, default=32, help="passages per forward pass")
     parser.add_argument("--out", help="write JSON lines here")
 
@@ -214,22 +258,36 @@ def main(args: argparse.Namespace, console: Console) -> None:
     mechanisms = tuple(parse_mechanism(m) for m in args.mechanism) or DEFAULTS
     argv = getattr(args, "argv", None)
     command = "attnzoo " + " ".join(sys.argv[1:] if argv is None else argv)
-    rows = run(mechanisms, passages=load_passages(args.passages, args.limit), max_length=args.max_length,
-               batch=args.batch, command=command, all_names=not args.mechanism)
+    rows = run(
+        mechanisms,
+        passages=load_passages(args.passages, args.limit),
+        max_length=args.max_length,
+        batch=args.batch,
+        command=command,
+        all_names=not args.mechanism,
+    )
     table = Table(title=f"attnzoo bench fidelity: {MODEL} with its attention swapped, no retraining")
     for column in ("mechanism", "config", "mean cos", "min cos", "R@1", "s", "note"):
         table.add_column(column, overflow="fold")
 
     def echo(row: dict[str, Any]) -> None:
         if row["kind"] == "meta":
-            console.print(f"{row['n_passages']} passages (<= {row['max_length']} tokens); original model "
-                          f"{row['original_seconds']:.1f} s; torch {row['torch']}, transformers {row['transformers']}")
+            console.print(
+                f"{row['n_passages']} passages (<= {row['max_length']} tokens); original model "
+                f"{row['original_seconds']:.1f} s; torch {row['torch']}, transformers {row['transformers']}"
+            )
             return
         config = ", ".join(f"{k}={v}" for k, v in row["config"].items() if k != "backend")
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        table.add_row(row["mechanism"], config, fmt(row["mean_cosine"], ".4f"), fmt(row["min_cosine"], ".4f"),
-                      fmt(row["retrieval_at_1"], ".3f"), fmt(row["seconds"], ".1f"),
-                      row.get("note") or row.get("reason") or "")
+        table.add_row(
+            row["mechanism"],
+            config,
+            fmt(row["mean_cosine"], ".4f"),
+            fmt(row["min_cosine"], ".4f"),
+            fmt(row["retrieval_at_1"], ".3f"),
+            fmt(row["seconds"], ".1f"),
+            row.get("note") or row.get("reason") or "",
+        )
         console.print(f"  {row['mechanism']}: {fmt(row['mean_cosine'], '.4f')}", highlight=False)
 
     write_lines(rows, Path(args.out) if args.out else None, echo)

@@ -12,6 +12,7 @@ from attnzoo.nn.transformer import CausalLM, TransformerEncoder
 from attnzoo.positional import build_positional
 from attnzoo.registry import config_fields, describe
 
+
 def fill_shape_fields(name: str, config: dict[str, Any], *, seq_len: int) -> dict[str, Any]:
     """``config`` plus ``max_len = seq_len`` for mechanisms that have a length field (Synthesizer,
     Linformer, gMLP, MLP-Mixer) unless the user set it. (``heads``/``head_dim`` come from the
@@ -27,17 +28,34 @@ class SequenceClassifier(nn.Module):
     encodings are added to the embeddings (token mixers need that), the others act in attention."""
 
     def __init__(
-        self, *, vocab_size: int, n_classes: int, dim: int, depth: int, heads: int, mechanism: str,
-        positional: str | None = "sinusoidal", ff_mult: int = 2, dropout: float = 0.0, **mechanism_config: Any,
+        self,
+        *,
+        vocab_size: int,
+        n_classes: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        mechanism: str,
+        positional: str | None = "sinusoidal",
+        ff_mult: int = 2,
+        dropout: float = 0.0,
+        **mechanism_config: Any,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, dim)
         # Absolute encodings are added to the input; the others act inside every attention layer.
         pe = build_positional(positional, dim=dim, heads=heads, head_dim=dim // heads)
         self.positional = pe if pe is not None and pe.absolute else None
-        self.encoder = TransformerEncoder(dim, depth, heads, mechanism, ff_mult=ff_mult, dropout=dropout,
-                                          positional=None if self.positional is not None else positional,
-                                          **mechanism_config)
+        self.encoder = TransformerEncoder(
+            dim,
+            depth,
+            heads,
+            mechanism,
+            ff_mult=ff_mult,
+            dropout=dropout,
+            positional=None if self.positional is not None else positional,
+            **mechanism_config,
+        )
         self.head = nn.Linear(dim, n_classes)
 
     def forward(self, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -55,12 +73,30 @@ class LanguageModel(nn.Module):
     """``CausalLM`` with the classifier's call signature: ``(tokens, mask) -> (B, N, vocab)``."""
 
     def __init__(
-        self, *, vocab_size: int, dim: int, depth: int, heads: int, mechanism: str,
-        positional: str | None = "sinusoidal", ff_mult: int = 2, dropout: float = 0.0, **mechanism_config: Any,
+        self,
+        *,
+        vocab_size: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        mechanism: str,
+        positional: str | None = "sinusoidal",
+        ff_mult: int = 2,
+        dropout: float = 0.0,
+        **mechanism_config: Any,
     ) -> None:
         super().__init__()
-        self.lm = CausalLM(vocab_size, dim, depth, heads, mechanism, positional=positional, ff_mult=ff_mult,
-                           dropout=dropout, **mechanism_config)
+        self.lm = CausalLM(
+            vocab_size,
+            dim,
+            depth,
+            heads,
+            mechanism,
+            positional=positional,
+            ff_mult=ff_mult,
+            dropout=dropout,
+            **mechanism_config,
+        )
 
     def forward(self, tokens: Tensor, mask: Tensor) -> Tensor:
         # Padding sits at the end and causal rows never see it, so the mask is only passed on
@@ -80,20 +116,42 @@ def resolve_positional(positional: str | None, kind: str, mechanism: str) -> str
 
 
 def build_model(
-    *, kind: str, vocab_size: int, n_classes: int, seq_len: int, dim: int, depth: int, heads: int, mechanism: str,
-    config: dict[str, Any], positional: str | None, ff_mult: int, dropout: float,
+    *,
+    kind: str,
+    vocab_size: int,
+    n_classes: int,
+    seq_len: int,
+    dim: int,
+    depth: int,
+    heads: int,
+    mechanism: str,
+    config: dict[str, Any],
+    positional: str | None,
+    ff_mult: int,
+    dropout: float,
 ) -> nn.Module:
     """The benchmark model for a task of ``kind`` ``"classify"`` or ``"lm"``."""
     if dim % heads:
         raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
     spec = describe(mechanism)
     if kind == "lm" and not spec.capabilities.causal:
-        raise ValueError(f"{mechanism!r} cannot run causally, and this task is a causal language model; "
-                         f"mechanisms that can: see `attnzoo list` (supports: causal)")
+        raise ValueError(
+            f"{mechanism!r} cannot run causally, and this task is a causal language model; "
+            f"mechanisms that can: see `attnzoo list` (supports: causal)"
+        )
     config = fill_shape_fields(mechanism, config, seq_len=seq_len)
     positional = resolve_positional(positional, kind, mechanism)
-    common = dict(vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, mechanism=mechanism,
-                  positional=positional, ff_mult=ff_mult, dropout=dropout, **config)
+    common = dict(
+        vocab_size=vocab_size,
+        dim=dim,
+        depth=depth,
+        heads=heads,
+        mechanism=mechanism,
+        positional=positional,
+        ff_mult=ff_mult,
+        dropout=dropout,
+        **config,
+    )
     if kind == "lm":
         return LanguageModel(**common)
     if kind == "classify":

@@ -55,9 +55,14 @@ class Reporter:
 
     def __init__(self, *, enabled: bool, total: int, start: int, title: str, console: Console | None = None) -> None:
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  {task.fields[speed]} steps/s  {task.fields[note]}"),
-            TimeRemainingColumn(), console=console, disable=not enabled, transient=False,
+            TimeRemainingColumn(),
+            console=console,
+            disable=not enabled,
+            transient=False,
         )
         self._task = self._progress.add_task(title, total=total, completed=start, loss="-", speed="-", note="")
 

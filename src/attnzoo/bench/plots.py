@@ -8,8 +8,9 @@ import itertools
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -100,8 +101,13 @@ def speed_lines(speed: list[Row], fit_rows: list[Row], metric: str) -> dict[str,
     fits, groups = _fits(fit_rows), {}
     for r in speed:
         if usable(r, metric) and r.get("correct") is not False:
-            key = (r["mechanism"], json.dumps(r.get("config") or {}, sort_keys=True), r.get("backend"),
-                   bool(r.get("causal")), r.get("heads"))
+            key = (
+                r["mechanism"],
+                json.dumps(r.get("config") or {}, sort_keys=True),
+                r.get("backend"),
+                bool(r.get("causal")),
+                r.get("heads"),
+            )
             groups.setdefault(key, {})[r["n"]] = r[metric]
     several_heads = len({k[4] for k in groups}) > 1
     by_family: dict[str, list[Line]] = {}
@@ -136,7 +142,9 @@ def sdpa_lines(sdpa: list[Row], metric: str) -> list[Line]:
         if ns:
             ys = [statistics.median(values[n]) for n in ns]
             exponent = fitted_exponent(ns, ys)
-            lines.append((f"SDPA dense{' causal' if causal else ''}" + (f"  N^{exponent:.2f}" if exponent else ""), ns, ys))
+            lines.append(
+                (f"SDPA dense{' causal' if causal else ''}" + (f"  N^{exponent:.2f}" if exponent else ""), ns, ys)
+            )
     return lines
 
 
@@ -145,14 +153,14 @@ def profile_lines(profile: list[Row]) -> dict[str, list[Line]]:
     groups: dict[str, dict[int, float]] = {}
     for r in profile:
         if usable(r, "attention_share"):
-            groups.setdefault(label(r) + (" causal" if r.get("causal") else ""), {})[r["n"]] = 100 * r["attention_share"]
+            groups.setdefault(label(r) + (" causal" if r.get("causal") else ""), {})[r["n"]] = (
+                100 * r["attention_share"]
+            )
     by_family: dict[str, list[Line]] = {}
     for text, points in sorted(groups.items()):
         ns = sorted(points)
         by_family.setdefault(family(text.split(":")[0].split(" ")[0]), []).append((text, ns, [points[n] for n in ns]))
     return _pool_small(by_family)
-
-
 
 
 def _bytes(value: float) -> str:
@@ -194,15 +202,42 @@ def bubble_chart(points: list[dict[str, Any]], out: Path, title: str) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     if known:
         sizes = sorted({top, top / 4, top / 16})
-        handles = [Line2D([], [], linestyle="none", marker="o", color="grey", alpha=0.5,
-                          markersize=math.sqrt(area(m)), label=_bytes(m)) for m in sizes]
-        ax.legend(handles=handles, title="peak memory", loc="upper left", bbox_to_anchor=(1.01, 1), labelspacing=2.2,
-                  borderpad=1.2, frameon=False, fontsize=8)
+        handles = [
+            Line2D(
+                [],
+                [],
+                linestyle="none",
+                marker="o",
+                color="grey",
+                alpha=0.5,
+                markersize=math.sqrt(area(m)),
+                label=_bytes(m),
+            )
+            for m in sizes
+        ]
+        ax.legend(
+            handles=handles,
+            title="peak memory",
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1),
+            labelspacing=2.2,
+            borderpad=1.2,
+            frameon=False,
+            fontsize=8,
+        )
     return _save(fig, out)
 
 
-def lines_chart(lines: list[Line], out: Path, *, title: str, ylabel: str, logy: bool = True,
-                references: Sequence[Line] = (), ylim: tuple[float, float] | None = None) -> Path:
+def lines_chart(
+    lines: list[Line],
+    out: Path,
+    *,
+    title: str,
+    ylabel: str,
+    logy: bool = True,
+    references: Sequence[Line] = (),
+    ylim: tuple[float, float] | None = None,
+) -> Path:
     """Log-x line chart, one styled line per entry, ``references`` dashed in black/grey, the
     legend outside on the right."""
     fig = Figure(figsize=(9, 5))

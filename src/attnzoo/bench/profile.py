@@ -17,8 +17,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -64,18 +65,35 @@ def sublayers(layer: TransformerEncoderLayer, causal: bool) -> dict[str, Callabl
     }
 
 
-def profile_one(name: str, config: dict[str, Any], n: int, *, batch: int = 1, dim: int = 256, heads: int = 4,
-                causal: bool = False, repeats: int = 3) -> dict[str, Any]:
+def profile_one(
+    name: str,
+    config: dict[str, Any],
+    n: int,
+    *,
+    batch: int = 1,
+    dim: int = 256,
+    heads: int = 4,
+    causal: bool = False,
+    repeats: int = 3,
+) -> dict[str, Any]:
     """One profile row; a mechanism that cannot run (bad config, unsupported N or causal) gives
     a row with ``error`` instead of raising."""
-    row: dict[str, Any] = {"kind": "profile", "mechanism": name, "config": config, "n": n, "batch": batch,
-                           "dim": dim, "heads": heads, "causal": causal}
+    row: dict[str, Any] = {
+        "kind": "profile",
+        "mechanism": name,
+        "config": config,
+        "n": n,
+        "batch": batch,
+        "dim": dim,
+        "heads": heads,
+        "causal": causal,
+    }
     try:
         layer = build_layer(name, config, n, dim, heads)
         x = torch.randn(batch, n, dim)
         with torch.no_grad():
             for key, fn in sublayers(layer, causal).items():
-                row[key] = median_time(lambda: fn(x), repeats)
+                row[key] = median_time(lambda fn=fn: fn(x), repeats)
     # A benchmark sweep reports every failure as a row; nothing here may stop the sweep.
     except Exception as error:  # noqa: BLE001
         for key in ("attention_s", "ffn_s", "block_s"):
@@ -86,8 +104,13 @@ def profile_one(name: str, config: dict[str, Any], n: int, *, batch: int = 1, di
     return row
 
 
-def run(mechanisms: tuple[tuple[str, dict[str, Any]], ...], sizes: tuple[int, ...] = DEFAULT_SIZES, *,
-        command: str = "", **settings: Any) -> Iterator[dict[str, Any]]:
+def run(
+    mechanisms: tuple[tuple[str, dict[str, Any]], ...],
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    *,
+    command: str = "",
+    **settings: Any,
+) -> Iterator[dict[str, Any]]:
     """Yield the meta row, then one profile row per N and mechanism (settings as
     ``profile_one``: batch, dim, heads, causal, repeats)."""
     yield {"kind": "meta", **machine(), "command": command}
@@ -98,10 +121,18 @@ def run(mechanisms: tuple[tuple[str, dict[str, Any]], ...], sizes: tuple[int, ..
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``attnzoo bench profile``."""
-    parser.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]",
-                        help="repeatable; default: every registered attention mechanism and token mixer")
-    parser.add_argument("--n", default=",".join(map(str, DEFAULT_SIZES)),
-                        help="comma-separated sequence lengths (default 256,1024: about a minute for all)")
+    parser.add_argument(
+        "--mechanism",
+        action="append",
+        default=[],
+        metavar="NAME[:key=value,...]",
+        help="repeatable; default: every registered attention mechanism and token mixer",
+    )
+    parser.add_argument(
+        "--n",
+        default=",".join(map(str, DEFAULT_SIZES)),
+        help="comma-separated sequence lengths (default 256,1024: about a minute for all)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dim", type=int, default=256, help="model width (default 256)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4: head_dim 64)")
@@ -129,9 +160,20 @@ def main(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
         share = f"{100 * row['attention_share']:.0f}%" if "attention_share" in row else "-"
         table.add_row(label, str(row["n"]), *ms, share, row.get("error", "")[:80])
 
-    rows = write_lines(run(mechanisms, sizes, command=command, batch=args.batch, dim=args.dim, heads=args.heads,
-                           causal=args.causal, repeats=args.repeats),
-                       Path(args.out) if args.out else None, echo)
+    rows = write_lines(
+        run(
+            mechanisms,
+            sizes,
+            command=command,
+            batch=args.batch,
+            dim=args.dim,
+            heads=args.heads,
+            causal=args.causal,
+            repeats=args.repeats,
+        ),
+        Path(args.out) if args.out else None,
+        echo,
+    )
     console.print(table)
     if args.out:
         console.print(f"results: {args.out}")

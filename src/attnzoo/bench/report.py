@@ -15,9 +15,10 @@ import html
 import json
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console
 
@@ -50,7 +51,9 @@ def load_run(path: str | Path) -> Run:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not valid JSON ({error.msg}); each line must be one JSON object") from None
+            raise ValueError(
+                f"{path}:{number}: not valid JSON ({error.msg}); each line must be one JSON object"
+            ) from None
         if not isinstance(row, dict) or "kind" not in row:
             raise ValueError(f"{path}:{number}: expected a JSON object with a 'kind' field, got {line[:60]!r}")
         row["_file"] = str(path)
@@ -68,8 +71,10 @@ def lra_table(rows: list[Row]) -> dict[str, Any]:
     ``average`` is over the tasks a mechanism has, ``missing`` lists the others, ``best`` the
     top mechanism(s) per task. Mechanisms are sorted by average, best first."""
     tasks = sorted({r["task"] for r in rows})
-    chance = {t: next((100 * r["chance"] for r in rows if r["task"] == t and r.get("chance") is not None), None)
-              for t in tasks}
+    chance = {
+        t: next((100 * r["chance"] for r in rows if r["task"] == t and r.get("chance") is not None), None)
+        for t in tasks
+    }
     cells: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         cell = cells.setdefault(label(r), {}).setdefault(r["task"], {"accuracies": [], "errors": []})
@@ -89,8 +94,15 @@ def lra_table(rows: list[Row]) -> dict[str, Any]:
         scores = {m: c[t]["accuracy"] for m, c in cells.items() if c.get(t, {}).get("accuracy") is not None}
         best[t] = sorted(m for m, s in scores.items() if s == max(scores.values())) if scores else []
     order = sorted(cells, key=lambda m: (average[m] is None, -(average[m] or 0), m))
-    return {"tasks": tasks, "chance": chance, "mechanisms": order, "cells": cells, "average": average,
-            "missing": missing, "best": best}
+    return {
+        "tasks": tasks,
+        "chance": chance,
+        "mechanisms": order,
+        "cells": cells,
+        "average": average,
+        "missing": missing,
+        "best": best,
+    }
 
 
 def main_size(train: list[Row]) -> str | None:
@@ -134,18 +146,28 @@ def bubble_points(train: list[Row], speed: list[Row]) -> dict[str, Any]:
             if usable(r, "peak_memory_bytes"):
                 peaks.setdefault(label(r), []).append(r["peak_memory_bytes"])
         memory = {m: max(v) for m, v in peaks.items()}
-        source = f"x: train steps/s over softmax's, geometric mean over tasks; y: {basis}; " \
-                 f"area: peak training memory (size {size})"
+        source = (
+            f"x: train steps/s over softmax's, geometric mean over tasks; y: {basis}; "
+            f"area: peak training memory (size {size})"
+        )
     else:
         measured = speed_ratios(speed)
         x = {m: v[0] for m, v in measured.items()}
         memory = {m: v[1] for m, v in measured.items()}
         sizes = sorted({v[2] for v in measured.values()})
-        source = f"x: softmax forward time / mechanism's (speed rows, largest common N: {sizes}); " \
-                 f"y: {basis} (size {size}); area: peak forward memory"
-    points = [{"label": m, "x": x[m], "y": accuracy[m], "memory": memory.get(m)} for m in sorted(set(x) & set(accuracy))]
-    return {"points": points, "source": source, "no_speed": sorted(set(accuracy) - set(x)),
-            "no_accuracy": sorted(set(x) - set(accuracy))}
+        source = (
+            f"x: softmax forward time / mechanism's (speed rows, largest common N: {sizes}); "
+            f"y: {basis} (size {size}); area: peak forward memory"
+        )
+    points = [
+        {"label": m, "x": x[m], "y": accuracy[m], "memory": memory.get(m)} for m in sorted(set(x) & set(accuracy))
+    ]
+    return {
+        "points": points,
+        "source": source,
+        "no_speed": sorted(set(accuracy) - set(x)),
+        "no_accuracy": sorted(set(x) - set(accuracy)),
+    }
 
 
 def mqar_rows(train: list[Row]) -> list[dict[str, Any]]:
@@ -157,8 +179,13 @@ def mqar_rows(train: list[Row]) -> list[dict[str, Any]]:
         softmax = lra["cells"].get("softmax", {}).get("mqar", {}).get("accuracy")
         for m in lra["mechanisms"]:
             cell = lra["cells"][m]["mqar"]
-            table[(m, size)] = {"mechanism": m, "size": size, "accuracy": cell["accuracy"], "softmax": softmax,
-                                "error": "; ".join(cell["errors"]) or None}
+            table[(m, size)] = {
+                "mechanism": m,
+                "size": size,
+                "accuracy": cell["accuracy"],
+                "softmax": softmax,
+                "error": "; ".join(cell["errors"]) or None,
+            }
     return sorted(table.values(), key=lambda r: (r["accuracy"] is None, -(r["accuracy"] or 0), r["mechanism"]))
 
 
@@ -203,8 +230,12 @@ def lra_html(table: dict[str, Any]) -> str:
     for m in table["mechanisms"]:
         cells = "".join(_cell(table["cells"][m].get(t), m in table["best"][t]) for t in tasks)
         missing, average = table["missing"][m], table["average"][m]
-        mark = f'<td title="average over {len(tasks) - len(missing)} of {len(tasks)} tasks; missing: ' \
-               f'{_e(", ".join(missing))}">{_pct(average)}*</td>' if missing and average is not None else f"<td>{_pct(average)}</td>"
+        mark = (
+            f'<td title="average over {len(tasks) - len(missing)} of {len(tasks)} tasks; missing: '
+            f'{_e(", ".join(missing))}">{_pct(average)}*</td>'
+            if missing and average is not None
+            else f"<td>{_pct(average)}</td>"
+        )
         body.append(f"<tr><th>{_e(m)}</th>{cells}{mark}</tr>")
     return _table(headers + ["average"], body)
 
@@ -212,8 +243,10 @@ def lra_html(table: dict[str, Any]) -> str:
 def lra_section(train: list[Row]) -> str:
     if not train:
         return _missing("train", "run attnzoo bench train to fill the accuracy table")
-    parts = ["<p>Test accuracy (%) per task; best per task in bold; * = averaged over the tasks the "
-             "mechanism has (hover for the missing ones); failed runs show their error on hover.</p>"]
+    parts = [
+        "<p>Test accuracy (%) per task; best per task in bold; * = averaged over the tasks the "
+        "mechanism has (hover for the missing ones); failed runs show their error on hover.</p>"
+    ]
     for size in sorted({str(r.get("size")) for r in train}):
         parts += [f"<h3>size: {_e(size)}</h3>", lra_html(lra_table([r for r in train if str(r.get("size")) == size]))]
     body = []
@@ -223,9 +256,13 @@ def lra_section(train: list[Row]) -> str:
             body.append(f'{start}<td class="failed" colspan="5">failed: {_e(r["error"])}</td></tr>')
             continue
         peak = r.get("peak_memory_bytes")
-        figures = [_pct(100 * r["test_accuracy"]) if r.get("test_accuracy") is not None else "-",
-                   _num(r.get("steps_per_s"), ".2f"), _num(r.get("tokens_per_s"), ",.0f"),
-                   "-" if peak is None else f"{peak / 2**20:.0f}", _num(r.get("wall_s"), ".0f")]
+        figures = [
+            _pct(100 * r["test_accuracy"]) if r.get("test_accuracy") is not None else "-",
+            _num(r.get("steps_per_s"), ".2f"),
+            _num(r.get("tokens_per_s"), ",.0f"),
+            "-" if peak is None else f"{peak / 2**20:.0f}",
+            _num(r.get("wall_s"), ".0f"),
+        ]
         body.append(start + "".join(f"<td>{f}</td>" for f in figures) + "</tr>")
     headers = ["size", "task", "mechanism", "test acc %", "steps/s", "tokens/s", "peak MiB", "wall s"]
     return "\n".join(parts + ["<h3>Cost per run</h3>", _table(headers, body)])
@@ -242,7 +279,10 @@ def bubble_section(train: list[Row], speed: list[Row], image: Callable) -> str:
     else:
         parts.append("<p>No mechanism has both an accuracy and a speed relative to softmax.</p>")
     parts.append(f"<p>{_e(data['source'])}.</p>")
-    for key, what in (("no_speed", "accuracy but no speed relative to softmax"), ("no_accuracy", "speed but no accuracy")):
+    for key, what in (
+        ("no_speed", "accuracy but no speed relative to softmax"),
+        ("no_accuracy", "speed but no accuracy"),
+    ):
         if data[key]:
             parts.append(f"<p>Not plotted ({what}): {_e(', '.join(data[key]))}.</p>")
     return "\n".join(parts)
@@ -255,20 +295,32 @@ def _charts(groups: dict[str, list], image: Callable, stem: str, what: str, **kw
         slug = "".join(c if c.isalnum() else "-" for c in fam)
         draw = lambda p, ls=lines, t=f"{what}: {fam}": plots.lines_chart(ls, p, title=t, **kwargs)  # noqa: E731
         name = image(f"{stem}-{slug}.png", draw)
-        parts.append(f'<img src="{name}" alt="{_e(what)}: {_e(fam)}">' if name else f"<p>{_e(what)} {_e(fam)}: chart failed</p>")
+        parts.append(
+            f'<img src="{name}" alt="{_e(what)}: {_e(fam)}">' if name else f"<p>{_e(what)} {_e(fam)}: chart failed</p>"
+        )
     return parts
 
 
 def scaling_section(speed: list[Row], sdpa: list[Row], fit: list[Row], image: Callable) -> str:
     if not speed:
         return _missing("speed", "run attnzoo bench speed over several --n")
-    parts = ["<p>Median forward time and peak forward memory (RSS growth) from <code>bench speed</code>, one line "
-             "per mechanism and backend, log-log; dashed: dense SDPA (median over input files). The legend gives "
-             "the fitted exponent (1 = linear, 2 = quadratic) from the fit rows, else from the points.</p>"]
-    for metric, stem, what, unit in (("forward_s", "time", "forward time vs N", "seconds"),
-                                     ("peak_forward_bytes", "memory", "peak forward memory vs N", "bytes")):
-        parts += _charts(plots.speed_lines(speed, fit, metric), image, stem, what, ylabel=unit,
-                         references=plots.sdpa_lines(sdpa, metric))
+    parts = [
+        "<p>Median forward time and peak forward memory (RSS growth) from <code>bench speed</code>, one line "
+        "per mechanism and backend, log-log; dashed: dense SDPA (median over input files). The legend gives "
+        "the fitted exponent (1 = linear, 2 = quadratic) from the fit rows, else from the points.</p>"
+    ]
+    for metric, stem, what, unit in (
+        ("forward_s", "time", "forward time vs N", "seconds"),
+        ("peak_forward_bytes", "memory", "peak forward memory vs N", "bytes"),
+    ):
+        parts += _charts(
+            plots.speed_lines(speed, fit, metric),
+            image,
+            stem,
+            what,
+            ylabel=unit,
+            references=plots.sdpa_lines(sdpa, metric),
+        )
     return "\n".join(parts)
 
 
@@ -297,29 +349,47 @@ def gallery_section(image: Callable, gallery: bool) -> str:
     name = image("gallery/index.html", lambda p: drawn.extend(draw_gallery(p.parent, n=64, block=8)))
     if name is None:
         return "<p>The gallery failed to draw (see the list of failed images).</p>"
-    pictures = "".join(f'<figure><img src="gallery/{_e(p)}" alt="{_e(p[:-4])} pattern"><figcaption>{_e(p[:-4])}'
-                       f"</figcaption></figure>" for p in (d.name for d in drawn if d.suffix == ".png"))
-    return ('<p>Which (query, key) pairs each sparse mechanism computes at N = 64, with its 8x8 kernel tiles '
-            f'(<a href="gallery/index.html">captions and configs</a>).</p><div class="thumbs">{pictures}</div>')
+    pictures = "".join(
+        f'<figure><img src="gallery/{_e(p)}" alt="{_e(p[:-4])} pattern"><figcaption>{_e(p[:-4])}</figcaption></figure>'
+        for p in (d.name for d in drawn if d.suffix == ".png")
+    )
+    return (
+        "<p>Which (query, key) pairs each sparse mechanism computes at N = 64, with its 8x8 kernel tiles "
+        f'(<a href="gallery/index.html">captions and configs</a>).</p><div class="thumbs">{pictures}</div>'
+    )
 
 
 def profile_section(profile: list[Row], image: Callable) -> str:
     if not profile:
         return _missing("profile", "run attnzoo bench profile")
-    parts = ["<p>One pre-norm layer per mechanism (<code>bench profile</code>): the attention sublayer's share of "
-             "attention + feed-forward time, against N. Where it is small, a faster attention buys little.</p>"]
-    parts += _charts(plots.profile_lines(profile), image, "profile", "attention share of layer time",
-                     ylabel="attention share (%)", logy=False, ylim=(0, 100))
+    parts = [
+        "<p>One pre-norm layer per mechanism (<code>bench profile</code>): the attention sublayer's share of "
+        "attention + feed-forward time, against N. Where it is small, a faster attention buys little.</p>"
+    ]
+    parts += _charts(
+        plots.profile_lines(profile),
+        image,
+        "profile",
+        "attention share of layer time",
+        ylabel="attention share (%)",
+        logy=False,
+        ylim=(0, 100),
+    )
     sizes = sorted({r["n"] for r in profile})
     cells: dict[str, dict[int, str]] = {}
     for r in profile:
         if "error" in r:
             text = f'<td class="failed" title="{_e(r["error"])}">failed</td>'
         else:
-            text = (f'<td title="attention {r["attention_s"] * 1e3:.2f} ms, FFN {r["ffn_s"] * 1e3:.2f} ms, layer '
-                    f'{r["block_s"] * 1e3:.2f} ms">{100 * r["attention_share"]:.0f}%</td>')
+            text = (
+                f'<td title="attention {r["attention_s"] * 1e3:.2f} ms, FFN {r["ffn_s"] * 1e3:.2f} ms, layer '
+                f'{r["block_s"] * 1e3:.2f} ms">{100 * r["attention_share"]:.0f}%</td>'
+            )
         cells.setdefault(label(r), {})[r["n"]] = text
-    body = [f"<tr><th>{_e(m)}</th>" + "".join(c.get(n, "<td>-</td>") for n in sizes) + "</tr>" for m, c in sorted(cells.items())]
+    body = [
+        f"<tr><th>{_e(m)}</th>" + "".join(c.get(n, "<td>-</td>") for n in sizes) + "</tr>"
+        for m, c in sorted(cells.items())
+    ]
     return "\n".join(parts + [_table(["mechanism"] + [f"N={n}" for n in sizes], body)])
 
 
@@ -348,28 +418,43 @@ def provenance_section(runs: list[Run]) -> str:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(Counter(r["kind"] for r in run.rows).items()))
         parts.append(f"<h3><code>{_e(run.path)}</code></h3><p>{counts or 'no rows'}</p>")
         for meta in run.metas:
-            parts.append("<ul>" + "".join(f"<li>{k}: <code>{_e(meta[k])}</code></li>" for k in keys if k in meta) + "</ul>")
-        commands = sorted({(r.get("command"), r.get("git")) for r in run.rows if r["kind"] == "train" and r.get("command")})
+            parts.append(
+                "<ul>" + "".join(f"<li>{k}: <code>{_e(meta[k])}</code></li>" for k in keys if k in meta) + "</ul>"
+            )
+        commands = sorted(
+            {(r.get("command"), r.get("git")) for r in run.rows if r["kind"] == "train" and r.get("command")}
+        )
         parts += [f"<p>train: <code>{_e(c)}</code> at git <code>{_e(g)}</code></p>" for c, g in commands]
         if not run.metas and not commands:
             parts.append('<p class="missing">No meta row: what made these numbers is unknown.</p>')
     return "\n".join(parts)
 
 
-SECTIONS = (("lra", "Accuracy per task (LRA-style)"), ("bubbles", "Speed, accuracy and memory"),
-            ("scaling", "Time and memory against N"), ("mqar", "MQAR: associative recall"),
-            ("gallery", "Attention patterns"), ("profile", "Is your bottleneck really attention?"),
-            ("fidelity", "Fidelity in a pretrained model"), ("provenance", "Provenance: what made these numbers"))
+SECTIONS = (
+    ("lra", "Accuracy per task (LRA-style)"),
+    ("bubbles", "Speed, accuracy and memory"),
+    ("scaling", "Time and memory against N"),
+    ("mqar", "MQAR: associative recall"),
+    ("gallery", "Attention patterns"),
+    ("profile", "Is your bottleneck really attention?"),
+    ("fidelity", "Fidelity in a pretrained model"),
+    ("provenance", "Provenance: what made these numbers"),
+)
 
 
 def page(runs: list[Run], image: Callable, gallery: bool) -> str:
     """The whole HTML page (every section, missing ones say what is missing)."""
     train, speed = of_kind(runs, "train"), of_kind(runs, "speed")
-    bodies = {"lra": lra_section(train), "bubbles": bubble_section(train, speed, image),
-              "scaling": scaling_section(speed, of_kind(runs, "sdpa"), of_kind(runs, "fit"), image),
-              "mqar": mqar_section(train), "gallery": gallery_section(image, gallery),
-              "profile": profile_section(of_kind(runs, "profile"), image),
-              "fidelity": fidelity_section(of_kind(runs, "fidelity")), "provenance": provenance_section(runs)}
+    bodies = {
+        "lra": lra_section(train),
+        "bubbles": bubble_section(train, speed, image),
+        "scaling": scaling_section(speed, of_kind(runs, "sdpa"), of_kind(runs, "fit"), image),
+        "mqar": mqar_section(train),
+        "gallery": gallery_section(image, gallery),
+        "profile": profile_section(of_kind(runs, "profile"), image),
+        "fidelity": fidelity_section(of_kind(runs, "fidelity")),
+        "provenance": provenance_section(runs),
+    }
     toc = "".join(f'<li><a href="#{key}">{title}</a></li>' for key, title in SECTIONS)
     sections = "\n".join(f'<section id="{key}"><h2>{title}</h2>\n{bodies[key]}</section>' for key, title in SECTIONS)
     return _PAGE.format(files=len(runs), toc=toc, sections=sections)
@@ -382,7 +467,8 @@ table {{ border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }}
 thead th {{ background: #f0f0f0; text-align: center; }} tbody th {{ text-align: left; font-weight: normal; }}
 td.failed {{ color: #b00020; cursor: help; }} td.absent, .missing {{ color: #777; }}
-img {{ max-width: 100%; }} .thumbs {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 1em; }}
+img {{ max-width: 100%; }}
+.thumbs {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 1em; }}
 figure {{ margin: 0; }} figcaption {{ font-size: 0.8em; text-align: center; }}
 </style></head><body><h1>attnzoo benchmark report</h1>
 <p>Built from {files} result file(s); every number is from the machine and command listed under Provenance.</p>

@@ -23,9 +23,10 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,9 +89,13 @@ def parse_settings(text: str, *, where: str = "") -> dict[str, Any]:
 
 def machine() -> dict[str, Any]:
     return {
-        "machine": platform.machine(), "processor": platform.processor() or _cpu_model(), "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "processor": platform.processor() or _cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -141,8 +146,12 @@ def interleaved(reference: Callable[[], Any], fn: Callable[[], Any], repeats: in
         fn()
     pairs = [(_clock(reference), _clock(fn)) for _ in range(repeats)]
     ratios = sorted(a / b for a, b in pairs)
-    return {"reference_s": statistics.median(a for a, _ in pairs), "s": statistics.median(b for _, b in pairs),
-            "ratio": statistics.median(ratios), "spread": [ratios[0], ratios[-1]]}
+    return {
+        "reference_s": statistics.median(a for a, _ in pairs),
+        "s": statistics.median(b for _, b in pairs),
+        "ratio": statistics.median(ratios),
+        "spread": [ratios[0], ratios[-1]],
+    }
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 3) -> float:
@@ -161,14 +170,17 @@ def _build(name: str, config: dict[str, Any], backend: str) -> torch.nn.Module:
     return attnzoo.build(name, **config)
 
 
-def _fwd_bwd(module: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+def _fwd_bwd(
+    module: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> None:
     for x in (q, k, v):
         x.grad = None
     module(q, k, v, causal=causal).sum().backward()
 
 
-def check(name: str, config: dict[str, Any], backend: str, setting: Setting, causal: bool,
-          n: int = CHECK_N) -> tuple[float, str]:
+def check(
+    name: str, config: dict[str, Any], backend: str, setting: Setting, causal: bool, n: int = CHECK_N
+) -> tuple[float, str]:
     """Max abs difference at ``n`` against the mechanism's reference, and how it was
     checked: the ``reference`` backend where the mechanism has a backend switch, else its
     ``implied_attention(q, k) @ v`` (the matrix its reference computes)."""
@@ -208,8 +220,17 @@ def density(pairs: float | None, n: int, causal: bool) -> float | None:
 
 def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Setting, causal: bool) -> dict[str, Any]:
     """Time one mechanism at one size against dense SDPA, interleaved (see ``interleaved``)."""
-    row: dict[str, Any] = {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
-                           "batch": setting.batch, "heads": setting.heads, "dim": setting.dim, "causal": causal}
+    row: dict[str, Any] = {
+        "kind": "speed",
+        "mechanism": name,
+        "config": config,
+        "backend": backend,
+        "n": n,
+        "batch": setting.batch,
+        "heads": setting.heads,
+        "dim": setting.dim,
+        "causal": causal,
+    }
     if attnzoo.describe(name).capabilities.kind == "mixer":
         return _run_mixer(row, name, config, n, setting, causal)
     module = _build(name, config, backend).eval()
@@ -236,8 +257,9 @@ def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Se
         row["speedup_forward_vs_sdpa"], row["speedup_forward_spread"] = timed["ratio"], timed["spread"]
     if setting.backward and backend != "flex":
         qg, kg, vg = _inputs(setting, n, True)
-        timed = interleaved(lambda: _fwd_bwd(_sdpa, qg, kg, vg, causal), lambda: _fwd_bwd(module, qg, kg, vg, causal),
-                            setting.repeats)
+        timed = interleaved(
+            lambda: _fwd_bwd(_sdpa, qg, kg, vg, causal), lambda: _fwd_bwd(module, qg, kg, vg, causal), setting.repeats
+        )
         row["forward_backward_s"], row["sdpa_forward_backward_s"] = timed["s"], timed["reference_s"]
         if row["correct"]:
             row["speedup_forward_backward_vs_sdpa"] = timed["ratio"]
@@ -252,8 +274,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fals
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _run_mixer(row: dict[str, Any], name: str, config: dict[str, Any], n: int, setting: Setting,
-               causal: bool) -> dict[str, Any]:
+def _run_mixer(
+    row: dict[str, Any], name: str, config: dict[str, Any], n: int, setting: Setting, causal: bool
+) -> dict[str, Any]:
     """Token mixers take the layer input ``x (B, N, H * D)``: time that. There is no reference
     to check against, so no speed-up is claimed (``correct`` is None)."""
     width = setting.heads * setting.dim
@@ -285,8 +308,13 @@ def sdpa_row(n: int, setting: Setting, causal: bool) -> dict[str, Any]:
     q, k, v = _inputs(setting, n, False)
     with torch.no_grad():
         _sdpa(q, k, v, causal)
-        row = {"kind": "sdpa", "n": n, "causal": causal, "forward_s": median_time(lambda: _sdpa(q, k, v, causal), setting.repeats),
-               "peak_forward_bytes": peak_memory(lambda: _sdpa(q, k, v, causal))}
+        row = {
+            "kind": "sdpa",
+            "n": n,
+            "causal": causal,
+            "forward_s": median_time(lambda: _sdpa(q, k, v, causal), setting.repeats),
+            "peak_forward_bytes": peak_memory(lambda: _sdpa(q, k, v, causal)),
+        }
     if setting.backward:
         qg, kg, vg = _inputs(setting, n, True)
         _fwd_bwd(_sdpa, qg, kg, vg, causal)
@@ -311,8 +339,15 @@ def run(setting: Setting) -> Iterator[dict[str, Any]]:
                         done.append(run_one(name, config, backend, n, setting, causal))
                         yield done[-1]
                     except (ValueError, TypeError, RuntimeError) as error:
-                        yield {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n,
-                               "causal": causal, "error": f"{type(error).__name__}: {error}"}
+                        yield {
+                            "kind": "speed",
+                            "mechanism": name,
+                            "config": config,
+                            "backend": backend,
+                            "n": n,
+                            "causal": causal,
+                            "error": f"{type(error).__name__}: {error}",
+                        }
     yield from fits(done)
 
 
@@ -336,18 +371,27 @@ def fits(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         if len(group) < 2:
             continue
         sizes = [r["n"] for r in group]
-        yield {"kind": "fit", "mechanism": group[0]["mechanism"], "config": group[0]["config"],
-               "backend": group[0]["backend"], "causal": group[0].get("causal", False), "sizes": sizes,
-               "crossover_n": crossover(group),
-               "time_exponent": fitted_exponent(sizes, [r["forward_s"] for r in group]),
-               "memory_exponent": fitted_exponent(sizes, [r.get("peak_forward_bytes") for r in group])}
+        yield {
+            "kind": "fit",
+            "mechanism": group[0]["mechanism"],
+            "config": group[0]["config"],
+            "backend": group[0]["backend"],
+            "causal": group[0].get("causal", False),
+            "sizes": sizes,
+            "crossover_n": crossover(group),
+            "time_exponent": fitted_exponent(sizes, [r["forward_s"] for r in group]),
+            "memory_exponent": fitted_exponent(sizes, [r.get("peak_forward_bytes") for r in group]),
+        }
 
 
 def crossover(rows: list[dict[str, Any]]) -> int | None:
     """The smallest N in the sweep from which the mechanism beats SDPA (forward+backward where
     measured, else forward) at that N and every larger N measured; None if it never does."""
-    metric = "speedup_forward_backward_vs_sdpa" if any("speedup_forward_backward_vs_sdpa" in r for r in rows) \
+    metric = (
+        "speedup_forward_backward_vs_sdpa"
+        if any("speedup_forward_backward_vs_sdpa" in r for r in rows)
         else "speedup_forward_vs_sdpa"
+    )
     best = None
     for row in sorted(rows, key=lambda r: r["n"], reverse=True):
         if (row.get(metric) or 0) < 1:

@@ -7,8 +7,8 @@ Two presets:
 * ``quick`` (default; ``make demo``): fits in under 10 minutes on 2 CPU cores. Speed and memory
   at N = 256 and 1024 (forward), the profile at the same sizes, and a deliberately short
   training run per mechanism and task, with configs sized to the task's length
-  (``attnzoo.bench.configs.sized``: defaults would cover these short sequences entirely). Short budgets rank mechanisms only roughly; the committed
-  results under ``benchmarks/`` are the longer runs.
+  (``attnzoo.bench.configs.sized``: defaults would cover these short sequences entirely).
+  Short budgets rank mechanisms only roughly; the committed results under ``benchmarks/`` are the longer runs.
 * ``full``: the Long Range Arena configuration — ListOps (500 < length < 2000), Pathfinder-32,
   byte-level text at 4096, MQAR at Zoology's size — with each task's full training budget
   (``attnzoo.bench.train.PRESETS``), and speed from 1K to 16K tokens with backward passes. Meant
@@ -22,9 +22,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -53,14 +54,21 @@ class Preset:
 _QUICK_DATA = dict(n_train=2000, n_val=100, n_test=200)
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
-        speed_sizes=(256, 1024), speed_repeats=2, backward=False, profile_sizes=(256, 1024),
-        tasks=(("mqar", "quick", dict(steps=2000, eval_every=2000, max_seconds=4.0, task_overrides=_QUICK_DATA)),
-               ("listops", "quick", dict(steps=2000, eval_every=2000, max_seconds=2.0, task_overrides=_QUICK_DATA))),
+        speed_sizes=(256, 1024),
+        speed_repeats=2,
+        backward=False,
+        profile_sizes=(256, 1024),
+        tasks=(
+            ("mqar", "quick", dict(steps=2000, eval_every=2000, max_seconds=4.0, task_overrides=_QUICK_DATA)),
+            ("listops", "quick", dict(steps=2000, eval_every=2000, max_seconds=2.0, task_overrides=_QUICK_DATA)),
+        ),
         notes="4 s (MQAR) and 2 s (ListOps) of training per mechanism: accuracies are indicative only",
         fidelity_passages=16,
     ),
     "full": Preset(
-        speed_sizes=(1024, 2048, 4096, 8192, 16384), speed_repeats=5, backward=True,
+        speed_sizes=(1024, 2048, 4096, 8192, 16384),
+        speed_repeats=5,
+        backward=True,
         profile_sizes=(1024, 4096, 16384),
         tasks=(("listops", "full", {}), ("text", "full", {}), ("pathfinder", "full", {}), ("mqar", "full", {})),
         notes="LRA lengths and budgets",
@@ -70,9 +78,17 @@ PRESETS: dict[str, Preset] = {
 
 def _speed_rows(preset: Preset, command: str) -> Iterator[dict[str, Any]]:
     setting = speed.Setting(
-        mechanisms=tuple((name, {}) for name in attnzoo.names()), backends=("auto",), sizes=preset.speed_sizes,
-        batch=1, heads=8, dim=64, causal_modes=(False,), repeats=preset.speed_repeats, backward=preset.backward,
-        sdpa_max_n=max(preset.speed_sizes), extra={"command": command},
+        mechanisms=tuple((name, {}) for name in attnzoo.names()),
+        backends=("auto",),
+        sizes=preset.speed_sizes,
+        batch=1,
+        heads=8,
+        dim=64,
+        causal_modes=(False,),
+        repeats=preset.speed_repeats,
+        backward=preset.backward,
+        sdpa_max_n=max(preset.speed_sizes),
+        extra={"command": command},
     )
     return speed.run(setting)
 
@@ -95,22 +111,36 @@ def _train_rows(preset: Preset, out: Path, data_dir: str | None, console: Consol
             yield _train_one(task, size, name, values, out, data_dir, console)
 
 
-def _train_one(task: str, size: str, name: str, values: dict[str, Any], out: Path, data_dir: str | None,
-               console: Console) -> dict[str, Any]:
+def _train_one(
+    task: str, size: str, name: str, values: dict[str, Any], out: Path, data_dir: str | None, console: Console
+) -> dict[str, Any]:
     try:
         cfg = TrainConfig.with_preset(task, size, mechanism=name, sized=True, **values)
-        row = train(cfg, run_dir=out / "runs" / f"{task}-{size}-{name}", data_dir=data_dir, console=console,
-                    progress=sys.stdout.isatty())
+        row = train(
+            cfg,
+            run_dir=out / "runs" / f"{task}-{size}-{name}",
+            data_dir=data_dir,
+            console=console,
+            progress=sys.stdout.isatty(),
+        )
     except TrainingDiverged as error:
         console.print(f"  {task}/{size} {name}: [yellow]{escape(str(error))}[/yellow]")
         return error.row
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
-        return {"kind": "train", "task": task, "size": size, "mechanism": name, "config": {},
-                "error": f"{type(error).__name__}: {error}"}
+        return {
+            "kind": "train",
+            "task": task,
+            "size": size,
+            "mechanism": name,
+            "config": {},
+            "error": f"{type(error).__name__}: {error}",
+        }
     if row is None:
         raise KeyboardInterrupt  # checkpoint saved; rerunning the suite resumes this run
-    console.print(f"  {task}/{size} {name}: test {row['test_accuracy']:.3f} (chance {row['chance']:.3f}), "
-                  f"{row['steps_per_s']:.1f} steps/s")
+    console.print(
+        f"  {task}/{size} {name}: test {row['test_accuracy']:.3f} (chance {row['chance']:.3f}), "
+        f"{row['steps_per_s']:.1f} steps/s"
+    )
     return row
 
 
@@ -130,12 +160,20 @@ def _echo(row: dict[str, Any], console: Console) -> None:
         console.print(f"{where}: [yellow]{row['error'][:100]}[/yellow]", highlight=False)
     elif row["kind"] in ("speed", "sdpa"):
         ratio = row.get("speedup_forward_vs_sdpa")
-        console.print(f"{where}: {row['forward_s'] * 1e3:.1f} ms" + (f" ({ratio:.2f}x SDPA)" if ratio else ""),
-                      highlight=False)
+        console.print(
+            f"{where}: {row['forward_s'] * 1e3:.1f} ms" + (f" ({ratio:.2f}x SDPA)" if ratio else ""), highlight=False
+        )
     elif row["kind"] == "fidelity":
         cosine = row.get("mean_cosine")
-        console.print(f"  {row['mechanism']}: " + (f"mean cosine {cosine:.3f}, retrieval@1 {row['retrieval_at_1']:.3f}"
-                                                  if cosine is not None else "not applicable"), highlight=False)
+        console.print(
+            f"  {row['mechanism']}: "
+            + (
+                f"mean cosine {cosine:.3f}, retrieval@1 {row['retrieval_at_1']:.3f}"
+                if cosine is not None
+                else "not applicable"
+            ),
+            highlight=False,
+        )
     elif row["kind"] == "profile":
         console.print(f"{where}: attention {row['attention_share']:.0%} of attention + FFN time", highlight=False)
 
@@ -159,8 +197,7 @@ def _with_meta(meta: dict[str, Any], rows: Iterator[dict[str, Any]]) -> Iterator
     yield from rows
 
 
-def run(preset_name: str, out: Path, *, data_dir: str | None, report_dir: Path, console: Console,
-        command: str) -> Path:
+def run(preset_name: str, out: Path, *, data_dir: str | None, report_dir: Path, console: Console, command: str) -> Path:
     """Run every stage of the preset into ``out`` (speed.jsonl, profile.jsonl, train.jsonl) and
     write the report into ``report_dir``; returns the report's index.html."""
     from attnzoo.bench import report
@@ -171,8 +208,11 @@ def run(preset_name: str, out: Path, *, data_dir: str | None, report_dir: Path, 
     console.rule(f"1/5 speed and memory of {len(attnzoo.names())} mechanisms at N = {preset.speed_sizes}")
     _write(_speed_rows(preset, command), out / "speed.jsonl", console)
     console.rule(f"2/5 attention vs feed-forward time at N = {preset.profile_sizes}")
-    _write(profile.run(profile.default_mechanisms(), preset.profile_sizes, command=command, repeats=3),
-           out / "profile.jsonl", console)
+    _write(
+        profile.run(profile.default_mechanisms(), preset.profile_sizes, command=command, repeats=3),
+        out / "profile.jsonl",
+        console,
+    )
     console.rule(f"3/5 training ({preset.notes})")
     meta = {"kind": "meta", **speed.machine(), "command": command, "preset": preset_name}
     _write(_with_meta(meta, _train_rows(preset, out, data_dir, console)), out / "train.jsonl")
@@ -198,7 +238,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, console: Console) -> int:
     preset = "full" if args.full else "quick"
     command = "attnzoo " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
-    index = run(preset, Path(args.out) / preset, data_dir=args.data_dir, report_dir=Path(args.report),
-                console=console, command=command)
+    index = run(
+        preset,
+        Path(args.out) / preset,
+        data_dir=args.data_dir,
+        report_dir=Path(args.report),
+        console=console,
+        command=command,
+    )
     console.print(f"report: {index}")
     return 0

@@ -37,20 +37,33 @@ from attnzoo.bench.tasks import Split, TaskInfo, load_task
 # Budgets per task and size: what `attnzoo bench train --task T` uses unless told otherwise.
 PRESETS: dict[tuple[str, str], dict[str, Any]] = {
     ("listops", "quick"): dict(steps=600, batch_size=32, lr=2e-3, warmup=50, eval_every=100),
-    ("listops", "full"): dict(steps=5000, batch_size=32, lr=5e-4, warmup=1000, eval_every=500, dim=512,
-                              depth=4, heads=8, ff_mult=2, patience=10),
+    ("listops", "full"): dict(
+        steps=5000,
+        batch_size=32,
+        lr=5e-4,
+        warmup=1000,
+        eval_every=500,
+        dim=512,
+        depth=4,
+        heads=8,
+        ff_mult=2,
+        patience=10,
+    ),
     ("mqar", "quick"): dict(steps=600, batch_size=32, lr=3e-3, warmup=50, eval_every=100),
     # From scratch, MQAR at length 256 sits on its plateau for 1000+ steps on a CPU; the committed
     # result starts from the quick run's weights (--init-from; see benchmarks/README.md).
-    ("mqar", "standard"): dict(steps=1500, batch_size=64, lr=3e-3, warmup=100, eval_every=250, patience=4,
-                               stop_at=0.99),
+    ("mqar", "standard"): dict(
+        steps=1500, batch_size=64, lr=3e-3, warmup=100, eval_every=250, patience=4, stop_at=0.99
+    ),
     ("mqar", "full"): dict(steps=20000, batch_size=64, lr=1e-3, warmup=1000, eval_every=1000, dim=128, patience=10),
     ("pathfinder", "quick"): dict(steps=600, batch_size=32, lr=2e-3, warmup=50, eval_every=100),
-    ("pathfinder", "full"): dict(steps=62500, batch_size=512, lr=1e-3, warmup=8000, eval_every=2500, dim=128,
-                                 depth=4, heads=8, patience=10),
+    ("pathfinder", "full"): dict(
+        steps=62500, batch_size=512, lr=1e-3, warmup=8000, eval_every=2500, dim=128, depth=4, heads=8, patience=10
+    ),
     ("text", "quick"): dict(steps=600, batch_size=16, lr=1e-3, warmup=50, eval_every=100),
-    ("text", "full"): dict(steps=20000, batch_size=32, lr=5e-4, warmup=8000, eval_every=1000, dim=256,
-                           depth=4, heads=4, patience=10),
+    ("text", "full"): dict(
+        steps=20000, batch_size=32, lr=5e-4, warmup=8000, eval_every=1000, dim=256, depth=4, heads=4, patience=10
+    ),
 }
 
 
@@ -90,21 +103,33 @@ class TrainConfig:
     checkpoint_every: int = 50
 
     def __post_init__(self) -> None:
-        for name in ("dim", "depth", "heads", "ff_mult", "batch_size", "steps", "eval_every", "checkpoint_every",
-                     "patience"):
+        for name in (
+            "dim",
+            "depth",
+            "heads",
+            "ff_mult",
+            "batch_size",
+            "steps",
+            "eval_every",
+            "checkpoint_every",
+            "patience",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("lr", "clip", "weight_decay", "dropout", "max_seconds", "stop_at"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            ):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not (self.lr > 0 and self.clip > 0):
             raise ValueError(f"lr and clip must be > 0, got lr={self.lr!r}, clip={self.clip!r}")
         if not (isinstance(self.warmup, int) and self.warmup >= 0 and 0 <= self.dropout < 1):
-            raise ValueError(f"warmup must be an int >= 0 and dropout in [0, 1), got warmup={self.warmup!r}, "
-                             f"dropout={self.dropout!r}")
+            raise ValueError(
+                f"warmup must be an int >= 0 and dropout in [0, 1), got warmup={self.warmup!r}, "
+                f"dropout={self.dropout!r}"
+            )
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be > 0 (or None for no time budget), got {self.max_seconds!r}")
         if self.stop_at is not None and not 0 < self.stop_at <= 1:
@@ -140,10 +165,12 @@ def batch_indices(n_examples: int, step: int, cfg: TrainConfig) -> Tensor:
     epoch, position = divmod(step, per_epoch)
     generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
     order = torch.randperm(n_examples, generator=generator)
-    return order[position * cfg.batch_size:(position + 1) * cfg.batch_size]
+    return order[position * cfg.batch_size : (position + 1) * cfg.batch_size]
 
 
-def loss_and_counts(model: nn.Module, info: TaskInfo, split: Split, rows: Tensor, device: Any) -> tuple[Tensor, int, int]:
+def loss_and_counts(
+    model: nn.Module, info: TaskInfo, split: Split, rows: Tensor, device: Any
+) -> tuple[Tensor, int, int]:
     """Mean cross-entropy over the scored targets of ``rows``, and (correct, scored) counts."""
     tokens, mask, labels = (t[rows].to(device) for t in (split.tokens, split.mask, split.labels))
     logits = model(tokens, mask)
@@ -159,7 +186,7 @@ def loss_and_counts(model: nn.Module, info: TaskInfo, split: Split, rows: Tensor
 def evaluate(model: nn.Module, info: TaskInfo, split: Split, cfg: TrainConfig, dist: Distributed) -> float:
     """Accuracy on ``split``; under torchrun each process scores its share and the counts are summed."""
     model.eval()
-    rows = torch.arange(split.tokens.shape[0])[dist.rank::dist.world]
+    rows = torch.arange(split.tokens.shape[0])[dist.rank :: dist.world]
     correct = total = 0
     for chunk in rows.split(cfg.batch_size):
         _, c, t = loss_and_counts(model, info, split, chunk, dist.device)
@@ -203,8 +230,19 @@ class _Interrupt:
 
 
 def _fresh_state() -> dict[str, Any]:
-    return {"step": 0, "best_val": -1.0, "best_step": 0, "bad_evals": 0, "train_s": 0.0, "wall_s": 0.0,
-            "finished": False, "history": [], "losses": [], "loss_sum": 0.0, "loss_count": 0}
+    return {
+        "step": 0,
+        "best_val": -1.0,
+        "best_step": 0,
+        "bad_evals": 0,
+        "train_s": 0.0,
+        "wall_s": 0.0,
+        "finished": False,
+        "history": [],
+        "losses": [],
+        "loss_sum": 0.0,
+        "loss_count": 0,
+    }
 
 
 def _resume(run_dir: Path, cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -215,8 +253,10 @@ def _resume(run_dir: Path, cfg: TrainConfig, model: nn.Module, optimizer: torch.
     wanted = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))  # as the checkpoint stores it
     if stored != wanted:
         changed = sorted(k for k in wanted if stored.get(k) != wanted[k])
-        raise ValueError(f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}); "
-                         f"pass another --run-dir, or delete it to start over")
+        raise ValueError(
+            f"{run_dir} holds a run with a different config (differs in: {', '.join(changed)}); "
+            f"pass another --run-dir, or delete it to start over"
+        )
     return checkpoint.load(last, model, optimizer)["state"]
 
 
@@ -224,8 +264,9 @@ def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     # Weight decay on matrices only: decaying biases, norms' gains and 1-D tables hurts small models.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}], lr=cfg.lr
+    )
 
 
 def _load(cfg: TrainConfig, data_dir: str | None, dist: Distributed) -> tuple[TaskInfo, dict[str, Split]]:
@@ -270,15 +311,20 @@ class _Run:
     def save(self, name: str = "last.safetensors", optimizer: bool = True) -> None:
         if self.dist.main:
             meta = {"config": dataclasses.asdict(self.cfg), "state": self.state}
-            checkpoint.save(self.run_dir / name, self.model, self.optimizer if optimizer else None, meta,
-                            keep_previous=name == "last.safetensors")
+            checkpoint.save(
+                self.run_dir / name,
+                self.model,
+                self.optimizer if optimizer else None,
+                meta,
+                keep_previous=name == "last.safetensors",
+            )
         self.dist.barrier()
 
     def train_step(self) -> float:
         step = self.state["step"]
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.cfg)
-        rows = batch_indices(self.splits["train"].tokens.shape[0], step, self.cfg)[self.dist.rank::self.dist.world]
+        rows = batch_indices(self.splits["train"].tokens.shape[0], step, self.cfg)[self.dist.rank :: self.dist.world]
         loss, _, _ = loss_and_counts(self.wrapped, self.info, self.splits["train"], rows, self.dist.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -290,7 +336,9 @@ class _Run:
         if diverged:
             raise _Diverged(step + 1, value, norm)
         self.optimizer.step()
-        self.state.update(step=step + 1, loss_sum=self.state["loss_sum"] + value, loss_count=self.state["loss_count"] + 1)
+        self.state.update(
+            step=step + 1, loss_sum=self.state["loss_sum"] + value, loss_count=self.state["loss_count"] + 1
+        )
         return value
 
     def validate(self) -> bool:
@@ -323,7 +371,8 @@ def _loop(run: _Run, reporter: Reporter, interrupt: _Interrupt) -> bool:
         # A time budget ends the run at the first step past it; a signal seen by any process
         # stops all of them at this step boundary (one collective per step for both).
         out_of_time, interrupted = run.dist.any(
-            cfg.max_seconds is not None and state["train_s"] >= cfg.max_seconds, interrupt.raised)
+            cfg.max_seconds is not None and state["train_s"] >= cfg.max_seconds, interrupt.raised
+        )
         stop = False
         if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
             stop = run.validate() or out_of_time
@@ -344,8 +393,15 @@ def _loop(run: _Run, reporter: Reporter, interrupt: _Interrupt) -> bool:
     return True
 
 
-def train(cfg: TrainConfig, *, run_dir: str | Path, data_dir: str | None = None, device: str | None = None,
-          progress: bool = True, console: Any = None) -> dict[str, Any] | None:
+def train(
+    cfg: TrainConfig,
+    *,
+    run_dir: str | Path,
+    data_dir: str | None = None,
+    device: str | None = None,
+    progress: bool = True,
+    console: Any = None,
+) -> dict[str, Any] | None:
     """Run (or resume) one training run in ``run_dir``; returns its results row, or None when it
     was interrupted (its checkpoint is saved: call again with the same arguments to resume).
     Raises ``TrainingDiverged`` (with the failed row) at the first non-finite loss or gradient,
@@ -356,10 +412,20 @@ def train(cfg: TrainConfig, *, run_dir: str | Path, data_dir: str | None = None,
         run_dir.mkdir(parents=True, exist_ok=True)
     info, splits = _load(cfg, data_dir, dist)
     torch.manual_seed(cfg.seed)  # after loading: a cache hit and a fresh generation leave the same RNG
-    model = build_model(kind=info.kind, vocab_size=info.vocab_size, n_classes=info.n_classes, seq_len=info.seq_len,
-                        dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mechanism=cfg.mechanism,
-                        config=effective_config(cfg, info),
-                        positional=cfg.positional, ff_mult=cfg.ff_mult, dropout=cfg.dropout).to(dist.device)
+    model = build_model(
+        kind=info.kind,
+        vocab_size=info.vocab_size,
+        n_classes=info.n_classes,
+        seq_len=info.seq_len,
+        dim=cfg.dim,
+        depth=cfg.depth,
+        heads=cfg.heads,
+        mechanism=cfg.mechanism,
+        config=effective_config(cfg, info),
+        positional=cfg.positional,
+        ff_mult=cfg.ff_mult,
+        dropout=cfg.dropout,
+    ).to(dist.device)
     optimizer = _optimizer(model, cfg)
     if cfg.init_from is not None:
         checkpoint.load(Path(cfg.init_from), model)  # a resumed run then overwrites it with its own
@@ -368,12 +434,20 @@ def train(cfg: TrainConfig, *, run_dir: str | Path, data_dir: str | None = None,
     memory, wall_start = PeakMemory(dist.device), time.perf_counter()
     title = f"{cfg.mechanism} on {cfg.task}/{cfg.size}"
     try:
-        with Reporter(enabled=progress and dist.main, total=cfg.steps, start=state["step"], title=title,
-                      console=console) as reporter, _Interrupt() as interrupt:
+        with (
+            Reporter(
+                enabled=progress and dist.main, total=cfg.steps, start=state["step"], title=title, console=console
+            ) as reporter,
+            _Interrupt() as interrupt,
+        ):
             finished = state["finished"] or _loop(run, reporter, interrupt)
     except _Diverged as error:
-        row = {**_describe(run), "status": "diverged", "diverged_step": error.step,
-               "error": f"diverged: {error}; lower lr (now {cfg.lr:g})"}
+        row = {
+            **_describe(run),
+            "status": "diverged",
+            "diverged_step": error.step,
+            "error": f"diverged: {error}; lower lr (now {cfg.lr:g})",
+        }
         raise TrainingDiverged(f"{title} {row['error']}", row) from None
     state["wall_s"] += time.perf_counter() - wall_start
     if not finished:
@@ -391,11 +465,18 @@ def _results(run: _Run, peak: int | None) -> dict[str, Any]:
     tokens_per_step = cfg.batch_size * info.seq_len
     steps_per_s = state["step"] / state["train_s"] if state["train_s"] else None
     return {
-        **_describe(run), "status": "ok",
-        "test_accuracy": test, "val_accuracy": state["best_val"], "best_step": state["best_step"],
-        "chance": info.chance, "steps": state["step"], "steps_per_s": steps_per_s,
-        "tokens_per_s": steps_per_s * tokens_per_step if steps_per_s else None, "peak_memory_bytes": peak,
-        "wall_s": state["wall_s"], "parameters": sum(p.numel() for p in run.model.parameters()),
+        **_describe(run),
+        "status": "ok",
+        "test_accuracy": test,
+        "val_accuracy": state["best_val"],
+        "best_step": state["best_step"],
+        "chance": info.chance,
+        "steps": state["step"],
+        "steps_per_s": steps_per_s,
+        "tokens_per_s": steps_per_s * tokens_per_step if steps_per_s else None,
+        "peak_memory_bytes": peak,
+        "wall_s": state["wall_s"],
+        "parameters": sum(p.numel() for p in run.model.parameters()),
         "weight_digests": digests,
     }
 
@@ -404,15 +485,40 @@ def _describe(run: _Run) -> dict[str, Any]:
     """What every results row says about its run, finished or failed: task, model, optimiser."""
     cfg, state, info = run.cfg, run.state, run.info
     return {
-        "kind": "train", "task": cfg.task, "size": cfg.size, "mechanism": cfg.mechanism,
-        "config": effective_config(cfg, info), "sized": cfg.sized, "seq_len": info.seq_len,
+        "kind": "train",
+        "task": cfg.task,
+        "size": cfg.size,
+        "mechanism": cfg.mechanism,
+        "config": effective_config(cfg, info),
+        "sized": cfg.sized,
+        "seq_len": info.seq_len,
         "task_params": info.params,
-        "model": {**{k: getattr(cfg, k) for k in ("dim", "depth", "heads", "ff_mult", "dropout")},
-                  "positional": resolve_positional(cfg.positional, info.kind, cfg.mechanism)},
-        "optim": {k: getattr(cfg, k) for k in ("batch_size", "steps", "lr", "weight_decay", "warmup", "clip",
-                                                "eval_every", "patience", "stop_at", "max_seconds", "init_from")},
-        "seed": cfg.seed, "world_size": run.dist.world, "device": str(run.dist.device),
-        "history": state["history"], "train_losses": state["losses"], "git": git_revision(),
+        "model": {
+            **{k: getattr(cfg, k) for k in ("dim", "depth", "heads", "ff_mult", "dropout")},
+            "positional": resolve_positional(cfg.positional, info.kind, cfg.mechanism),
+        },
+        "optim": {
+            k: getattr(cfg, k)
+            for k in (
+                "batch_size",
+                "steps",
+                "lr",
+                "weight_decay",
+                "warmup",
+                "clip",
+                "eval_every",
+                "patience",
+                "stop_at",
+                "max_seconds",
+                "init_from",
+            )
+        },
+        "seed": cfg.seed,
+        "world_size": run.dist.world,
+        "device": str(run.dist.device),
+        "history": state["history"],
+        "train_losses": state["losses"],
+        "git": git_revision(),
     }
 
 
@@ -423,10 +529,19 @@ def git_revision() -> str:
 
     root = Path(__file__).resolve().parents[3]
     try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return rev + ("+dirty" if dirty else "")

@@ -112,11 +112,15 @@ class Attention(Mechanism):
     ) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _attend")
 
-    def init_state(self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None) -> Any:
+    def init_state(
+        self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None
+    ) -> Any:
         """Empty decode state for ``step``. Mechanisms with ``decode_step`` override this."""
         self._refuse("a decode step", "decode_step")
 
-    def step(self, state: Any, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None) -> tuple[Tensor, Any]:
+    def step(
+        self, state: Any, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
+    ) -> tuple[Tensor, Any]:
         """Attend new queries ``q (B, H, T, D)`` (usually T = 1) to everything seen so far plus
         the new ``k, v``; return ``(output (B, H, T, D_v), new_state)``."""
         self._refuse("a decode step", "decode_step")

@@ -87,9 +87,17 @@ def gat_terms(q: Tensor, k: Tensor, attention_vector: Tensor) -> tuple[Tensor, T
     return torch.einsum("bhnd,hd->bhn", q, a[:, 0]), torch.einsum("bhnd,hd->bhn", k, a[:, 1])
 
 
-def graph_attention(q: Tensor, k: Tensor, v: Tensor, graph: Graph, *, causal: bool = False,
-                    key_padding_mask: Tensor | None = None, scale: float | None = None,
-                    attention_vector: Tensor | None = None) -> Tensor:
+def graph_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    graph: Graph,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    attention_vector: Tensor | None = None,
+) -> Tensor:
     """Attention of each node over its neighbours only.
 
     ``attention_vector``: GAT's ``a`` as ``(H, 2, D)``; when given, the score of edge (i, j) is
@@ -122,23 +130,40 @@ def graph_attention(q: Tensor, k: Tensor, v: Tensor, graph: Graph, *, causal: bo
     return out.to(q.dtype)
 
 
-def reference_graph_attention(q: Tensor, k: Tensor, v: Tensor, graph: Graph, *, causal: bool = False,
-                              key_padding_mask: Tensor | None = None, scale: float | None = None,
-                              attention_vector: Tensor | None = None,
-                              return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def reference_graph_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    graph: Graph,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    attention_vector: Tensor | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Masked dense attention over the adjacency matrix (the oracle for ``graph_attention``);
     with ``attention_vector``, GAT's dense ``(N, N)`` score matrix
     ``e_ij = LeakyReLU(a_1 . q_i + a_2 . k_j)`` masked to the edges."""
     mask_mod = graph.mask_mod_for(graph.n, graph.n)
     if attention_vector is None:
-        return reference_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                                   mask_mod=mask_mod, return_weights=return_weights)
+        return reference_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=scale,
+            mask_mod=mask_mod,
+            return_weights=return_weights,
+        )
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     from_query, from_key = gat_terms(q.to(compute), k.to(compute), attention_vector)
     scores = F.leaky_relu(from_query[..., :, None] + from_key[..., None, :], NEGATIVE_SLOPE)  # [B, H, N, N]
     batch, heads, n, _ = q.shape
-    visible = visible_pairs(batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask,
-                            mask_mod=mask_mod, device=q.device)
+    visible = visible_pairs(
+        batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask, mask_mod=mask_mod, device=q.device
+    )
     weights = normalize_scores(scores, visible, "softmax")
     out = torch.einsum("bhij,bhjd->bhid", weights, v.to(compute)).to(q.dtype)
     return (out, weights) if return_weights else out
@@ -152,12 +177,14 @@ def reference_graph_attention(q: Tensor, k: Tensor, v: Tensor, graph: Graph, *, 
     paper="Velickovic et al. 2018 (GAT), https://arxiv.org/abs/1710.10903",
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(time="O(E D)", memory="O(E D)", subquadratic_memory=True),
-    notes=("edges are (query, key) pairs; causal keeps edges with key <= query",
-           "nodes are bucketed by degree so a hub does not pad every neighbour list",
-           "score='dot' (default): the scaled dot product q_i.k_j/sqrt(D) along the edges - Transformer "
-           "scores on GAT's neighbourhoods, not GAT's score; score='gat': GAT's additive score "
-           "LeakyReLU_0.2(a_1.q_i + a_2.k_j) with one learned a per head (needs heads, head_dim), "
-           "q and k standing for GAT's shared projection W h (here they may differ), O(E)"),
+    notes=(
+        "edges are (query, key) pairs; causal keeps edges with key <= query",
+        "nodes are bucketed by degree so a hub does not pad every neighbour list",
+        "score='dot' (default): the scaled dot product q_i.k_j/sqrt(D) along the edges - Transformer "
+        "scores on GAT's neighbourhoods, not GAT's score; score='gat': GAT's additive score "
+        "LeakyReLU_0.2(a_1.q_i + a_2.k_j) with one learned a per head (needs heads, head_dim), "
+        "q and k standing for GAT's shared projection W h (here they may differ), O(E)",
+    ),
 )
 class GraphAttention(Attention):
     """Graph attention; see the module docstring."""
@@ -181,19 +208,47 @@ class GraphAttention(Attention):
         self._check_n(q.shape[2])
         if self.attention_vector is not None and q.shape[1::2] != self.attention_vector.shape[0::2]:
             heads, _, head_dim = self.attention_vector.shape
-            raise ValueError(f"graph_attention (score='gat') was built for heads={heads}, head_dim={head_dim} but q has "
-                             f"H={q.shape[1]}, D={q.shape[3]}; build it with heads={q.shape[1]}, head_dim={q.shape[3]}")
+            raise ValueError(
+                f"graph_attention (score='gat') was built for heads={heads}, head_dim={head_dim} but q has "
+                f"H={q.shape[1]}, D={q.shape[3]}; build it with heads={q.shape[1]}, head_dim={q.shape[3]}"
+            )
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
-                score_mod: ScoreMod | None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         self._check(q)
-        return graph_attention(q, k, v, self.graph, causal=causal, key_padding_mask=key_padding_mask,
-                               scale=self.config.scale, attention_vector=self.attention_vector)
+        return graph_attention(
+            q,
+            k,
+            v,
+            self.graph,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=self.config.scale,
+            attention_vector=self.attention_vector,
+        )
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         self._check(q)
         q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:3] + (1,))
-        return reference_graph_attention(q, k, v, self.graph, causal=causal, key_padding_mask=key_padding_mask,
-                                         scale=self.config.scale, attention_vector=self.attention_vector,
-                                         return_weights=True)[1]
+        return reference_graph_attention(
+            q,
+            k,
+            v,
+            self.graph,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=self.config.scale,
+            attention_vector=self.attention_vector,
+            return_weights=True,
+        )[1]

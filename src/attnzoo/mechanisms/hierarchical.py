@@ -82,14 +82,14 @@ def num_levels(n: int) -> int:
 
 
 def level_sizes(n: int) -> list[int]:
-    """Number of nodes at each level 0..L: ``ceil(n / 2^l)``."""
-    return [-(-n // (1 << l)) for l in range(num_levels(n) + 1)]
+    """Number of nodes at each level 0..L: ``ceil(n / 2^level)``."""
+    return [-(-n // (1 << level)) for level in range(num_levels(n) + 1)]
 
 
 def level_offsets(n: int) -> list[int]:
     """Where each level starts in the extended key set ``[tokens; level 1; ...]``."""
     sizes = level_sizes(n)
-    return [sum(sizes[:l]) for l in range(len(sizes))]
+    return [sum(sizes[:level]) for level in range(len(sizes))]
 
 
 def hierarchical_graph(n: int, k: int, causal: bool) -> list[list[tuple[int, int]]]:
@@ -177,8 +177,14 @@ def _real(key_padding_mask: Tensor | None, b: int, n: int, device: torch.device,
 
 
 def hierarchical_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, k_near: int, causal: bool = False,
-    key_padding_mask: Tensor | None = None, scale: float | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    k_near: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
 ) -> Tensor:
     """The fast path: gather ``S = O(k log N)`` node keys / values per token; never ``N x N``."""
     b, _, n, d = q.shape
@@ -200,7 +206,10 @@ def hierarchical_attention(
 def dense_membership(n: int, device: torch.device | None = None) -> Tensor:
     """``(T, N)`` bool: node ``t`` of the extended key set covers position ``j``."""
     pos = torch.arange(n, device=device)
-    rows = [(pos[None, :] >> level) == torch.arange(size, device=device)[:, None] for level, size in enumerate(level_sizes(n))]
+    rows = [
+        (pos[None, :] >> level) == torch.arange(size, device=device)[:, None]
+        for level, size in enumerate(level_sizes(n))
+    ]
     return torch.cat(rows, dim=0)
 
 
@@ -224,21 +233,32 @@ def dense_graph_mask(n: int, k: int, causal: bool, device: torch.device | None =
         blocks[level - 1] |= align[:, None] & (prev[None, :] == (q // w - 1)[:, None])
         q = torch.where(align, q - w, q)
         act = q > 0
-        blocks[level] |= act[:, None] & (starts[None, :] + size <= q[:, None]) & (starts[None, :] >= (q - k * size)[:, None])
+        blocks[level] |= (
+            act[:, None] & (starts[None, :] + size <= q[:, None]) & (starts[None, :] >= (q - k * size)[:, None])
+        )
         q = torch.where(act, q - k * size, q)
         if not causal:
             align = (p < n) & (p % size != 0)
             blocks[level - 1] |= align[:, None] & (prev[None, :] == (p // w)[:, None])
             p = torch.where(align, p + w, p)
             act = p < n
-            blocks[level] |= act[:, None] & (starts[None, :] >= p[:, None]) & (starts[None, :] < (p + k * size)[:, None])
+            blocks[level] |= (
+                act[:, None] & (starts[None, :] >= p[:, None]) & (starts[None, :] < (p + k * size)[:, None])
+            )
             p = torch.where(act, p + k * size, p)
     return torch.cat(blocks, dim=1)
 
 
 def reference_hierarchical(
-    q: Tensor, k: Tensor, v: Tensor, *, k_near: int, causal: bool = False,
-    key_padding_mask: Tensor | None = None, scale: float | None = None, return_weights: bool = False,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    k_near: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The dense oracle: masked softmax over the whole extended key set ``[tokens; all nodes]``.
 
@@ -288,24 +308,40 @@ class HierarchicalAttention(Attention):
     config: HierarchicalConfig
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-        key_padding_mask: Tensor | None, score_mod: ScoreMod | None,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
     ) -> Tensor:
         return hierarchical_attention(
             q, k, v, k_near=self.config.k, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale
         )
 
-    def reference(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The dense oracle with this module's config."""
         return reference_hierarchical(
             q, k, v, k_near=self.config.k, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale
         )
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The ``(B, H, N, N)`` attention matrix over tokens this mechanism applies."""
         q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
         return reference_hierarchical(
-            q, k, v, k_near=self.config.k, causal=causal, key_padding_mask=key_padding_mask,
-            scale=self.config.scale, return_weights=True,
+            q,
+            k,
+            v,
+            k_near=self.config.k,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=self.config.scale,
+            return_weights=True,
         )[1]

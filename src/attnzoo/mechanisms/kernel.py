@@ -18,8 +18,9 @@ that reads like the paper. A mechanism is a ``KernelAttention`` with two small m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -78,9 +79,18 @@ def normalise(num: Tensor, den: Tensor, normalizer: Normalizer, eps: float) -> T
 
 
 def kernel_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, query_map: QueryMap, key_map: KeyMap, causal: bool,
-    key_padding_mask: Tensor | None = None, state: KernelState | None = None, chunk: int = 64,
-    eps: float = 1e-6, normalizer: Normalizer = "rows",
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    query_map: QueryMap,
+    key_map: KeyMap,
+    causal: bool,
+    key_padding_mask: Tensor | None = None,
+    state: KernelState | None = None,
+    chunk: int = 64,
+    eps: float = 1e-6,
+    normalizer: Normalizer = "rows",
 ) -> tuple[Tensor, KernelState]:
     """The shared fast path of every kernel mechanism.
 
@@ -126,22 +136,30 @@ def kernel_attention(
     return out, KernelState(s1[..., :-1], s1[..., -1], f.c if f.c is not None else c0)
 
 
-def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, query_map: QueryMap, key_map: KeyMap,
-             eps: float, normalizer: Normalizer) -> tuple[Tensor, KernelState]:
+def _blocked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    real: Tensor | None,
+    query_map: QueryMap,
+    key_map: KeyMap,
+    eps: float,
+    normalizer: Normalizer,
+) -> tuple[Tensor, KernelState]:
     """Non-causal: ``S1 = sum over key blocks of phi(K_b)^T [V_b, 1]`` (offsets merged as in
     ``_merge``), then ``phi(Q_b) S1`` per query block."""
     rows = max(1, BLOCK_ROWS // (q.shape[0] * q.shape[1]))
     s1 = c = None
     for i in range(0, k.shape[2], rows):
-        part = None if real is None else real[..., i:i + rows]
-        f = key_map(k[:, :, i:i + rows], part, causal=False, c0=None)
+        part = None if real is None else real[..., i : i + rows]
+        f = key_map(k[:, :, i : i + rows], part, causal=False, c0=None)
         phi = f.phi if part is None else torch.where(part[..., None], f.phi, 0.0)
-        vb = v[:, :, i:i + rows]
+        vb = v[:, :, i : i + rows]
         s1, c = _merge(s1, c, phi.transpose(-1, -2) @ torch.cat([vb, torch.ones_like(vb[..., :1])], -1), f.c)
     if normalizer == "keys":  # each feature's weights over the keys sum to 1 (0 if it has none)
         z = s1[..., -1:]
         s1 = torch.cat([s1[..., :-1] / torch.where(z > 0, z, 1.0), z], dim=-1)
-    outs = [query_map(q[:, :, i:i + rows]) @ s1 for i in range(0, q.shape[2], rows)]
+    outs = [query_map(q[:, :, i : i + rows]) @ s1 for i in range(0, q.shape[2], rows)]
     out1 = torch.cat(outs, dim=2)  # [B, H, N_q, E + 1]
     state = KernelState(s1[..., :-1], s1[..., -1], c)
     return normalise(out1[..., :-1], out1[..., -1], normalizer, eps), state
@@ -224,8 +242,15 @@ def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor) -> tuple[Tensor, Te
 
 
 def reference_kernel_attention(
-    phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
-    log_decay: Tensor | None = None, eps: float = 1e-6, normalizer: Normalizer = "rows",
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    log_decay: Tensor | None = None,
+    eps: float = 1e-6,
+    normalizer: Normalizer = "rows",
     return_weights: bool = False,
 ) -> Any:
     """The quadratic form: ``A = phi(Q) phi(K)^T``, masked, row-normalised; ``O = A V``.
@@ -309,43 +334,83 @@ class KernelAttention(Attention):
     def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
         """Create lazily-sized buffers/parameters for ``heads`` and ``head_dim`` (if any)."""
 
-    def _run(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
-             state: KernelState | None = None) -> tuple[Tensor, KernelState]:
+    def _run(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        state: KernelState | None = None,
+    ) -> tuple[Tensor, KernelState]:
         qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
         if state is not None:
             state = KernelState(state.s.to(qc.dtype), state.z.to(qc.dtype), state.c)
         out, state = kernel_attention(
-            qc, kc, vc, query_map=self.query_features, key_map=self.key_features, causal=causal,
-            key_padding_mask=key_padding_mask, state=state, chunk=getattr(self.config, "chunk", 64),
-            eps=getattr(self.config, "eps", 1e-6), normalizer=self.normalizer,
+            qc,
+            kc,
+            vc,
+            query_map=self.query_features,
+            key_map=self.key_features,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            state=state,
+            chunk=getattr(self.config, "chunk", 64),
+            eps=getattr(self.config, "eps", 1e-6),
+            normalizer=self.normalizer,
         )
         return out.to(q.dtype), state
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
-                score_mod: ScoreMod | None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         return self._run(q, k, v, causal=causal, key_padding_mask=key_padding_mask)[0]
 
-    def reference(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                  key_padding_mask: Tensor | None = None, return_weights: bool = False) -> Any:
+    def reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        return_weights: bool = False,
+    ) -> Any:
         """The same function through ``reference_kernel_attention`` (same features, dense)."""
         qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
         real = None if key_padding_mask is None else key_padding_mask[:, None]
         f = self.key_features(kc, real, causal=causal)
         return reference_kernel_attention(
-            self.query_features(qc), f.phi, vc, causal=causal, key_padding_mask=key_padding_mask,
-            log_decay=f.log_decay, eps=getattr(self.config, "eps", 1e-6), normalizer=self.normalizer,
+            self.query_features(qc),
+            f.phi,
+            vc,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            log_decay=f.log_decay,
+            eps=getattr(self.config, "eps", 1e-6),
+            normalizer=self.normalizer,
             return_weights=return_weights,
         )
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False,
-                          key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The ``(B, H, N_q, N_kv)`` normalised ``phi(Q) phi(K)^T`` this mechanism applies."""
         q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
         return self.reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_weights=True)[1]
 
-    def init_state(self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None,
-                   dtype: Any = None) -> KernelState:
+    def init_state(
+        self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None
+    ) -> KernelState:
         """Empty sums (zeros; ``c`` -inf) for ``step``, in float64 for float64, else float32."""
         if not self.spec.capabilities.decode_step:
             self._refuse("a decode step", "decode_step")
@@ -355,8 +420,9 @@ class KernelAttention(Attention):
         c = torch.full((batch, heads), -math.inf, device=device, dtype=dtype)
         return KernelState(s, s.new_zeros(s.shape[:3]), c)
 
-    def step(self, state: KernelState, q: Tensor, k: Tensor, v: Tensor, *,
-             score_mod: ScoreMod | None = None) -> tuple[Tensor, KernelState]:
+    def step(
+        self, state: KernelState, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
+    ) -> tuple[Tensor, KernelState]:
         """The recurrence for the next ``T`` tokens (O(m D_v) per token): equals the matching
         rows of ``forward(..., causal=True)`` over the whole sequence."""
         if score_mod is not None:
@@ -404,7 +470,9 @@ class LinearConfig(Config):
 
 
 @register(
-    "linear", config=LinearConfig, family="kernel",
+    "linear",
+    config=LinearConfig,
+    family="kernel",
     summary="Linear attention: phi(x) = elu(x) + 1 feature maps, O(N) time, an RNN when causal.",
     paper="Katharopoulos et al. 2020, Transformers are RNNs, https://arxiv.org/abs/2006.16236",
     capabilities=_CAUSAL,

@@ -31,8 +31,10 @@ from attnzoo.spec import Capabilities, Complexity
 
 #: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
 _STRIDE = 1_000_003
-_DRAWS = ("the projection is drawn per module (its own seed from the global RNG unless config.seed is set; "
-          "kept in the state dict); redraw() on demand, or by itself every redraw_every training forwards",)
+_DRAWS = (
+    "the projection is drawn per module (its own seed from the global RNG unless config.seed is set; "
+    "kept in the state dict); redraw() on demand, or by itself every redraw_every training forwards",
+)
 
 
 def orthogonal_gaussian(m: int, d: int, *, generator: torch.Generator) -> Tensor:
@@ -216,8 +218,10 @@ class RandomFeatureAttention(KernelAttention):
         if self.projection is None:
             self.projection = self._draw(d).to(x.device)
         elif self.projection.shape[1] != d:
-            raise ValueError(f"{self.spec.name} was built for head_dim={self.projection.shape[1]} but got inputs "
-                             f"with D={d}; build it with head_dim={d}")
+            raise ValueError(
+                f"{self.spec.name} was built for head_dim={self.projection.shape[1]} but got inputs "
+                f"with D={d}; build it with head_dim={d}"
+            )
         return self.projection.to(x.dtype)
 
     @torch.no_grad()
@@ -229,8 +233,9 @@ class RandomFeatureAttention(KernelAttention):
             # A new tensor, not an in-place copy: a graph not yet backpropagated keeps the old one.
             self.projection = self._draw(self.projection.shape[1]).to(self.projection)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
-                score_mod: Any) -> Tensor:
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None, score_mod: Any
+    ) -> Tensor:
         every = self.config.redraw_every
         if self.training and every is not None:
             if int(self.forwards) >= every:
@@ -278,12 +283,16 @@ class PerformerConfig(Config):
 
 
 @register(
-    "performer", config=PerformerConfig, family="kernel",
+    "performer",
+    config=PerformerConfig,
+    family="kernel",
     summary="Performer (FAVOR+): positive orthogonal random features estimating softmax attention.",
     paper="Choromanski et al. 2020, Rethinking Attention with Performers, https://arxiv.org/abs/2009.14794",
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
-    notes=_NOTES + _DRAWS + (
+    notes=_NOTES
+    + _DRAWS
+    + (
         "q and k are scaled by D^-1/4, so phi(q).phi(k) estimates exp(q.k / sqrt(D))",
         "stabilisers: per query row max; keys: max over real keys (causal: running max, carried in the state)",
     ),
@@ -343,13 +352,18 @@ class RFAConfig(Config):
 
 
 @register(
-    "rfa", config=RFAConfig, family="kernel",
+    "rfa",
+    config=RFAConfig,
+    family="kernel",
     summary="Random Feature Attention: random Fourier features, gated recurrence when causal.",
     paper="Peng et al. 2021, Random Feature Attention, https://arxiv.org/abs/2103.02143",
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
-    notes=_NOTES + _DRAWS + (
-        "q, k unit-normalised; phi = [sin, cos](w^T x / sigma) / sqrt(m) can be negative: |denominator| >= eps, sign kept",
+    notes=_NOTES
+    + _DRAWS
+    + (
+        "q, k unit-normalised; phi = [sin, cos](w^T x / sigma) / sqrt(m) can be negative: "
+        "|denominator| >= eps, sign kept",
         "causal: S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T, z likewise, g_t = sigmoid(w_g . k_t + b_g) per head",
         "non-causal: plain random-feature attention, no gate",
     ),
@@ -384,8 +398,10 @@ class RFAAttention(RandomFeatureAttention):
             self.gate_weight = nn.Parameter(weight.to(device=device, dtype=dtype))
             self.gate_bias = nn.Parameter(torch.full((heads,), 2.0, device=device, dtype=dtype))
         elif tuple(self.gate_weight.shape) != (heads, head_dim):
-            raise ValueError(f"rfa's gate was made for (heads, head_dim) = {tuple(self.gate_weight.shape)}, got "
-                             f"inputs with ({heads}, {head_dim}); build it with heads={heads}, head_dim={head_dim}")
+            raise ValueError(
+                f"rfa's gate was made for (heads, head_dim) = {tuple(self.gate_weight.shape)}, got "
+                f"inputs with ({heads}, {head_dim}); build it with heads={heads}, head_dim={head_dim}"
+            )
 
     def query_features(self, q: Tensor) -> Tensor:
         return fourier_features(q, self.projection_for(q), self.config.sigma)
@@ -409,13 +425,17 @@ class EfficientConfig(Config):
 
 
 @register(
-    "efficient", config=EfficientConfig, family="kernel",
+    "efficient",
+    config=EfficientConfig,
+    family="kernel",
     summary="Efficient attention: softmax(Q over features) (softmax(K over positions)^T V).",
     paper="Shen et al. 2018/2021, Efficient Attention, https://arxiv.org/abs/1812.01243",
     capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
     complexity=Complexity(time="O(N D D_v)", memory="O(N D + D D_v)", subquadratic_memory=True),
-    notes=("not causal: the softmax of K runs over all positions",
-           "rows are normalised by construction (no denominator); padded keys get weight 0"),
+    notes=(
+        "not causal: the softmax of K runs over all positions",
+        "rows are normalised by construction (no denominator); padded keys get weight 0",
+    ),
 )
 class EfficientAttention(KernelAttention):
     """Efficient Attention (Shen et al., https://arxiv.org/abs/1812.01243):

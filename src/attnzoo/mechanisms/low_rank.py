@@ -43,12 +43,21 @@ class _LowRank(Attention):
     def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
         raise NotImplementedError
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-                key_padding_mask: Tensor | None, score_mod: ScoreMod | None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         return self._run(True, q, k, v, causal, key_padding_mask)
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False,
-                          key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The dense ``(B, H, N_q, N_kv)`` weights the forward pass applies (small N: pictures)."""
         if causal and not self.spec.capabilities.causal:
             self._refuse("causal=True", "causal")
@@ -58,12 +67,22 @@ class _LowRank(Attention):
 
     def _check_heads(self, q: Tensor, used: bool) -> None:
         if used and q.shape[1] != self.config.heads:
-            raise ValueError(f"{self.spec.name} was built for heads={self.config.heads} but q has "
-                             f"H={q.shape[1]}; build it with heads={q.shape[1]}")
+            raise ValueError(
+                f"{self.spec.name} was built for heads={self.config.heads} but q has "
+                f"H={q.shape[1]}; build it with heads={q.shape[1]}"
+            )
 
 
-def linformer_attention(q: Tensor, k: Tensor, v: Tensor, e: Tensor, f: Tensor, *,
-                        key_padding_mask: Tensor | None = None, scale: float | None = None) -> Tensor:
+def linformer_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    e: Tensor,
+    f: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
     """Linformer, fast: SDPA over the k projected keys and values (args as ``reference_linformer``)."""
     ct, (heads, n) = _compute(q), k.shape[1:3]
     kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
@@ -73,9 +92,17 @@ def linformer_attention(q: Tensor, k: Tensor, v: Tensor, e: Tensor, f: Tensor, *
     return F.scaled_dot_product_attention(q.to(ct), k_bar, v_bar, scale=scale).to(q.dtype)
 
 
-def reference_linformer(q: Tensor, k: Tensor, v: Tensor, e: Tensor, f: Tensor, *,
-                        key_padding_mask: Tensor | None = None, scale: float | None = None,
-                        return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def reference_linformer(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    e: Tensor,
+    f: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Linformer head by head, eq. (7) of Wang et al. 2020 (https://arxiv.org/abs/2006.04768):
     ``head_h = softmax(Q_h (E_h K_h)^T / sqrt(d)) (F_h V_h)``, ``E_h = E[:, :N_kv]``.
 
@@ -131,7 +158,9 @@ class LinformerConfig(Config):
 
 
 @register(
-    "linformer", config=LinformerConfig, family="low_rank",
+    "linformer",
+    config=LinformerConfig,
+    family="low_rank",
     summary="Linformer: keys and values projected along the sequence to k learned mixtures.",
     paper="Wang et al. 2020, Linformer: Self-Attention with Linear Complexity, https://arxiv.org/abs/2006.04768",
     capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
@@ -150,8 +179,12 @@ class LinformerAttention(_LowRank):
 
     def __init__(self, config: LinformerConfig) -> None:
         super().__init__(config)
-        shape = (1 if config.sharing in ("kv", "layerwise") else 2,
-                 config.heads if config.sharing == "none" else 1, config.k, config.max_len)
+        shape = (
+            1 if config.sharing in ("kv", "layerwise") else 2,
+            config.heads if config.sharing == "none" else 1,
+            config.k,
+            config.max_len,
+        )
         if config.init == "identity":
             proj = torch.eye(config.k, config.max_len).expand(shape).clone()
         else:
@@ -161,8 +194,10 @@ class LinformerAttention(_LowRank):
 
     def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
         if k.shape[2] > self.config.max_len:
-            raise ValueError(f"linformer was built with max_len={self.config.max_len} but N_kv={k.shape[2]}; "
-                             f"build it with max_len >= {k.shape[2]}")
+            raise ValueError(
+                f"linformer was built with max_len={self.config.max_len} but N_kv={k.shape[2]}; "
+                f"build it with max_len >= {k.shape[2]}"
+            )
         self._check_heads(q, self.config.sharing == "none")
         fn = linformer_attention if fast else reference_linformer
         return fn(q, k, v, self.proj[0], self.proj[-1], key_padding_mask=mask, **kw)
@@ -178,8 +213,20 @@ def compress(x: Tensor, taps: Tensor, *, kernel: int, stride: int) -> Tensor:
     return torch.einsum("bhmdt,ht->bhmd", windows, taps.to(x).expand(x.shape[1], -1))
 
 
-def _causal_chunk(q_c: Tensor, start: int, offset: int, k_slot: Tensor, v_slot: Tensor, slot_ok: Tensor,
-                  kc: Tensor, vc: Tensor, real: Tensor, kernel: int, stride: int, scale: float) -> Tensor:
+def _causal_chunk(
+    q_c: Tensor,
+    start: int,
+    offset: int,
+    k_slot: Tensor,
+    v_slot: Tensor,
+    slot_ok: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    real: Tensor,
+    kernel: int,
+    stride: int,
+    scale: float,
+) -> Tensor:
     """Causal query rows ``start ..`` (aligned positions ``t = row + offset``): SDPA over the slots
     that end within the chunk's reach and the raw keys from ``t_first - max(kernel, stride) + 1``,
     masked to the whole slots ending <= t and the raw keys after the last of them, up to t.
@@ -192,16 +239,31 @@ def _causal_chunk(q_c: Tensor, start: int, offset: int, k_slot: Tensor, v_slot: 
     last = torch.div(t - kernel + 1, stride, rounding_mode="floor")
     end = torch.where(t >= kernel - 1, last * stride + kernel - 1, -1)[:, None]  # last key of the last whole slot
     raw = torch.arange(lo, stop, device=t.device)
-    see = torch.cat([(ends <= t[:, None]) & slot_ok[:, None, None, :n_slots],
-                     (raw > end) & (raw <= t[:, None]) & real[:, None, None, lo:stop]], -1)  # (B, 1, c, S)
+    see = torch.cat(
+        [
+            (ends <= t[:, None]) & slot_ok[:, None, None, :n_slots],
+            (raw > end) & (raw <= t[:, None]) & real[:, None, None, lo:stop],
+        ],
+        -1,
+    )  # (B, 1, c, S)
     keys = torch.cat([k_slot[:, :, :n_slots], kc[:, :, lo:stop]], 2)  # (B, H, S, D)
     values = torch.cat([v_slot[:, :, :n_slots], vc[:, :, lo:stop]], 2)
     return F.scaled_dot_product_attention(q_c, keys, values, attn_mask=see, scale=scale)
 
 
-def compressed_attention(q: Tensor, k: Tensor, v: Tensor, taps: Tensor, *, kernel: int, stride: int,
-                         causal: bool = False, key_padding_mask: Tensor | None = None,
-                         scale: float | None = None, chunk: int = 256) -> Tensor:
+def compressed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    taps: Tensor,
+    *,
+    kernel: int,
+    stride: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    chunk: int = 256,
+) -> Tensor:
     """Memory-compressed attention, fast (args as ``reference_compressed``). Not causal: SDPA over
     the slots. Causal: SDPA per ``chunk`` query rows with a ``chunk x (N / stride + chunk)`` mask,
     checkpointed (recomputed in backward), so nothing of size N x N / stride is ever kept."""
@@ -211,21 +273,46 @@ def compressed_attention(q: Tensor, k: Tensor, v: Tensor, taps: Tensor, *, kerne
     kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
     k_slot, v_slot = (compress(x, w, kernel=kernel, stride=stride) for x, w in zip((kc, vc), taps))
     real = _real(key_padding_mask, b, n, q.device)
-    slot_ok = compress(real[:, None, :, None].to(ct), torch.ones(1, kernel), kernel=kernel, stride=stride)[:, 0, :, 0] > 0
+    slot_ok = (
+        compress(real[:, None, :, None].to(ct), torch.ones(1, kernel), kernel=kernel, stride=stride)[:, 0, :, 0] > 0
+    )
     if not causal:
         mask = None if key_padding_mask is None else slot_ok[:, None, None, :]
         return F.scaled_dot_product_attention(qc, k_slot, v_slot, attn_mask=mask, scale=scale).to(q.dtype)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, k_slot, v_slot, kc, vc))
     outs = []
     for start in range(0, n_q, chunk):
-        args = (qc[:, :, start:start + chunk], start, n - n_q, k_slot, v_slot, slot_ok, kc, vc, real, kernel, stride, scale)
+        args = (
+            qc[:, :, start : start + chunk],
+            start,
+            n - n_q,
+            k_slot,
+            v_slot,
+            slot_ok,
+            kc,
+            vc,
+            real,
+            kernel,
+            stride,
+            scale,
+        )
         outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False) if grad else _causal_chunk(*args))
     return torch.cat(outs, dim=2).to(q.dtype)
 
 
-def reference_compressed(q: Tensor, k: Tensor, v: Tensor, taps: Tensor, *, kernel: int, stride: int,
-                         causal: bool = False, key_padding_mask: Tensor | None = None,
-                         scale: float | None = None, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def reference_compressed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    taps: Tensor,
+    *,
+    kernel: int,
+    stride: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Memory-compressed attention, dense (Liu et al. 2018, https://arxiv.org/abs/1801.10198,
     §4.2.4): ``K' = C K``, ``V' = C V`` with the strided convolution as an explicit ``(M, N)``
     matrix C, ``M = ceil(N / stride)``, then softmax attention over the M slots.
@@ -283,12 +370,15 @@ class CompressedConfig(Config):
 
 
 @register(
-    "compressed", config=CompressedConfig, family="low_rank",
+    "compressed",
+    config=CompressedConfig,
+    family="low_rank",
     summary="Memory-compressed attention: a strided convolution shortens keys and values by `stride`.",
     paper="Liu et al. 2018, Generating Wikipedia by Summarizing Long Sequences, https://arxiv.org/abs/1801.10198",
     capabilities=Capabilities(causal=True, key_padding=True, cross_attention=True),
-    complexity=Complexity(time="O(N^2 D / stride)", memory="O(N D) SDPA; causal O(chunk N / stride)",
-                          subquadratic_memory=True),
+    complexity=Complexity(
+        time="O(N^2 D / stride)", memory="O(N D) SDPA; causal O(chunk N / stride)", subquadratic_memory=True
+    ),
     notes=(
         "representative keys: slot s = sum_t w_t k_(s*stride + t), one per stride; the taps w (per head or "
         "shared, separate for keys and values) are scalars shared by the D channels, initialised to 1/kernel",
@@ -315,7 +405,9 @@ class CompressedAttention(_LowRank):
         self._check_heads(q, self.config.per_head)
         cfg = self.config
         fn, extra = (compressed_attention, {"chunk": cfg.chunk}) if fast else (reference_compressed, kw)
-        return fn(q, k, v, self.taps, kernel=cfg.kernel, stride=cfg.stride, causal=causal, key_padding_mask=mask, **extra)
+        return fn(
+            q, k, v, self.taps, kernel=cfg.kernel, stride=cfg.stride, causal=causal, key_padding_mask=mask, **extra
+        )
 
 
 def iterative_pinv(a: Tensor, iters: int) -> Tensor:
@@ -349,8 +441,16 @@ def _segment_means(x: Tensor, seg: Tensor, m: int, real: Tensor) -> tuple[Tensor
     return sums / counts.clamp(min=1)[:, None, :, None], counts > 0
 
 
-def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, *, landmarks: int, pinv_iters: int,
-                      key_padding_mask: Tensor | None = None, scale: float | None = None) -> Tensor:
+def nystrom_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    landmarks: int,
+    pinv_iters: int,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
     """Nyströmformer, fast: ``F (Z (B V))`` by two SDPA calls (args as ``reference_nystrom``)."""
     ct, (b, _, n, dim) = _compute(q), q.shape
     scale = dim**-0.5 if scale is None else scale
@@ -361,15 +461,24 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, *, landmarks: int, pinv_i
     a = normalize_scores(q_l @ k_l.transpose(-1, -2) * scale, ok[:, None, :, None] & ok[:, None, None, :], "softmax")
     padded = key_padding_mask is not None
     bv = F.scaled_dot_product_attention(  # softmax(Q~ K^T) V: (B, H, m, D_v)
-        q_l, kc, vc, attn_mask=(ok[:, None, :, None] & real[:, None, None, :]) if padded else None, scale=scale)
+        q_l, kc, vc, attn_mask=(ok[:, None, :, None] & real[:, None, None, :]) if padded else None, scale=scale
+    )
     w = iterative_pinv(a, pinv_iters) @ bv
     f_mask = ok[:, None, None, :] if padded else None
     return F.scaled_dot_product_attention(qc, k_l, w, attn_mask=f_mask, scale=scale).to(q.dtype)
 
 
-def reference_nystrom(q: Tensor, k: Tensor, v: Tensor, *, landmarks: int, pinv_iters: int | None,
-                      key_padding_mask: Tensor | None = None, scale: float | None = None,
-                      return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def reference_nystrom(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    landmarks: int,
+    pinv_iters: int | None,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Nyströmformer, dense (Xiong et al. 2021, https://arxiv.org/abs/2102.03902, eq. 15):
     ``S^ = softmax(Q K~^T s) A^+ softmax(Q~ K^T s)``, ``A = softmax(Q~ K~^T s)``, ``O = S^ V``.
 
@@ -394,7 +503,9 @@ def reference_nystrom(q: Tensor, k: Tensor, v: Tensor, *, landmarks: int, pinv_i
     q_l, k_l, ok = average @ qc, average @ kc, (counts[..., 0] > 0)[:, None]  # ok (B, 1, m)
     kernel_f = normalize_scores(qc @ k_l.transpose(-1, -2) * scale, ok[..., None, :], "softmax")  # (B, H, N, m)
     kernel_a = normalize_scores(q_l @ k_l.transpose(-1, -2) * scale, ok[..., :, None] & ok[..., None, :], "softmax")
-    kernel_b = normalize_scores(q_l @ kc.transpose(-1, -2) * scale, ok[..., :, None] & real[:, None, None, :], "softmax")
+    kernel_b = normalize_scores(
+        q_l @ kc.transpose(-1, -2) * scale, ok[..., :, None] & real[:, None, None, :], "softmax"
+    )
     if pinv_iters is None:
         a_pinv = torch.linalg.pinv(kernel_a.double()).to(ct)
     else:
@@ -421,10 +532,12 @@ class NystromConfig(Config):
 
 
 @register(
-    "nystrom", config=NystromConfig, family="low_rank",
+    "nystrom",
+    config=NystromConfig,
+    family="low_rank",
     summary="Nyströmformer: softmax attention rebuilt from segment-mean landmarks and a pseudo-inverse.",
     paper="Xiong et al. 2021, Nyströmformer: A Nyström-Based Algorithm for Approximating Self-Attention, "
-          "https://arxiv.org/abs/2102.03902",
+    "https://arxiv.org/abs/2102.03902",
     capabilities=Capabilities(causal=False, key_padding=True, cross_attention=False),
     complexity=Complexity(time="O(N m D + iters m^3)", memory="O(N m + m^2)", subquadratic_memory=True),
     notes=(
@@ -443,5 +556,6 @@ class NystromAttention(_LowRank):
 
     def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
         fn = nystrom_attention if fast else reference_nystrom
-        return fn(q, k, v, landmarks=self.config.landmarks, pinv_iters=self.config.pinv_iters,
-                  key_padding_mask=mask, **kw)
+        return fn(
+            q, k, v, landmarks=self.config.landmarks, pinv_iters=self.config.pinv_iters, key_padding_mask=mask, **kw
+        )

@@ -105,15 +105,27 @@ def visible(bucket: Tensor, real: Tensor, chunk: int, causal: bool) -> Tensor:
     return ok & (j <= i) if causal else ok
 
 
-def reference_lsh(q: Tensor, v: Tensor, config: LSHConfig, rotation: Tensor, *, causal: bool = False,
-                  key_padding_mask: Tensor | None = None, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def reference_lsh(
+    q: Tensor,
+    v: Tensor,
+    config: LSHConfig,
+    rotation: Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """LSH attention as the paper reads, densely, under ``rotation (n_hashes, H, D, n_buckets
     / 2)`` (``LSHAttention.rotations`` gives a module's): per round, the N x N mask of ``visible``;
     each round's masked scores less ``log N_ij`` (``dedupe``), the rounds combined by their
     log-sum-exp. A row that sees nothing attends to itself (zero if it is padding). Keys are
     the unit-normalised queries (shared QK). ``return_weights`` also gives the combined
     ``(B, H, N, N)`` attention matrix."""
-    real = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    real = (
+        torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+        if key_padding_mask is None
+        else key_padding_mask
+    )
     keys = F.normalize(q, dim=-1)
     scale = q.shape[-1] ** -0.5 if config.scale is None else config.scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -164,8 +176,9 @@ def _windows(x: Tensor, chunk: int) -> Tensor:
     ``(i - 1) c .. (i + 1) c`` (the leading c entries stand before slot 0)."""
     x = x.contiguous()
     chunks = x.shape[1] // chunk - 1
-    return x.as_strided((x.shape[0], chunks, 2 * chunk, *x.shape[2:]),
-                        (x.stride(0), chunk * x.stride(1), *x.stride()[1:]))
+    return x.as_strided(
+        (x.shape[0], chunks, 2 * chunk, *x.shape[2:]), (x.stride(0), chunk * x.stride(1), *x.stride()[1:])
+    )
 
 
 def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, Tensor, Tensor]:
@@ -174,7 +187,9 @@ def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, T
     (b, h, n), dev = bucket.shape, bucket.device
     order = torch.argsort(bucket * n + torch.arange(n, device=dev), dim=-1)  # by (bucket, position)
     bucket_s = bucket.gather(-1, order)
-    counts = torch.zeros(b, h, n_buckets + 1, dtype=torch.long, device=dev).scatter_add_(-1, bucket, torch.ones_like(bucket))
+    counts = torch.zeros(b, h, n_buckets + 1, dtype=torch.long, device=dev).scatter_add_(
+        -1, bucket, torch.ones_like(bucket)
+    )
     rank = torch.arange(n, device=dev) - (counts.cumsum(-1) - counts).gather(-1, bucket_s)
     room = torch.div(counts + chunk - 1, chunk, rounding_mode="floor") * chunk
     room[..., -1] = 0  # padding tokens take no slots
@@ -187,17 +202,32 @@ def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, T
     chunks, c, o = length // chunk, torch.div(slot, chunk, rounding_mode="floor"), slot % chunk
     rows = torch.arange(b * h, device=dev).view(b, h, 1)
     keys = F.pad(position + rows * n, (chunk, 0))  # [B, H, c + L]; dummies read position 0 of row 0
-    r = Round(length=length, keys=keys.flatten(), queries=keys[..., chunk:].flatten(), slot=(rows * length + slot).flatten(),
-              own=(((rows * chunks + c) * 2 + 1) * chunk + o).flatten(),
-              # the next chunk's window holds the key in its first half; the last chunk has none
-              # (it points at chunk 0's first dummy, whose gradient is zero: always masked)
-              prev=torch.where(c + 1 < chunks, (rows * chunks + c + 1) * 2 * chunk + o, rows * chunks * 2 * chunk).flatten(),
-              code=bucket * (chunks + 2) + c)
+    r = Round(
+        length=length,
+        keys=keys.flatten(),
+        queries=keys[..., chunk:].flatten(),
+        slot=(rows * length + slot).flatten(),
+        own=(((rows * chunks + c) * 2 + 1) * chunk + o).flatten(),
+        # the next chunk's window holds the key in its first half; the last chunk has none
+        # (it points at chunk 0's first dummy, whose gradient is zero: always masked)
+        prev=torch.where(c + 1 < chunks, (rows * chunks + c + 1) * 2 * chunk + o, rows * chunks * 2 * chunk).flatten(),
+        code=bucket * (chunks + 2) + c,
+    )
     return r, position.flatten(0, 1), filled.flatten(0, 1), slot_bucket[..., :length:chunk].flatten(0, 1)
 
 
-def round_mask(r: Round, position: Tensor, filled: Tensor, chunk_bucket: Tensor, others: list[Round], *,
-               chunk: int, causal: bool, dedupe: bool, dtype: torch.dtype) -> Round:
+def round_mask(
+    r: Round,
+    position: Tensor,
+    filled: Tensor,
+    chunk_bucket: Tensor,
+    others: list[Round],
+    *,
+    chunk: int,
+    causal: bool,
+    dedupe: bool,
+    dtype: torch.dtype,
+) -> Round:
     """``r`` with its additive mask (0, or ``-log N_ij`` with ``dedupe``, where visible; -inf
     elsewhere: other buckets, filler slots, self, the future) and its empty rows."""
     bh, chunks = position.shape[0], r.length // chunk
@@ -249,8 +279,16 @@ class _Rounds(torch.autograd.Function):
     each round's flash backward with the union's output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, keys: Tensor, v: Tensor, rounds: list[Round],  # type: ignore[override]
-                real: Tensor | None, chunk: int, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        keys: Tensor,
+        v: Tensor,
+        rounds: list[Round],  # type: ignore[override]
+        real: Tensor | None,
+        chunk: int,
+        scale: float,
+    ) -> tuple[Tensor, Tensor]:
         kernel, outs, lses = [], [], []
         for r in rounds:
             inputs, out, lse = _round_forward(q, keys, v, r, chunk, scale)
@@ -283,8 +321,9 @@ class _Rounds(torch.autograd.Function):
             r = Round(length, *fields)
             rows = qx.shape[:3]
             g, o, lse = (_rows(x, r.queries, rows) for x in (grad, out, total))
-            gq, gk, gv = flash_attention_cpu_backward(g, qx, kx, vx, o, lse[..., 0], 0.0, False, attn_mask=r.mask,
-                                                      scale=ctx.scale)
+            gq, gk, gv = flash_attention_cpu_backward(
+                g, qx, kx, vx, o, lse[..., 0], 0.0, False, attn_mask=r.mask, scale=ctx.scale
+            )
             dq = dq + _rows(gq, r.slot, grad.shape[:3])
             dk = dk + _rows(gk, r.own, grad.shape[:3]) + _rows(gk, r.prev, grad.shape[:3])
             dv = dv + _rows(gv, r.own, grad.shape[:3]) + _rows(gv, r.prev, grad.shape[:3])
@@ -328,20 +367,38 @@ class LSHAttention(Attention):
         fresh = self.training and self.config.resample
         return rotations(self.config, heads, dim, None if fresh else int(self.rotation_seed), device)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
-                score_mod: ScoreMod | None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         cfg, (batch, _, n, dim) = self.config, q.shape
         real = torch.ones(batch, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         qc, vc = q.to(compute), v.to(compute)
         keys = F.normalize(qc, dim=-1)
-        scale = dim ** -0.5 if cfg.scale is None else cfg.scale
+        scale = dim**-0.5 if cfg.scale is None else cfg.scale
         with torch.no_grad():
             rots = self.rotations(q.shape[1], dim, q.device)
             laid = [layout(buckets(keys, rot, real), cfg.n_buckets, cfg.chunk) for rot in rots]
             plain = [r for r, *_ in laid]
-            rounds = [round_mask(r, *slots, [o for o in plain if o is not r], chunk=cfg.chunk, causal=causal,
-                                 dedupe=cfg.dedupe, dtype=compute) for r, *slots in laid]
+            rounds = [
+                round_mask(
+                    r,
+                    *slots,
+                    [o for o in plain if o is not r],
+                    chunk=cfg.chunk,
+                    causal=causal,
+                    dedupe=cfg.dedupe,
+                    dtype=compute,
+                )
+                for r, *slots in laid
+            ]
         # The flash kernel needs one head size for q, k and v: zero columns change no score.
         width = max(dim, v.shape[-1])
         pad = lambda x: x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))  # noqa: E731
@@ -350,9 +407,12 @@ class LSHAttention(Attention):
         alone = torch.isinf(total)[..., None] & real[:, None, :, None]  # sees nothing in any round
         return torch.where(alone, vc, out).to(q.dtype)
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The combined ``(B, H, N, N)`` attention of a forward pass on ``q`` (small N)."""
         q, k = self.zero_padded(key_padding_mask, q, k)
         rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
-        return reference_lsh(q, q[..., :1], self.config, rotation, causal=causal, key_padding_mask=key_padding_mask,
-                             return_weights=True)[1]
+        return reference_lsh(
+            q, q[..., :1], self.config, rotation, causal=causal, key_padding_mask=key_padding_mask, return_weights=True
+        )[1]

@@ -137,7 +137,8 @@ class GMLPConfig(Config):
     paper="Liu et al. 2021, Pay Attention to MLPs, https://arxiv.org/abs/2105.08050",
     capabilities=Capabilities(causal=True, key_padding=True, kind="mixer"),
     complexity=Complexity(
-        time="O(N dim ff + N^2 dim ff)", memory="O(max_len^2) parameters, O(N dim ff) activations",
+        time="O(N dim ff + N^2 dim ff)",
+        memory="O(max_len^2) parameters, O(N dim ff) activations",
     ),
     notes=(
         "causal masks the spatial weight to lower-triangular (strongly causal)",
@@ -224,7 +225,8 @@ class MixerConfig(Config):
     paper="Tolstikhin et al. 2021, MLP-Mixer: An all-MLP Architecture for Vision, https://arxiv.org/abs/2105.01601",
     capabilities=Capabilities(causal=False, key_padding=True, kind="mixer"),
     complexity=Complexity(
-        time="O(N token_hidden dim)", memory="O(max_len token_hidden) parameters, O(token_hidden dim) activations",
+        time="O(N token_hidden dim)",
+        memory="O(max_len token_hidden) parameters, O(token_hidden dim) activations",
         subquadratic_memory=True,
     ),
     notes=(

@@ -22,8 +22,8 @@ recomputes membership independently and runs dense attention under the implied m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -149,9 +149,17 @@ def _take(x: Tensor, index: Tensor) -> Tensor:
     return _gather_rows(x[..., None], index)[..., 0]
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, group: Tensor, n_groups: int,
-                      keys_of: Callable[[Tensor], Tensor], width: int, scale: float,
-                      visible: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+def grouped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Tensor,
+    n_groups: int,
+    keys_of: Callable[[Tensor], Tensor],
+    width: int,
+    scale: float,
+    visible: Callable[[Tensor, Tensor], Tensor],
+) -> Tensor:
     """Each query attends to the keys of its group, in fixed-size tiles.
 
     Args:
@@ -308,8 +316,16 @@ def _reference_causal(sims: Pair, w: int, real: Tensor) -> Tensor:
 
 
 def reference_routing(
-    q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, *, window: int | None = None, causal: bool = False,
-    key_padding_mask: Tensor | None = None, scale: float | None = None, share_qk: bool = False,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    centroids: Tensor,
+    *,
+    window: int | None = None,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    share_qk: bool = False,
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Routing attention as dense attention under the masks the routing implies (the oracle):
@@ -342,8 +358,11 @@ def reference_routing(
         scale = float(q.shape[-1]) if scale is None else scale
     sims = similarities(qc, kc, centroids, real[:, 0])
     w = min(math.ceil(n / centroids.shape[1]) if window is None else window, n)
-    weights = (_dense_weights(qc, kc, _reference_causal(sims, w, real), scale) if causal
-               else _reference_balanced(qc, kc, sims, w, real, scale))
+    weights = (
+        _dense_weights(qc, kc, _reference_causal(sims, w, real), scale)
+        if causal
+        else _reference_balanced(qc, kc, sims, w, real, scale)
+    )
     out = einsum(weights, v.to(compute), "b h i j, b h j e -> b h i e").to(q.dtype)
     return (out, weights) if return_weights else out
 
@@ -368,7 +387,7 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
     family="content",
     summary="Routing Transformer: online k-means clusters of q and k, attention inside clusters.",
     paper="Roy et al. 2020, Efficient Content-Based Sparse Attention with Routing Transformers, "
-          "https://arxiv.org/abs/2003.05997",
+    "https://arxiv.org/abs/2003.05997",
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(time="O(N (w + C) D), w = N / C", memory="O(N (w + C))", subquadratic_memory=True),
     notes=(
@@ -411,8 +430,10 @@ class RoutingAttention(Attention):
         if self.centroids is None:
             self.centroids = self._draw(shape).to(q.device)
         elif tuple(self.centroids.shape) != shape:
-            raise ValueError(f"routing centroids (H, n_clusters, D) = {tuple(self.centroids.shape)} come from earlier "
-                             f"inputs; q {tuple(q.shape)} needs {shape}: build a new module for another H or D")
+            raise ValueError(
+                f"routing centroids (H, n_clusters, D) = {tuple(self.centroids.shape)} come from earlier "
+                f"inputs; q {tuple(q.shape)} needs {shape}: build a new module for another H or D"
+            )
         return self.centroids
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -420,8 +441,16 @@ class RoutingAttention(Attention):
             self.centroids = torch.empty_like(state_dict[prefix + "centroids"])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
-                score_mod: ScoreMod | None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         b, h, n, d = q.shape
         qc, kc, vc = (x.to(torch.float64 if q.dtype == torch.float64 else torch.float32) for x in (q, k, v))
         qc, kc, scale = attention_inputs(qc, kc, self.config)
@@ -439,10 +468,20 @@ class RoutingAttention(Attention):
             self.centroids.copy_(ema_centroids(self.centroids, sims, units, real, self.config.decay))
         return out.to(q.dtype)
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False,
-                          key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The ``(B, H, N, N)`` effective attention matrix (small N: pictures); no EMA update."""
         q, k = self.zero_padded(key_padding_mask, q, k)
-        return reference_routing(q, k, q[..., :1], self.centroids_for(q), window=self.config.window, causal=causal,
-                                 key_padding_mask=key_padding_mask, scale=self.config.scale,
-                                 share_qk=self.config.share_qk, return_weights=True)[1]
+        return reference_routing(
+            q,
+            k,
+            q[..., :1],
+            self.centroids_for(q),
+            window=self.config.window,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=self.config.scale,
+            share_qk=self.config.share_qk,
+            return_weights=True,
+        )[1]

@@ -143,8 +143,16 @@ def sinkhorn(logits: Tensor, allowed: Tensor, n_iters: int, *, causal: bool) -> 
 
 
 def sinkhorn_attention(
-    q: Tensor, k: Tensor, v: Tensor, P: Tensor, *, block: int, causal: bool = False,
-    key_padding_mask: Tensor | None = None, scale: float | None = None, sortcut: int | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    P: Tensor,
+    *,
+    block: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    sortcut: int | None = None,
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fast path: block-local attention over [own block, sorted block] for a given ``P``.
@@ -211,8 +219,16 @@ def _sorted_blocks(kb: Tensor, vb: Tensor, real: Tensor, P: Tensor, *, causal: b
 
 
 def reference_sinkhorn(
-    q: Tensor, k: Tensor, v: Tensor, P: Tensor, *, block: int, causal: bool = False,
-    key_padding_mask: Tensor | None = None, scale: float | None = None, sortcut: int | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    P: Tensor,
+    *,
+    block: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    sortcut: int | None = None,
 ) -> Tensor:
     """Sparse Sinkhorn attention for a given soft permutation, written plainly (the oracle).
 
@@ -292,7 +308,8 @@ def implied_matrix(weights: Tensor, P: Tensor, real: Tensor, *, n: int, causal: 
     paper="Tay et al. 2020, Sparse Sinkhorn Attention, https://arxiv.org/abs/2002.11296",
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(
-        time="O(N (block + n_blocks) D)", memory="O(N block + n_blocks^2); SortCut O(N sortcut block)",
+        time="O(N (block + n_blocks) D)",
+        memory="O(N block + n_blocks^2); SortCut O(N sortcut block)",
         subquadratic_memory=True,
     ),
     notes=(
@@ -328,15 +345,21 @@ class SinkhornAttention(Attention):
     def _check(self, n: int, dim: int, causal: bool) -> None:
         cfg = self.config
         if dim != cfg.head_dim:
-            raise ValueError(f"sinkhorn's sort network reads head_dim={cfg.head_dim} features, got keys with "
-                             f"D={dim}; build it with head_dim={dim}")
+            raise ValueError(
+                f"sinkhorn's sort network reads head_dim={cfg.head_dim} features, got keys with "
+                f"D={dim}; build it with head_dim={dim}"
+            )
         if n > cfg.block * cfg.max_blocks:
-            raise ValueError(f"sinkhorn: N={n} exceeds block * max_blocks = {cfg.block} * {cfg.max_blocks} = "
-                             f"{cfg.block * cfg.max_blocks} (the sort network scores at most max_blocks blocks); "
-                             "raise max_blocks or block")
+            raise ValueError(
+                f"sinkhorn: N={n} exceeds block * max_blocks = {cfg.block} * {cfg.max_blocks} = "
+                f"{cfg.block * cfg.max_blocks} (the sort network scores at most max_blocks blocks); "
+                "raise max_blocks or block"
+            )
         if causal and cfg.sortcut is not None:
-            raise ValueError("sinkhorn with sortcut does not support causal=True: every query attends to the "
-                             "first sorted blocks, which mix the whole sequence; use sortcut=None")
+            raise ValueError(
+                "sinkhorn with sortcut does not support causal=True: every query attends to the "
+                "first sorted blocks, which mix the whole sequence; use sortcut=None"
+            )
 
     def _gumbel(self, like: Tensor) -> Tensor:
         generator = torch.Generator(device=like.device).manual_seed(self.config.seed + self._noise_calls)
@@ -359,13 +382,28 @@ class SinkhornAttention(Attention):
         return sinkhorn(logits / cfg.temperature, sortable(real, causal=causal), cfg.n_iters, causal=causal)
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-        key_padding_mask: Tensor | None, score_mod: ScoreMod | None,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
     ) -> Tensor:
         cfg = self.config
         P = self.permutation(k, key_padding_mask, causal)
-        return sinkhorn_attention(q, k, v, P, block=cfg.block, causal=causal, key_padding_mask=key_padding_mask,
-                                  scale=cfg.scale, sortcut=cfg.sortcut)
+        return sinkhorn_attention(
+            q,
+            k,
+            v,
+            P,
+            block=cfg.block,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=cfg.scale,
+            sortcut=cfg.sortcut,
+        )
 
     def implied_attention(
         self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
@@ -376,7 +414,17 @@ class SinkhornAttention(Attention):
         cfg = self.config
         P = self.permutation(k, key_padding_mask, causal)
         v = q.new_zeros(q.shape[:3] + (1,))
-        _, weights = sinkhorn_attention(q, k, v, P, block=cfg.block, causal=causal, key_padding_mask=key_padding_mask,
-                                        scale=cfg.scale, sortcut=cfg.sortcut, return_weights=True)
+        _, weights = sinkhorn_attention(
+            q,
+            k,
+            v,
+            P,
+            block=cfg.block,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=cfg.scale,
+            sortcut=cfg.sortcut,
+            return_weights=True,
+        )
         real = real_blocks(key_padding_mask, q.shape[0], q.shape[2], cfg.block, q.device)
         return implied_matrix(weights, P, real, n=q.shape[2], causal=causal, sortcut=cfg.sortcut)

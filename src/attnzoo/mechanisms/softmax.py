@@ -58,7 +58,11 @@ class KVCache:
     summary="Exact scaled dot-product attention (SDPA fast path, dense reference otherwise).",
     paper="Vaswani et al. 2017, Attention Is All You Need, https://arxiv.org/abs/1706.03762",
     capabilities=Capabilities(
-        causal=True, key_padding=True, decode_step=True, cross_attention=True, score_mod=True,
+        causal=True,
+        key_padding=True,
+        decode_step=True,
+        cross_attention=True,
+        score_mod=True,
         backends=("sdpa", "reference"),
     ),
     complexity=Complexity(time="O(N^2 D)", memory="O(N D) SDPA, O(N^2) reference"),
@@ -78,8 +82,14 @@ class SoftmaxAttention(Attention):
         return self.config.normalizer == "softmax" and score_mod is None
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-        key_padding_mask: Tensor | None, score_mod: ScoreMod | None,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
     ) -> Tensor:
         if not self.uses_fast_path(score_mod=score_mod):
             return self.forward_with_weights(
@@ -88,28 +98,47 @@ class SoftmaxAttention(Attention):
         return sdpa_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale)
 
     def forward_with_weights(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-        key_padding_mask: Tensor | None = None, score_mod: ScoreMod | None = None,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        score_mod: ScoreMod | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The dense reference: ``(output, weights (B, H, N_q, N_kv))``, for pictures and for
         position encodings that need the weights (Shaw relative values)."""
         q, k, v = self.zero_padded(key_padding_mask, q, k, v)
         out, weights = reference_attention(
-            q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod,
-            scale=self.config.scale, normalizer=self.config.normalizer, return_weights=True,
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            score_mod=score_mod,
+            scale=self.config.scale,
+            normalizer=self.config.normalizer,
+            return_weights=True,
         )
         return out, weights
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The ``(B, H, N_q, N_kv)`` attention matrix this mechanism applies."""
         v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
         return self.forward_with_weights(q, k, v, causal=causal, key_padding_mask=key_padding_mask)[1]
 
-    def init_state(self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None) -> KVCache:
+    def init_state(
+        self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None
+    ) -> KVCache:
         empty = torch.empty(batch, heads, 0, head_dim, device=device, dtype=dtype)
         return KVCache(empty, torch.empty(batch, heads, 0, value_dim, device=device, dtype=dtype))
 
-    def step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None) -> tuple[Tensor, KVCache]:
+    def step(
+        self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
+    ) -> tuple[Tensor, KVCache]:
         state = state.append(k, v)
         # The new queries are the last T positions of the cache: causal (end-aligned) lets each
         # see the whole past and the new tokens up to itself.
@@ -129,7 +158,13 @@ def sdpa_attention(
     if key_padding_mask is None and (not causal or n_q == n_kv):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     mask = visible_pairs(
-        q.shape[0], q.shape[1], n_q, n_kv, causal=causal, key_padding_mask=key_padding_mask,
-        mask_mod=None, device=q.device,
+        q.shape[0],
+        q.shape[1],
+        n_q,
+        n_kv,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        mask_mod=None,
+        device=q.device,
     )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

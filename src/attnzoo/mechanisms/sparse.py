@@ -52,13 +52,33 @@ class PatternAttention(Attention):
         super().__init__(config)
         self.pattern = config.make_pattern()
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None,
-                score_mod: ScoreMod | None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         cfg = self.config
-        return attend(q, k, v, pattern=self.pattern, causal=causal, key_padding_mask=key_padding_mask,
-                      score_mod=score_mod, scale=cfg.scale, backend=cfg.backend, block=cfg.block)
+        return attend(
+            q,
+            k,
+            v,
+            pattern=self.pattern,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            score_mod=score_mod,
+            scale=cfg.scale,
+            backend=cfg.backend,
+            block=cfg.block,
+        )
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies (small N: pictures)."""
         q, k = self.zero_padded(key_padding_mask, q, k)
         from attnzoo.backends.reference import reference_attention
@@ -66,18 +86,36 @@ class PatternAttention(Attention):
         pattern = self.pattern.resolve_heads(q.shape[1])
         pattern = pattern & P.causal() if causal else pattern
         v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
-        return reference_attention(q, k, v, key_padding_mask=key_padding_mask, scale=self.config.scale,
-                                   mask_mod=pattern.mask_mod_for(q.shape[2], k.shape[2]), return_weights=True)[1]
+        return reference_attention(
+            q,
+            k,
+            v,
+            key_padding_mask=key_padding_mask,
+            scale=self.config.scale,
+            mask_mod=pattern.mask_mod_for(q.shape[2], k.shape[2]),
+            return_weights=True,
+        )[1]
 
 
 SELF_ONLY = "defined on a fixed number of positions: self-attention only"
 
 
-def _register(name: str, config: type, summary: str, paper: str, *, cross: bool = True, notes: tuple[str, ...] = ()) -> None:
+def _register(
+    name: str, config: type, summary: str, paper: str, *, cross: bool = True, notes: tuple[str, ...] = ()
+) -> None:
     register(
-        name, config=config, family="sparse", summary=summary, paper=paper,
-        capabilities=Capabilities(causal=True, key_padding=True, cross_attention=cross, score_mod=True,
-                                  backends=("blocked", "flex", "reference")),
+        name,
+        config=config,
+        family="sparse",
+        summary=summary,
+        paper=paper,
+        capabilities=Capabilities(
+            causal=True,
+            key_padding=True,
+            cross_attention=cross,
+            score_mod=True,
+            backends=("blocked", "flex", "reference"),
+        ),
         complexity=Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True),
         notes=notes or ("causal=True intersects the pattern with j <= i",),
     )(PatternAttention)
@@ -268,37 +306,117 @@ class PatternConfig(SparseConfig):
 
 
 ARXIV = "https://arxiv.org/abs/"
-_register("local", LocalConfig, "Sliding-window (local / truncated) attention.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150")
-_register("dilated", DilatedConfig, "Dilated sliding window.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150")
-_register("strided", StridedConfig, "Every stride-th position.", "Child et al. 2019 (Sparse Transformer), " + ARXIV + "1904.10509")
-_register("global", GlobalConfig, "Internal global tokens attend to and from all.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150")
-_register("random", RandomConfig, "Random keys per query (fixed per seed and length).", "Zaheer et al. 2020 (BigBird), " + ARXIV + "2007.14062")
-_register("block_local", BlockLocalConfig, "Attention inside non-overlapping blocks.", "Qiu et al. 2019 (BlockBERT), " + ARXIV + "1911.02972")
-_register("longformer", LongformerConfig, "Sliding window + global tokens (+ dilation per head).", "Beltagy et al. 2020, " + ARXIV + "2004.05150",
-          notes=("causal=True intersects the pattern with j <= i",
-                 "one set of projections for every pair: the paper's separate global projections (Q_g, K_g, V_g "
-                 "for the scores to and from global tokens) are not implemented"))
-_register("bigbird", BigBirdConfig, "Block window + global blocks + random blocks.", "Zaheer et al. 2020, " + ARXIV + "2007.14062")
-_register("star", StarConfig, "Neighbours within 1 (a band, no wrap) + one relay token.",
-          "Guo et al. 2019 (Star-Transformer), " + ARXIV + "1902.09113",
-          notes=("causal=True intersects the pattern with j <= i",
-                 "satellites see |i - j| <= 1 without wrap-around: the first and last satellites are not linked, "
-                 "so the paper's ring of satellites is a band here; the relay links everything"))
-_register("etc", ETCConfig, "External global tokens + sliding window.", "Ainslie et al. 2020 (ETC), " + ARXIV + "2004.08483")
-_register("sparse_transformer_strided", SparseTransformerStridedConfig, "Local heads + strided heads.",
-          "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))
-_register("sparse_transformer_fixed", SparseTransformerFixedConfig, "Block-local heads + summary-column heads.",
-          "Child et al. 2019, " + ARXIV + "1904.10509", notes=("heads split in two groups; H must be even",))
-_register("block2d", Block2DConfig, "Image Transformer 2-D block-local attention.", "Parmar et al. 2018, " + ARXIV + "1802.05751",
-          cross=False, notes=(SELF_ONLY, "causal=True is j <= i in raster (row-major) order, not the paper's block-raster "
-                              "generation order: with 2 x 2 query blocks and a margin, pixel (1, 0) sees (0, 2), "
-                              "which block-raster order generates later"))
-_register("axial", AxialConfig, "Same row or same column of a 2-D grid under one softmax (criss-cross-like).",
-          "Huang et al. 2019 (CCNet criss-cross attention), " + ARXIV + "1811.11721", cross=False,
-          notes=(SELF_ONLY, "one softmax over the union of the row and the column (h + w - 1 keys), the criss-cross "
-                 "pattern; not Ho et al. 2019's axial attention (" + ARXIV + "1912.12180), which is a row pass then "
-                 "a column pass, each with its own softmax and projections: that is attnzoo.nn.AxialAttention",
-                 "causal=True intersects the pattern with j <= i"))
-_register("graph", GraphConfig, "Attention along the edges of a graph.", "Velickovic et al. 2018 (GAT), " + ARXIV + "1710.10903",
-          cross=False, notes=(SELF_ONLY,))
+_register(
+    "local",
+    LocalConfig,
+    "Sliding-window (local / truncated) attention.",
+    "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150",
+)
+_register(
+    "dilated", DilatedConfig, "Dilated sliding window.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150"
+)
+_register(
+    "strided",
+    StridedConfig,
+    "Every stride-th position.",
+    "Child et al. 2019 (Sparse Transformer), " + ARXIV + "1904.10509",
+)
+_register(
+    "global",
+    GlobalConfig,
+    "Internal global tokens attend to and from all.",
+    "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150",
+)
+_register(
+    "random",
+    RandomConfig,
+    "Random keys per query (fixed per seed and length).",
+    "Zaheer et al. 2020 (BigBird), " + ARXIV + "2007.14062",
+)
+_register(
+    "block_local",
+    BlockLocalConfig,
+    "Attention inside non-overlapping blocks.",
+    "Qiu et al. 2019 (BlockBERT), " + ARXIV + "1911.02972",
+)
+_register(
+    "longformer",
+    LongformerConfig,
+    "Sliding window + global tokens (+ dilation per head).",
+    "Beltagy et al. 2020, " + ARXIV + "2004.05150",
+    notes=(
+        "causal=True intersects the pattern with j <= i",
+        "one set of projections for every pair: the paper's separate global projections (Q_g, K_g, V_g "
+        "for the scores to and from global tokens) are not implemented",
+    ),
+)
+_register(
+    "bigbird",
+    BigBirdConfig,
+    "Block window + global blocks + random blocks.",
+    "Zaheer et al. 2020, " + ARXIV + "2007.14062",
+)
+_register(
+    "star",
+    StarConfig,
+    "Neighbours within 1 (a band, no wrap) + one relay token.",
+    "Guo et al. 2019 (Star-Transformer), " + ARXIV + "1902.09113",
+    notes=(
+        "causal=True intersects the pattern with j <= i",
+        "satellites see |i - j| <= 1 without wrap-around: the first and last satellites are not linked, "
+        "so the paper's ring of satellites is a band here; the relay links everything",
+    ),
+)
+_register(
+    "etc", ETCConfig, "External global tokens + sliding window.", "Ainslie et al. 2020 (ETC), " + ARXIV + "2004.08483"
+)
+_register(
+    "sparse_transformer_strided",
+    SparseTransformerStridedConfig,
+    "Local heads + strided heads.",
+    "Child et al. 2019, " + ARXIV + "1904.10509",
+    notes=("heads split in two groups; H must be even",),
+)
+_register(
+    "sparse_transformer_fixed",
+    SparseTransformerFixedConfig,
+    "Block-local heads + summary-column heads.",
+    "Child et al. 2019, " + ARXIV + "1904.10509",
+    notes=("heads split in two groups; H must be even",),
+)
+_register(
+    "block2d",
+    Block2DConfig,
+    "Image Transformer 2-D block-local attention.",
+    "Parmar et al. 2018, " + ARXIV + "1802.05751",
+    cross=False,
+    notes=(
+        SELF_ONLY,
+        "causal=True is j <= i in raster (row-major) order, not the paper's block-raster "
+        "generation order: with 2 x 2 query blocks and a margin, pixel (1, 0) sees (0, 2), "
+        "which block-raster order generates later",
+    ),
+)
+_register(
+    "axial",
+    AxialConfig,
+    "Same row or same column of a 2-D grid under one softmax (criss-cross-like).",
+    "Huang et al. 2019 (CCNet criss-cross attention), " + ARXIV + "1811.11721",
+    cross=False,
+    notes=(
+        SELF_ONLY,
+        "one softmax over the union of the row and the column (h + w - 1 keys), the criss-cross "
+        "pattern; not Ho et al. 2019's axial attention (" + ARXIV + "1912.12180), which is a row pass then "
+        "a column pass, each with its own softmax and projections: that is attnzoo.nn.AxialAttention",
+        "causal=True intersects the pattern with j <= i",
+    ),
+)
+_register(
+    "graph",
+    GraphConfig,
+    "Attention along the edges of a graph.",
+    "Velickovic et al. 2018 (GAT), " + ARXIV + "1710.10903",
+    cross=False,
+    notes=(SELF_ONLY,),
+)
 _register("pattern", PatternConfig, "Any attnzoo.patterns.Pattern (per_head for mixed heads).", "see attnzoo.patterns")

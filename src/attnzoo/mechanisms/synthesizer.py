@@ -179,7 +179,9 @@ class SynthesizerAttention(Attention):
     def _check(self, q: Tensor, n: int) -> None:
         c = self.config
         if n > c.max_len:
-            raise ValueError(f"synthesizer: sequence length N={n} exceeds max_len={c.max_len}; build it with a larger max_len")
+            raise ValueError(
+                f"synthesizer: sequence length N={n} exceeds max_len={c.max_len}; build it with a larger max_len"
+            )
         if q.shape[1] != c.heads:
             raise ValueError(
                 f"synthesizer: inputs have H={q.shape[1]} heads but the config has heads={c.heads}; "
@@ -221,7 +223,9 @@ class SynthesizerAttention(Attention):
             s = alpha * s + (1.0 - alpha) * dot
         return s
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The ``(B, H, N, N)`` attention matrix this mechanism applies."""
         check_qkv(q, k, k, cross_attention=False)
         causal = check_causal(causal, q.shape[2], k.shape[2])
@@ -229,12 +233,20 @@ class SynthesizerAttention(Attention):
         q, k = self.zero_padded(key_padding_mask, q, k)
         batch, heads, n, _ = q.shape
         scores = self.scores(q, k).expand(batch, heads, n, n)
-        visible = visible_pairs(batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask, mask_mod=None, device=q.device)
+        visible = visible_pairs(
+            batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask, mask_mod=None, device=q.device
+        )
         return normalize_scores(scores, visible, "softmax")
 
     def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-        key_padding_mask: Tensor | None, score_mod: ScoreMod | None,
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
     ) -> Tensor:
         weights = self.implied_attention(q, k, causal=causal, key_padding_mask=key_padding_mask)
         return torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype)
@@ -252,7 +264,8 @@ def reference_synthesizer(
         for h in range(heads):
             for i in range(n):
                 keys = [
-                    j for j in range(n)
+                    j
+                    for j in range(n)
                     if (not causal or j <= i) and (key_padding_mask is None or bool(key_padding_mask[b, j]))
                 ]
                 if not keys:

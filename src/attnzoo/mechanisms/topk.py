@@ -12,8 +12,9 @@ key index winning ties, or all visible entries if fewer. Each fast path has a de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -72,7 +73,7 @@ def select_topk(scores: Tensor, visible: Tensor | None, k: int) -> tuple[Tensor,
     s = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
     values, idx = s.topk(k, dim=-1, sorted=False)
     tau = values.min(-1, keepdim=True).values
-    ambiguous = ((s == tau).sum(-1) > (values == tau).sum(-1))  # (...,) rows with a tie at the cut
+    ambiguous = (s == tau).sum(-1) > (values == tau).sum(-1)  # (...,) rows with a tie at the cut
     valid = values != float("-inf")  # NaN (a NaN query's scores) is kept: its row comes out NaN
     if ambiguous.device.type != "meta" and bool(ambiguous.any()):  # meta tensors hold no values
         rows = ambiguous.nonzero(as_tuple=True)
@@ -88,7 +89,9 @@ def _gather_rows(x: Tensor, idx: Tensor) -> Tensor:
     return rearrange(x.gather(2, flat), "b h (m k) d -> b h m k d", m=m, k=kk)
 
 
-def _sparse_softmax(q: Tensor, k_sel: Tensor, v_sel: Tensor, valid: Tensor, scale: float, bias: Tensor | None = None) -> Tensor:
+def _sparse_softmax(
+    q: Tensor, k_sel: Tensor, v_sel: Tensor, valid: Tensor, scale: float, bias: Tensor | None = None
+) -> Tensor:
     """Softmax attention of each query over its own gathered keys: q ``(B, H, M, D)``, k_sel
     ``(B, H, M, K, D)``, v_sel ``(B, H, M, K, D_v)``, valid and bias ``(B, H, M, K)`` -> ``(B, H,
     M, D_v)``. A row with no valid slot gives zeros and passes zero gradient."""
@@ -113,8 +116,15 @@ def _check_ranges(config: Config, lows: tuple[tuple[str, int], ...], scale: floa
         raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {scale}")
 
 
-def _dense_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None,
-                  scale: float | None, cross_attention: bool) -> tuple:
+def _dense_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    scale: float | None,
+    cross_attention: bool,
+) -> tuple:
     """Checked inputs of a dense reference: ``(qc, kc, vc)`` in the compute dtype, mask, scale."""
     check_qkv(q, k, v, cross_attention=cross_attention)
     check_causal(causal, q.shape[2], k.shape[2])
@@ -123,8 +133,9 @@ def _dense_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mas
     return tuple(t.to(_compute_dtype(q)) for t in (q, k, v)), key_padding_mask, scale
 
 
-def _chunk_visible(start: int, stop: int, n_q: int, n_kv: int, causal: bool,
-                   key_padding_mask: Tensor | None, device: torch.device) -> Tensor | None:
+def _chunk_visible(
+    start: int, stop: int, n_q: int, n_kv: int, causal: bool, key_padding_mask: Tensor | None, device: torch.device
+) -> Tensor | None:
     """Visible pairs of query rows ``start:stop``, broadcastable to ``(B, H, stop - start, N_kv)``."""
     visible = None
     if causal:
@@ -136,8 +147,17 @@ def _chunk_visible(start: int, stop: int, n_q: int, n_kv: int, causal: bool,
     return visible
 
 
-def topk_attention(q: Tensor, k: Tensor, v: Tensor, *, topk: int, chunk: int, causal: bool = False,
-                   key_padding_mask: Tensor | None = None, scale: float | None = None) -> Tensor:
+def topk_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    topk: int,
+    chunk: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
     """Explicit sparse attention in query chunks (Zhao et al. 2019, https://arxiv.org/abs/1912.11637).
 
     Args:
@@ -170,9 +190,17 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, *, topk: int, chunk: int, ca
     return torch.cat(outs, dim=2).to(q.dtype)
 
 
-def reference_topk(q: Tensor, k: Tensor, v: Tensor, *, topk: int, causal: bool = False,
-                   key_padding_mask: Tensor | None = None, scale: float | None = None,
-                   return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def reference_topk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    topk: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Dense explicit sparse attention (Zhao et al. 2019, https://arxiv.org/abs/1912.11637).
 
     ``S = s Q K^T``; each row keeps its ``topk`` largest visible entries (``topk_mask``: ties go
@@ -193,8 +221,9 @@ def reference_topk(q: Tensor, k: Tensor, v: Tensor, *, topk: int, causal: bool =
     (qc, kc, vc), key_padding_mask, scale = _dense_inputs(q, k, v, causal, key_padding_mask, scale, True)
     (batch, heads, n_q, _), n_kv = q.shape, k.shape[2]
     scores = torch.einsum("bhid,bhjd->bhij", qc, kc) * scale
-    visible = visible_pairs(batch, heads, n_q, n_kv, causal=causal, key_padding_mask=key_padding_mask,
-                            mask_mod=None, device=q.device)
+    visible = visible_pairs(
+        batch, heads, n_q, n_kv, causal=causal, key_padding_mask=key_padding_mask, mask_mod=None, device=q.device
+    )
     keep = topk_mask(scores.detach(), visible, topk)
     weights = normalize_scores(scores, keep, "softmax")
     out = torch.einsum("bhij,bhjd->bhid", weights, vc).to(q.dtype)
@@ -220,12 +249,17 @@ class TopKConfig(Config):
 
 
 @register(
-    "topk", config=TopKConfig, family="content",
+    "topk",
+    config=TopKConfig,
+    family="content",
     summary="Explicit sparse attention: each query keeps its top-k scores, softmax over those only.",
     paper="Zhao et al. 2019, Explicit Sparse Transformer, https://arxiv.org/abs/1912.11637",
     capabilities=Capabilities(causal=True, key_padding=True, cross_attention=True, score_mod=False),
-    complexity=Complexity(time="O(N^2 D): every pair is still scored",
-                          memory="O(N chunk) working, O(N k D) kept for backward", subquadratic_memory=True),
+    complexity=Complexity(
+        time="O(N^2 D): every pair is still scored",
+        memory="O(N chunk) working, O(N k D) kept for backward",
+        subquadratic_memory=True,
+    ),
     notes=(
         "the k kept keys are chosen among visible keys (after causal and padding masks); ties go to "
         "the lower key index; a row with fewer than k visible keys keeps them all",
@@ -237,22 +271,42 @@ class TopKAttention(Attention):
 
     config: TopKConfig
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-                key_padding_mask: Tensor | None, score_mod: ScoreMod | None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         cfg = self.config
-        return topk_attention(q, k, v, topk=cfg.topk, chunk=cfg.chunk, causal=causal,
-                              key_padding_mask=key_padding_mask, scale=cfg.scale)
+        return topk_attention(
+            q, k, v, topk=cfg.topk, chunk=cfg.chunk, causal=causal, key_padding_mask=key_padding_mask, scale=cfg.scale
+        )
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies (small N: pictures)."""
         q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
-        return reference_topk(q, k, v, topk=self.config.topk, causal=causal, key_padding_mask=key_padding_mask,
-                              scale=self.config.scale, return_weights=True)[1]
+        return reference_topk(
+            q,
+            k,
+            v,
+            topk=self.config.topk,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=self.config.scale,
+            return_weights=True,
+        )[1]
 
 
-def sac_candidates(n: int, *, candidates: int, n_random: int, seed: int, causal: bool,
-                   device: torch.device) -> tuple[Tensor, Tensor]:
+def sac_candidates(
+    n: int, *, candidates: int, n_random: int, seed: int, causal: bool, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """The candidate edges of every node: a window of positions plus ``n_random`` random ones.
 
     Shapes:
@@ -311,13 +365,18 @@ class SACConfig(Config):
 
 
 @register(
-    "sac", config=SACConfig, family="content",
+    "sac",
+    config=SACConfig,
+    family="content",
     summary="Sparse Adaptive Connection: a learned predictor keeps k of each node's candidate edges.",
     paper="Li et al. 2020, SAC: Accelerating and Structuring Self-Attention via Sparse Adaptive "
-          "Connection, https://arxiv.org/abs/2003.09833",
+    "Connection, https://arxiv.org/abs/2003.09833",
     capabilities=Capabilities(causal=True, key_padding=True, cross_attention=False, score_mod=False),
-    complexity=Complexity(time="O(N (c + r) D), c window + r random candidates per node",
-                          memory="O(N (c + r) D) working, O(N k D) kept for backward", subquadratic_memory=True),
+    complexity=Complexity(
+        time="O(N (c + r) D), c window + r random candidates per node",
+        memory="O(N (c + r) D) working, O(N k D) kept for backward",
+        subquadratic_memory=True,
+    ),
     notes=(
         "candidates: a window of `candidates` positions (centred; causal: i - c + 1 .. i) plus "
         "`n_random` seeded random positions (causal: <= i); padded keys are never candidates",
@@ -336,29 +395,72 @@ class SACAttention(Attention):
         super().__init__(config)
         self.predictor = nn.Parameter(torch.eye(config.head_dim))
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-                key_padding_mask: Tensor | None, score_mod: ScoreMod | None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         return self._run(sac_attention, q, k, v, causal, key_padding_mask)
 
-    def implied_attention(self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
         """The dense ``(B, H, N, N)`` weights this mechanism applies (small N: pictures)."""
         q, k = self.zero_padded(key_padding_mask, q, k)
         v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
         return self._run(reference_sac, q, k, v, causal, key_padding_mask, return_weights=True)[1]
 
-    def _run(self, fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, causal: bool,
-             key_padding_mask: Tensor | None, **extra: bool) -> Any:
+    def _run(
+        self,
+        fn: Callable[..., Any],
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        **extra: bool,
+    ) -> Any:
         cfg = self.config
         if q.shape[-1] != cfg.head_dim:
-            raise ValueError(f"sac was built with head_dim={cfg.head_dim} but q has D={q.shape[-1]}; "
-                             f"build it with head_dim={q.shape[-1]}")
-        return fn(q, k, v, self.predictor, topk=cfg.topk, candidates=cfg.candidates, n_random=cfg.n_random,
-                  seed=cfg.seed, causal=causal, key_padding_mask=key_padding_mask, scale=cfg.scale, **extra)
+            raise ValueError(
+                f"sac was built with head_dim={cfg.head_dim} but q has D={q.shape[-1]}; "
+                f"build it with head_dim={q.shape[-1]}"
+            )
+        return fn(
+            q,
+            k,
+            v,
+            self.predictor,
+            topk=cfg.topk,
+            candidates=cfg.candidates,
+            n_random=cfg.n_random,
+            seed=cfg.seed,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            scale=cfg.scale,
+            **extra,
+        )
 
 
-def sac_attention(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, *, topk: int, candidates: int, n_random: int,
-                  seed: int, causal: bool = False, key_padding_mask: Tensor | None = None,
-                  scale: float | None = None) -> Tensor:
+def sac_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weight: Tensor,
+    *,
+    topk: int,
+    candidates: int,
+    n_random: int,
+    seed: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
     """SAC by gathering each node's chosen keys (Li et al. 2020, https://arxiv.org/abs/2003.09833).
 
     Args:
@@ -390,9 +492,21 @@ def sac_attention(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, *, topk: int,
     return _sparse_softmax(qc, k_sel, v_sel, ok, scale, bias=edge - edge.detach()).to(q.dtype)
 
 
-def reference_sac(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, *, topk: int, candidates: int, n_random: int,
-                  seed: int, causal: bool = False, key_padding_mask: Tensor | None = None,
-                  scale: float | None = None, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def reference_sac(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weight: Tensor,
+    *,
+    topk: int,
+    candidates: int,
+    n_random: int,
+    seed: int,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Dense SAC (Li et al. 2020, https://arxiv.org/abs/2003.09833): the candidate graph as an
     N x N mask, the predictor's dense scores ``E = s (Q W) K^T``, each row's top-k candidate
     edges (``topk_mask``), then softmax attention restricted to them.
@@ -409,8 +523,16 @@ def reference_sac(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, *, topk: int,
     cand, valid = sac_candidates(n, candidates=candidates, n_random=n_random, seed=seed, causal=causal, device=q.device)
     graph = torch.zeros(n, n, dtype=torch.bool, device=q.device)
     graph[torch.arange(n, device=q.device)[:, None].expand_as(cand)[valid], cand[valid]] = True
-    visible = visible_pairs(batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask,
-                            mask_mod=lambda b, h, i, j: graph[i, j], device=q.device)
+    visible = visible_pairs(
+        batch,
+        heads,
+        n,
+        n,
+        causal=causal,
+        key_padding_mask=key_padding_mask,
+        mask_mod=lambda b, h, i, j: graph[i, j],
+        device=q.device,
+    )
     scores = torch.einsum("bhid,bhjd->bhij", qc, kc) * scale
     edges = torch.einsum("bhie,bhje->bhij", qc.detach() @ weight.to(qc.dtype), kc.detach()) * scale
     keep = topk_mask(edges.detach(), visible, topk)

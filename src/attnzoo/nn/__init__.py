@@ -8,4 +8,16 @@ from attnzoo.nn.pooling import LAMAPooling
 from attnzoo.nn.sharnn import SHARNN
 from attnzoo.nn.transformer import CausalLM, LMState, TransformerEncoder, TransformerEncoderLayer
 
-__all__ = ["AxialAttention", "CBAM", "CausalLM", "GlobalTokens", "LAMAPooling", "LMState", "MHAState", "MultiHeadAttention", "SHARNN", "TransformerEncoder", "TransformerEncoderLayer"]
+__all__ = [
+    "AxialAttention",
+    "CBAM",
+    "CausalLM",
+    "GlobalTokens",
+    "LAMAPooling",
+    "LMState",
+    "MHAState",
+    "MultiHeadAttention",
+    "SHARNN",
+    "TransformerEncoder",
+    "TransformerEncoderLayer",
+]

@@ -51,9 +51,17 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(
-        self, dim: int, heads: int, mechanism: str | Attention = "softmax", *, kv_dim: int | None = None,
-        head_dim: int | None = None, positional: str | PositionalEncoding | None = None,
-        dropout: float = 0.0, bias: bool = True, **mechanism_config: Any,
+        self,
+        dim: int,
+        heads: int,
+        mechanism: str | Attention = "softmax",
+        *,
+        kv_dim: int | None = None,
+        head_dim: int | None = None,
+        positional: str | PositionalEncoding | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        **mechanism_config: Any,
     ) -> None:
         super().__init__()
         check_positive_int(dim, "dim")
@@ -72,8 +80,10 @@ class MultiHeadAttention(nn.Module):
         for attn in self.mechanisms:
             _check_positional(self.positional, attn)
         if len(groups) > 1 and self.positional is not None and self.positional.needs_weights:
-            raise ValueError("Shaw relative value embeddings need one dense mechanism for all heads; "
-                             "use RelativePositionalEncoding(head_dim, values=False) with mixed head groups")
+            raise ValueError(
+                "Shaw relative value embeddings need one dense mechanism for all heads; "
+                "use RelativePositionalEncoding(head_dim, values=False) with mixed head groups"
+            )
         inner = heads * self.head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
         self.k_proj = nn.Linear(self.kv_dim, inner, bias=bias)
@@ -92,7 +102,7 @@ class MultiHeadAttention(nn.Module):
         old, new = prefix + "attn.", prefix + "mechanisms.0."
         for key in [k for k in state_dict if k.startswith(old)]:
             value = state_dict.pop(key)
-            state_dict.setdefault(new + key[len(old):], value)
+            state_dict.setdefault(new + key[len(old) :], value)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(
@@ -125,8 +135,10 @@ class MultiHeadAttention(nn.Module):
 
     def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> MHAState:
         """Empty decode state (self-attention only); see ``step``. One state per head group."""
-        states = tuple(attn.init_state(batch, n, self.head_dim, self.head_dim, device=device, dtype=dtype)
-                       for attn, n in zip(self.mechanisms, self.group_heads))
+        states = tuple(
+            attn.init_state(batch, n, self.head_dim, self.head_dim, device=device, dtype=dtype)
+            for attn, n in zip(self.mechanisms, self.group_heads)
+        )
         return MHAState(states[0] if len(states) == 1 else states, 0)
 
     def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
@@ -176,8 +188,17 @@ class MultiHeadAttention(nn.Module):
             return out + self.positional.value_term(weights).to(out.dtype)
         if len(self.mechanisms) == 1:
             return self.attn(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
-        outs = [attn(q[:, heads], k[:, heads], v[:, heads], causal=causal, key_padding_mask=key_padding_mask,
-                     score_mod=group_mod) for attn, heads, group_mod in self._groups(score_mod)]
+        outs = [
+            attn(
+                q[:, heads],
+                k[:, heads],
+                v[:, heads],
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                score_mod=group_mod,
+            )
+            for attn, heads, group_mod in self._groups(score_mod)
+        ]
         return torch.cat(outs, dim=1)
 
     def _groups(self, score_mod: Any) -> list[tuple[Attention, slice, Any]]:
@@ -218,15 +239,22 @@ def _resolve_mechanism(mechanism: str | Attention, config: dict[str, Any], heads
     if isinstance(mechanism, str):
         # Mechanisms with per-head parameters (SAC, Sinkhorn, Synthesizer, Linformer, ...) take
         # their head count and width from the layer unless the config sets them.
-        shape = {key: value for key, value in (("heads", heads), ("head_dim", head_dim))
-                 if key in config_fields(mechanism) and key not in config}
+        shape = {
+            key: value
+            for key, value in (("heads", heads), ("head_dim", head_dim))
+            if key in config_fields(mechanism) and key not in config
+        }
         attn = build(mechanism, **shape, **config)
     elif isinstance(mechanism, Attention):
         if config:
-            raise ValueError(f"mechanism is already built; pass its config to attnzoo.build instead of {sorted(config)}")
+            raise ValueError(
+                f"mechanism is already built; pass its config to attnzoo.build instead of {sorted(config)}"
+            )
         attn = mechanism
     else:
-        raise TypeError(f"mechanism must be a registered name or an attnzoo Attention module, got {type(mechanism).__name__}")
+        raise TypeError(
+            f"mechanism must be a registered name or an attnzoo Attention module, got {type(mechanism).__name__}"
+        )
     if not isinstance(attn, Attention):
         raise ValueError(
             f"{mechanism!r} is a token mixer, not a (q, k, v) mechanism; use it through "

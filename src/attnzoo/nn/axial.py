@@ -19,7 +19,9 @@ class _AxisAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim, bias=bias) for _ in range(4))
 
     def forward(self, x: Tensor, causal: bool) -> Tensor:
-        q, k, v = (rearrange(p(x), "b l (h d) -> b h l d", h=self.heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            rearrange(p(x), "b l (h d) -> b h l d", h=self.heads) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # [B', heads, L, d]
         return self.out_proj(rearrange(out, "b h l d -> b l (h d)"))
 
@@ -54,7 +56,9 @@ class AxialAttention(nn.Module):
         ``column_attention`` are public so a caller can do that; ``forward`` composes them bare.
     """
 
-    def __init__(self, dim: int, heads: int, shape: tuple[int, int], *, causal: bool = False, bias: bool = True) -> None:
+    def __init__(
+        self, dim: int, heads: int, shape: tuple[int, int], *, causal: bool = False, bias: bool = True
+    ) -> None:
         super().__init__()
         check_positive_int(dim, "dim")
         check_positive_int(heads, "heads")
@@ -75,8 +79,10 @@ class AxialAttention(nn.Module):
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have width dim={self.dim}, got shape {tuple(x.shape)}")
         if x.shape[1] != h * w:
-            raise ValueError(f"shape=({h}, {w}) needs N = h*w = {h * w} tokens in raster order, got N={x.shape[1]}; "
-                             f"pass the grid's shape=(h, w) with h*w = N")
+            raise ValueError(
+                f"shape=({h}, {w}) needs N = h*w = {h * w} tokens in raster order, got N={x.shape[1]}; "
+                f"pass the grid's shape=(h, w) with h*w = N"
+            )
 
     def row_attention(self, x: Tensor) -> Tensor:
         """Each token attends over its row (c' <= c when causal). ``(B, h*w, dim)`` -> same."""

@@ -124,8 +124,14 @@ class SHARNN(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int, dim: int, depth: int = 2, ff_mult: int = 4, dropout: float = 0.0,
-        *, tie_weights: bool = True,
+        self,
+        vocab_size: int,
+        dim: int,
+        depth: int = 2,
+        ff_mult: int = 4,
+        dropout: float = 0.0,
+        *,
+        tie_weights: bool = True,
     ) -> None:
         super().__init__()
         check_positive_int(vocab_size, "vocab_size")

@@ -35,8 +35,15 @@ class TransformerEncoderLayer(nn.Module):
     """
 
     def __init__(
-        self, dim: int, heads: int, mechanism: str | Attention | TokenMixer = "softmax", *, ff_mult: int = 4,
-        dropout: float = 0.0, positional: str | PositionalEncoding | None = None, feedforward: bool = True,
+        self,
+        dim: int,
+        heads: int,
+        mechanism: str | Attention | TokenMixer = "softmax",
+        *,
+        ff_mult: int = 4,
+        dropout: float = 0.0,
+        positional: str | PositionalEncoding | None = None,
+        feedforward: bool = True,
         **mechanism_config: Any,
     ) -> None:
         super().__init__()
@@ -46,14 +53,24 @@ class TransformerEncoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.mixer = _resolve_mixer(dim, mechanism, positional, mechanism_config)
         if self.mixer is None:
-            self.attn = MultiHeadAttention(dim, heads, mechanism, positional=positional, dropout=dropout, **mechanism_config)
+            self.attn = MultiHeadAttention(
+                dim, heads, mechanism, positional=positional, dropout=dropout, **mechanism_config
+            )
         else:
             self.attn = None
             self.mixer_dropout = nn.Dropout(dropout)
         self.norm2 = nn.LayerNorm(dim) if feedforward else None
-        self.ff = nn.Sequential(
-            nn.Linear(dim, ff_mult * dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(ff_mult * dim, dim), nn.Dropout(dropout)
-        ) if feedforward else None
+        self.ff = (
+            nn.Sequential(
+                nn.Linear(dim, ff_mult * dim),
+                nn.GELU(),
+                nn.Dropout(dropout),
+                nn.Linear(ff_mult * dim, dim),
+                nn.Dropout(dropout),
+            )
+            if feedforward
+            else None
+        )
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
         if isinstance(x, Tensor):
@@ -86,16 +103,18 @@ class TransformerEncoderLayer(nn.Module):
             )
 
 
-def _resolve_mixer(
-    dim: int, mechanism: object, positional: object, config: dict[str, Any]
-) -> TokenMixer | None:
+def _resolve_mixer(dim: int, mechanism: object, positional: object, config: dict[str, Any]) -> TokenMixer | None:
     """The token mixer ``mechanism`` names (built with ``dim``), or None for attention."""
     if isinstance(mechanism, TokenMixer):
         if config:
-            raise ValueError(f"mechanism is already built; pass its config to attnzoo.build instead of {sorted(config)}")
+            raise ValueError(
+                f"mechanism is already built; pass its config to attnzoo.build instead of {sorted(config)}"
+            )
         built_dim = getattr(mechanism.config, "dim", dim)
         if built_dim != dim:
-            raise ValueError(f"token mixer {mechanism.spec.name!r} was built with dim={built_dim}, but the layer has dim={dim}")
+            raise ValueError(
+                f"token mixer {mechanism.spec.name!r} was built with dim={built_dim}, but the layer has dim={dim}"
+            )
         mixer = mechanism
     elif isinstance(mechanism, str) and describe(mechanism).capabilities.kind == "mixer":
         if "dim" in config and config["dim"] != dim:
@@ -121,8 +140,16 @@ class TransformerEncoder(nn.Module):
     a positional name builds one encoding per layer, an instance is shared by all layers."""
 
     def __init__(
-        self, dim: int, depth: int, heads: int, mechanism: str | Attention | TokenMixer = "softmax", *, ff_mult: int = 4,
-        dropout: float = 0.0, positional: str | PositionalEncoding | None = None, feedforward: bool = True,
+        self,
+        dim: int,
+        depth: int,
+        heads: int,
+        mechanism: str | Attention | TokenMixer = "softmax",
+        *,
+        ff_mult: int = 4,
+        dropout: float = 0.0,
+        positional: str | PositionalEncoding | None = None,
+        feedforward: bool = True,
         **mechanism_config: Any,
     ) -> None:
         super().__init__()
@@ -131,8 +158,14 @@ class TransformerEncoder(nn.Module):
             raise ValueError("pass mechanism by name for depth > 1, so each layer builds its own module")
         self.layers = nn.ModuleList(
             TransformerEncoderLayer(
-                dim, heads, mechanism, ff_mult=ff_mult, dropout=dropout, positional=positional,
-                feedforward=feedforward, **mechanism_config,
+                dim,
+                heads,
+                mechanism,
+                ff_mult=ff_mult,
+                dropout=dropout,
+                positional=positional,
+                feedforward=feedforward,
+                **mechanism_config,
             )
             for _ in range(depth)
         )
@@ -168,9 +201,18 @@ class CausalLM(nn.Module):
     """
 
     def __init__(
-        self, vocab_size: int, dim: int, depth: int, heads: int, mechanism: str = "softmax", *,
-        positional: str | PositionalEncoding | None = "rope", ff_mult: int = 4, dropout: float = 0.0,
-        feedforward: bool = True, **mechanism_config: Any,
+        self,
+        vocab_size: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        mechanism: str = "softmax",
+        *,
+        positional: str | PositionalEncoding | None = "rope",
+        ff_mult: int = 4,
+        dropout: float = 0.0,
+        feedforward: bool = True,
+        **mechanism_config: Any,
     ) -> None:
         super().__init__()
         check_positive_int(vocab_size, "vocab_size")
@@ -179,8 +221,15 @@ class CausalLM(nn.Module):
         self.input_positional = pe if pe is not None and pe.absolute else None
         layer_positional = None if self.input_positional is not None else positional
         self.decoder = TransformerEncoder(
-            dim, depth, heads, mechanism, ff_mult=ff_mult, dropout=dropout, positional=layer_positional,
-            feedforward=feedforward, **mechanism_config,
+            dim,
+            depth,
+            heads,
+            mechanism,
+            ff_mult=ff_mult,
+            dropout=dropout,
+            positional=layer_positional,
+            feedforward=feedforward,
+            **mechanism_config,
         )
         self.head = nn.Linear(dim, vocab_size, bias=False)
         first = self.decoder.layers[0]
@@ -227,8 +276,10 @@ class CausalLM(nn.Module):
             raise TypeError(f"tokens must be an integer tensor (B, N), got {getattr(tokens, 'shape', type(tokens))}")
         check_module_input(self, tokens, "tokens", dtype=False)
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.embed.num_embeddings):
-            raise ValueError(f"tokens must lie in [0, vocab_size={self.embed.num_embeddings}), got range "
-                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+            raise ValueError(
+                f"tokens must lie in [0, vocab_size={self.embed.num_embeddings}), got range "
+                f"[{int(tokens.min())}, {int(tokens.max())}]"
+            )
         x = self.embed(tokens)
         if self.input_positional is not None:
             x = self.input_positional.add_to_input(x, torch.arange(tokens.shape[1], device=x.device) + start)

@@ -19,8 +19,8 @@ the combination of both sides (the kernel then evaluates the mask there: slower,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -69,8 +69,17 @@ class BlockList(TileGrid):
         return (self.group * self.n_q_blocks + self.qb) * self.n_kv_blocks + self.kb
 
     @classmethod
-    def build(cls, n_q: int, n_kv: int, block: int, qb: Tensor, kb: Tensor, full: Tensor,
-              group: Tensor | None = None, n_groups: int = 1) -> BlockList:
+    def build(
+        cls,
+        n_q: int,
+        n_kv: int,
+        block: int,
+        qb: Tensor,
+        kb: Tensor,
+        full: Tensor,
+        group: Tensor | None = None,
+        n_groups: int = 1,
+    ) -> BlockList:
         """Sort and de-duplicate entries; a tile listed twice is full if either says so."""
         group = torch.zeros_like(qb) if group is None else group
         shell = cls(n_q, n_kv, block, group, qb, kb, full, n_groups)
@@ -90,8 +99,14 @@ class BlockList(TileGrid):
 
     def union(self, other: BlockList) -> BlockList:
         return BlockList.build(
-            self.n_q, self.n_kv, self.block, torch.cat([self.qb, other.qb]), torch.cat([self.kb, other.kb]),
-            torch.cat([self.full, other.full]), torch.cat([self.group, other.group]), max(self.n_groups, other.n_groups),
+            self.n_q,
+            self.n_kv,
+            self.block,
+            torch.cat([self.qb, other.qb]),
+            torch.cat([self.kb, other.kb]),
+            torch.cat([self.full, other.full]),
+            torch.cat([self.group, other.group]),
+            max(self.n_groups, other.n_groups),
         )
 
     def intersect(self, other: BlockList) -> BlockList:
@@ -101,18 +116,29 @@ class BlockList(TileGrid):
         pos = torch.searchsorted(theirs, mine).clamp(max=max(theirs.numel() - 1, 0))
         both = (theirs[pos] == mine) if theirs.numel() else torch.zeros_like(mine, dtype=torch.bool)
         full = self.full[both] & other.full[pos[both]]
-        return BlockList._from_keys(self.n_q, self.n_kv, self.block, mine[both], full, max(self.n_groups, other.n_groups))
+        return BlockList._from_keys(
+            self.n_q, self.n_kv, self.block, mine[both], full, max(self.n_groups, other.n_groups)
+        )
 
     def select(self, keep: Tensor) -> BlockList:
-        return BlockList(self.n_q, self.n_kv, self.block, self.group[keep], self.qb[keep], self.kb[keep],
-                         self.full[keep], self.n_groups)
+        return BlockList(
+            self.n_q,
+            self.n_kv,
+            self.block,
+            self.group[keep],
+            self.qb[keep],
+            self.kb[keep],
+            self.full[keep],
+            self.n_groups,
+        )
 
     def with_full(self, full: Tensor) -> BlockList:
         return BlockList(self.n_q, self.n_kv, self.block, self.group, self.qb, self.kb, full, self.n_groups)
 
     def regroup(self, group: int, n_groups: int) -> BlockList:
-        return BlockList(self.n_q, self.n_kv, self.block, torch.full_like(self.qb, group), self.qb, self.kb,
-                         self.full, n_groups)
+        return BlockList(
+            self.n_q, self.n_kv, self.block, torch.full_like(self.qb, group), self.qb, self.kb, self.full, n_groups
+        )
 
     def to_dense(self) -> Tensor:
         """``(n_groups, n_q_blocks, n_kv_blocks)`` int8: 0 absent, 1 partial, 2 full (tests)."""
@@ -203,8 +229,8 @@ class Pattern:
 
 def tile_area(tiles: BlockList, qb: Tensor, kb: Tensor) -> Tensor:
     """Number of in-range pairs in each tile (edge tiles are smaller)."""
-    rows = (torch.clamp(tiles.n_q - qb * tiles.block, max=tiles.block))
-    cols = (torch.clamp(tiles.n_kv - kb * tiles.block, max=tiles.block))
+    rows = torch.clamp(tiles.n_q - qb * tiles.block, max=tiles.block)
+    cols = torch.clamp(tiles.n_kv - kb * tiles.block, max=tiles.block)
     return rows * cols
 
 
@@ -222,8 +248,9 @@ def evaluate_tiles(pattern: Pattern, tiles: BlockList, chunk: int = 4096) -> Ten
 
 def count_pairs(pattern: Pattern, tiles: BlockList, chunk: int = 2048) -> Tensor:
     """Pairs of ``pattern`` inside each listed tile (evaluates only those tiles)."""
-    counts = [evaluate_tiles(pattern, tiles.select(slice(s, s + chunk))).sum((1, 2))
-              for s in range(0, len(tiles), chunk)]
+    counts = [
+        evaluate_tiles(pattern, tiles.select(slice(s, s + chunk))).sum((1, 2)) for s in range(0, len(tiles), chunk)
+    ]
     return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
 
 
@@ -303,7 +330,9 @@ class PerHead(Pattern):
         self.patterns, self.heads = tuple(patterns), heads
         self.n_groups = len(self.patterns)
         if heads is not None and heads % self.n_groups:
-            raise ValueError(f"per_head with {self.n_groups} patterns needs a multiple of {self.n_groups} heads, got {heads}")
+            raise ValueError(
+                f"per_head with {self.n_groups} patterns needs a multiple of {self.n_groups} heads, got {heads}"
+            )
         self.name = "per_head[" + ", ".join(p.name for p in self.patterns) + "]"
 
     def _value(self) -> tuple:

@@ -13,8 +13,8 @@ Each pattern derives ``blocks()`` from its own structure:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -217,8 +217,14 @@ class PeriodicColumns(Pattern):
         kb, count = torch.unique(j[(r >= self.first) & (r <= self.last)] // block, return_counts=True)
         n_qb = -(-n_q // block)
         full = count == torch.clamp(n_kv - kb * block, max=block)
-        return BlockList.build(n_q, n_kv, block, torch.arange(n_qb).repeat(kb.numel()), kb.repeat_interleave(n_qb),
-                               full.repeat_interleave(n_qb))
+        return BlockList.build(
+            n_q,
+            n_kv,
+            block,
+            torch.arange(n_qb).repeat(kb.numel()),
+            kb.repeat_interleave(n_qb),
+            full.repeat_interleave(n_qb),
+        )
 
 
 def count_tiles(n_q: int, n_kv: int, block: int, rows: Tensor, cols: Tensor) -> BlockList:
@@ -319,7 +325,9 @@ class BlockLocal(Pattern):
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
         def block_local(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return torch.div(q_idx, self.size, rounding_mode="floor") == torch.div(kv_idx, self.size, rounding_mode="floor")
+            return torch.div(q_idx, self.size, rounding_mode="floor") == torch.div(
+                kv_idx, self.size, rounding_mode="floor"
+            )
 
         return block_local
 
@@ -369,8 +377,15 @@ class RandomBlocks(Pattern):
         table, offset = self.table(n_kv), n_kv - n_q
         qbs = torch.arange(table.shape[0]).repeat_interleave(table.shape[1])
         kbs = table.flatten()
-        rects = torch.stack([qbs * self.block - offset, qbs * self.block + self.block - 1 - offset,
-                             kbs * self.block, kbs * self.block + self.block - 1], dim=1)
+        rects = torch.stack(
+            [
+                qbs * self.block - offset,
+                qbs * self.block + self.block - 1 - offset,
+                kbs * self.block,
+                kbs * self.block + self.block - 1,
+            ],
+            dim=1,
+        )
         return rectangles_to_tiles(n_q, n_kv, block, rects)
 
 

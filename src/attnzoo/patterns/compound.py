@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -13,8 +13,17 @@ from torch import Tensor
 from attnzoo._checks import check_positive_int
 from attnzoo.patterns.algebra import BlockList, Pattern, PerHead, per_head
 from attnzoo.patterns.atomic import (
-    BlockLocal, GlobalTokens, PeriodicColumns, RandomBlocks, causal, dilated, global_tokens, local, rectangles_to_tiles,
-    sliding_window, strided,
+    BlockLocal,
+    GlobalTokens,
+    PeriodicColumns,
+    RandomBlocks,
+    causal,
+    dilated,
+    global_tokens,
+    local,
+    rectangles_to_tiles,
+    sliding_window,
+    strided,
 )
 from attnzoo.spec import MaskMod
 
@@ -32,7 +41,9 @@ def longformer(window: int, global_indices: Sequence[int] = (0,), dilation: int 
     return per_head([b if glob is None else b | glob for b in bands])
 
 
-def bigbird(block: int, window_blocks: int = 3, global_blocks: int = 2, random_blocks: int = 3, seed: int = 0) -> Pattern:
+def bigbird(
+    block: int, window_blocks: int = 3, global_blocks: int = 2, random_blocks: int = 3, seed: int = 0
+) -> Pattern:
     """BigBird (Zaheer et al. 2020, https://arxiv.org/abs/2007.14062), at block level with
     ``qb = p // block``, ``kb = j // block``:
     ``|qb - kb| <= window_blocks // 2`` | global blocks | ``random_blocks(r, block, seed)``.
@@ -74,8 +85,9 @@ class BlockBand(Pattern):
     def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
         offset, starts = n_kv - n_q, torch.arange(0, n_kv, self.size)
         rows_lo, rows_hi = starts - offset, starts + self.size - 1 - offset
-        rects = torch.stack([rows_lo, rows_hi, starts - self.reach * self.size,
-                             starts + (self.reach + 1) * self.size - 1], dim=1)
+        rects = torch.stack(
+            [rows_lo, rows_hi, starts - self.reach * self.size, starts + (self.reach + 1) * self.size - 1], dim=1
+        )
         return rectangles_to_tiles(n_q, n_kv, block, rects)
 
 
@@ -192,7 +204,9 @@ class Block2D(GridPattern):
                 c_lo, c_hi = bc * qw, min(bc * qw + qw, w) - 1
                 for r in range(br * qh, min(br * qh + qh, self.h)):
                     for r2 in range(max(br * qh - mh, 0), min(br * qh + qh + mh, self.h)):
-                        rects.append([r * w + c_lo, r * w + c_hi, r2 * w + max(c_lo - mw, 0), r2 * w + min(c_hi + mw, w - 1)])
+                        rects.append(
+                            [r * w + c_lo, r * w + c_hi, r2 * w + max(c_lo - mw, 0), r2 * w + min(c_hi + mw, w - 1)]
+                        )
         return rectangles_to_tiles(n_q, n_kv, block, torch.tensor(rects, dtype=torch.long))
 
 

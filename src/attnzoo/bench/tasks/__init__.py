@@ -40,7 +40,10 @@ from attnzoo.bench.tasks import listops, mqar, pathfinder, text
 __all__ = ["TASKS", "SIZES", "SPLITS", "TaskInfo", "Split", "load_task"]
 
 _MODULES: dict[str, ModuleType] = {
-    "listops": listops, "mqar": mqar, "pathfinder": pathfinder, "text": text,
+    "listops": listops,
+    "mqar": mqar,
+    "pathfinder": pathfinder,
+    "text": text,
 }
 TASKS: tuple[str, ...] = tuple(_MODULES)
 SIZES: dict[str, dict[str, dict]] = {name: module.SIZES for name, module in _MODULES.items()}
@@ -80,8 +83,9 @@ class Split:
     labels: torch.Tensor
 
 
-def load_task(name: str, *, size: str = "quick", data_dir: str | Path | None = None, seed: int = 0,
-              **overrides) -> tuple[TaskInfo, dict[str, Split]]:
+def load_task(
+    name: str, *, size: str = "quick", data_dir: str | Path | None = None, seed: int = 0, **overrides
+) -> tuple[TaskInfo, dict[str, Split]]:
     """Generate (or read from the cache) the train/val/test splits of a task.
 
     Args:
@@ -107,8 +111,7 @@ def load_task(name: str, *, size: str = "quick", data_dir: str | Path | None = N
     if splits is None:
         raw = module.generate(cfg, seed)
         splits = {s: Split(tokens=t, mask=t != PAD_ID, labels=y) for s, (t, y) in raw.items()}
-        _write(path, splits, {"task": name, "params": params, "seed": seed,
-                              "version": module.VERSION})
+        _write(path, splits, {"task": name, "params": params, "seed": seed, "version": module.VERSION})
     return _info(name, module.describe(cfg), params, splits["train"]), splits
 
 
@@ -120,13 +123,11 @@ def _module(name: str) -> ModuleType:
 
 def _config(name: str, module: ModuleType, size: str, overrides: dict):
     if size not in module.SIZES:
-        raise ValueError(f"unknown size {size!r} for task {name!r}; valid sizes: "
-                         f"{', '.join(module.SIZES)}")
+        raise ValueError(f"unknown size {size!r} for task {name!r}; valid sizes: {', '.join(module.SIZES)}")
     valid = [f.name for f in dataclasses.fields(module.Config)]
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown} for task {name!r}; valid parameters: "
-                         f"{', '.join(valid)}")
+        raise ValueError(f"unknown parameter(s) {unknown} for task {name!r}; valid parameters: {', '.join(valid)}")
     return module.Config(**{**module.SIZES[size], **overrides})
 
 
@@ -141,8 +142,7 @@ def _info(name: str, static: dict, params: dict, train: Split) -> TaskInfo:
 def _cache_path(data_dir, name: str, params: dict, seed: int, version: int) -> Path:
     if data_dir is None:
         data_dir = os.environ.get("ATTNZOO_DATA") or Path.home() / ".cache" / "attnzoo"
-    key = json.dumps({"task": name, "params": params, "seed": seed, "version": version},
-                     sort_keys=True)
+    key = json.dumps({"task": name, "params": params, "seed": seed, "version": version}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return Path(data_dir).expanduser() / name / f"{digest}.safetensors"
 
@@ -154,8 +154,9 @@ def _read(path: Path) -> dict[str, Split] | None:
         return None
     try:
         flat = load_file(str(path))
-        return {s: Split(tokens=flat[f"{s}.tokens"], mask=flat[f"{s}.mask"],
-                         labels=flat[f"{s}.labels"]) for s in SPLITS}
+        return {
+            s: Split(tokens=flat[f"{s}.tokens"], mask=flat[f"{s}.mask"], labels=flat[f"{s}.labels"]) for s in SPLITS
+        }
     except Exception:  # a truncated or foreign file: regenerate rather than fail
         return None
 
@@ -163,8 +164,11 @@ def _read(path: Path) -> dict[str, Split] | None:
 def _write(path: Path, splits: dict[str, Split], meta: dict) -> None:
     from safetensors.torch import save_file
 
-    flat = {f"{s}.{field}": getattr(split, field).contiguous()
-            for s, split in splits.items() for field in ("tokens", "mask", "labels")}
+    flat = {
+        f"{s}.{field}": getattr(split, field).contiguous()
+        for s, split in splits.items()
+        for field in ("tokens", "mask", "labels")
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write then rename, so a concurrent reader never sees a half-written file.
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

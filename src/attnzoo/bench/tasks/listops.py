@@ -71,19 +71,24 @@ class Config:
     n_test: int = 2000
 
     def __post_init__(self) -> None:
-        for name, low in [("min_length", 0), ("max_length", 4), ("max_depth", 2), ("max_args", 2),
-                          ("n_train", 1), ("n_val", 1), ("n_test", 1)]:
+        for name, low in [
+            ("min_length", 0),
+            ("max_length", 4),
+            ("max_depth", 2),
+            ("max_args", 2),
+            ("n_train", 1),
+            ("n_val", 1),
+            ("n_test", 1),
+        ]:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if self.max_length - self.min_length < 2:
-            raise ValueError(f"max_length ({self.max_length}) must exceed min_length "
-                             f"({self.min_length}) by at least 2")
+            raise ValueError(f"max_length ({self.max_length}) must exceed min_length ({self.min_length}) by at least 2")
 
 
 def describe(cfg: Config) -> dict:
-    return dict(kind="classify", seq_len=cfg.max_length, vocab_size=VOCAB_SIZE, n_classes=10,
-                causal=False)
+    return dict(kind="classify", seq_len=cfg.max_length, vocab_size=VOCAB_SIZE, n_classes=10, causal=False)
 
 
 def apply(op: int, args: list[int]) -> int:
@@ -143,19 +148,21 @@ def generate(cfg: Config, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tens
     while len(trees) < total:
         attempts += 1
         if attempts > 1000 * total + 100_000:
-            raise ValueError(f"could not find {total} unique trees with {cfg.min_length} < length "
-                             f"< {cfg.max_length}; widen the range or ask for fewer examples")
+            raise ValueError(
+                f"could not find {total} unique trees with {cfg.min_length} < length "
+                f"< {cfg.max_length}; widen the range or ask for fewer examples"
+            )
         tree = sample_tree(rng, cfg)
         if tree is not None and tuple(tree[0]) not in seen:
             seen.add(tuple(tree[0]))
             trees.append(tree)
     splits, start = {}, 0
     for name, n in sizes.items():
-        chunk = trees[start:start + n]
+        chunk = trees[start : start + n]
         start += n
         tokens = torch.zeros(n, cfg.max_length, dtype=torch.int64)
         for i, (toks, _) in enumerate(chunk):
-            tokens[i, :len(toks)] = torch.tensor(toks, dtype=torch.int64)
+            tokens[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
         labels = torch.tensor([value for _, value in chunk], dtype=torch.int64)
         splits[name] = (tokens, labels)
     return splits

@@ -28,8 +28,8 @@ Notes:
     keys 1-31, values 32-63); ``standard`` (seq 256, 16 pairs, vocab 64: keys 1-31, values
     32-63), the committed benchmark target -- the quick vocabulary, so a model trained on the
     quick size can continue on this one (``attnzoo bench train --init-from``): a width-64, 2-layer
-    softmax model trained from scratch at this length sat on its plateau for 1000+ CPU steps; ``full`` (Zoology-sized: seq 512, 64 pairs, vocab
-    8192, 100k train examples).
+    softmax model trained from scratch at this length sat on its plateau for 1000+ CPU steps;
+    ``full`` (Zoology-sized: seq 512, 64 pairs, vocab 8192, 100k train examples).
 """
 
 from __future__ import annotations
@@ -44,10 +44,8 @@ _CHUNK = 4096  # rows per vectorised block: bounds memory at vocab 8192
 
 SIZES = {
     "quick": dict(seq_len=64, n_pairs=4, vocab_size=64, n_train=5000, n_val=500, n_test=500),
-    "standard": dict(seq_len=256, n_pairs=16, vocab_size=64, n_train=20_000, n_val=1000,
-                     n_test=1000),
-    "full": dict(seq_len=512, n_pairs=64, vocab_size=8192, n_train=100_000, n_val=3000,
-                 n_test=3000),
+    "standard": dict(seq_len=256, n_pairs=16, vocab_size=64, n_train=20_000, n_val=1000, n_test=1000),
+    "full": dict(seq_len=512, n_pairs=64, vocab_size=8192, n_train=100_000, n_val=3000, n_test=3000),
 }
 
 
@@ -72,26 +70,38 @@ class Config:
     n_test: int = 1000
 
     def __post_init__(self) -> None:
-        for name, low in [("seq_len", 4), ("n_pairs", 1), ("vocab_size", 6), ("n_train", 1),
-                          ("n_val", 1), ("n_test", 1)]:
+        for name, low in [
+            ("seq_len", 4),
+            ("n_pairs", 1),
+            ("vocab_size", 6),
+            ("n_train", 1),
+            ("n_val", 1),
+            ("n_test", 1),
+        ]:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if isinstance(self.power_a, bool) or not isinstance(self.power_a, (int, float)) \
-                or not self.power_a > 0:
+        if isinstance(self.power_a, bool) or not isinstance(self.power_a, (int, float)) or not self.power_a > 0:
             raise ValueError(f"power_a must be a positive number, got {self.power_a!r}")
         if 4 * self.n_pairs > self.seq_len:
-            raise ValueError(f"seq_len ({self.seq_len}) must be at least 4 * n_pairs "
-                             f"({4 * self.n_pairs})")
+            raise ValueError(f"seq_len ({self.seq_len}) must be at least 4 * n_pairs ({4 * self.n_pairs})")
         if self.vocab_size // 2 - 1 < self.n_pairs:
-            raise ValueError(f"vocab_size ({self.vocab_size}) gives {self.vocab_size // 2 - 1} "
-                             f"keys, fewer than n_pairs ({self.n_pairs})")
+            raise ValueError(
+                f"vocab_size ({self.vocab_size}) gives {self.vocab_size // 2 - 1} "
+                f"keys, fewer than n_pairs ({self.n_pairs})"
+            )
 
 
 def describe(cfg: Config) -> dict:
     n_values = cfg.vocab_size - cfg.vocab_size // 2
-    return dict(kind="lm", seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                n_classes=cfg.vocab_size, causal=True, chance=1.0 / n_values)
+    return dict(
+        kind="lm",
+        seq_len=cfg.seq_len,
+        vocab_size=cfg.vocab_size,
+        n_classes=cfg.vocab_size,
+        causal=True,
+        chance=1.0 / n_values,
+    )
 
 
 def _distinct(rng: np.random.Generator, rows: int, low: int, high: int, k: int) -> np.ndarray:
@@ -125,8 +135,7 @@ def _block(rng: np.random.Generator, cfg: Config, rows: int) -> tuple[np.ndarray
 
 def generate(cfg: Config, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     splits = {}
-    for index, (name, n) in enumerate([("train", cfg.n_train), ("val", cfg.n_val),
-                                       ("test", cfg.n_test)]):
+    for index, (name, n) in enumerate([("train", cfg.n_train), ("val", cfg.n_val), ("test", cfg.n_test)]):
         # One independent stream per split, so growing n_train leaves val/test unchanged.
         rng = np.random.default_rng([seed, index, 0x6D716172])
         blocks = [_block(rng, cfg, min(_CHUNK, n - start)) for start in range(0, n, _CHUNK)]

@@ -77,28 +77,36 @@ class Config:
     n_test: int = 500
 
     def __post_init__(self) -> None:
-        for name, low in [("resolution", 8), ("contour_length", 3), ("n_distractors", 0),
-                          ("dash", 0), ("dash_len", 1), ("n_train", 2), ("n_val", 2),
-                          ("n_test", 2)]:
+        for name, low in [
+            ("resolution", 8),
+            ("contour_length", 3),
+            ("n_distractors", 0),
+            ("dash", 0),
+            ("dash_len", 1),
+            ("n_train", 2),
+            ("n_val", 2),
+            ("n_test", 2),
+        ]:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         for name in ("n_train", "n_val", "n_test"):
             if getattr(self, name) % 2:
-                raise ValueError(f"{name} must be even (splits are exactly half positive), "
-                                 f"got {getattr(self, name)}")
-        if self.contour_length > self.resolution ** 2 // 8:
-            raise ValueError(f"contour_length ({self.contour_length}) is too long for resolution "
-                             f"{self.resolution}; at most {self.resolution ** 2 // 8}")
+                raise ValueError(f"{name} must be even (splits are exactly half positive), got {getattr(self, name)}")
+        if self.contour_length > self.resolution**2 // 8:
+            raise ValueError(
+                f"contour_length ({self.contour_length}) is too long for resolution "
+                f"{self.resolution}; at most {self.resolution**2 // 8}"
+            )
 
 
 def describe(cfg: Config) -> dict:
-    return dict(kind="classify", seq_len=cfg.resolution ** 2, vocab_size=VOCAB_SIZE,
-                n_classes=2, causal=False, chance=0.5)
+    return dict(
+        kind="classify", seq_len=cfg.resolution**2, vocab_size=VOCAB_SIZE, n_classes=2, causal=False, chance=0.5
+    )
 
 
-def _trace(rng: np.random.Generator, start: np.ndarray,
-           cfg: Config) -> list[tuple[int, int]] | None:
+def _trace(rng: np.random.Generator, start: np.ndarray, cfg: Config) -> list[tuple[int, int]] | None:
     """A chain of ``contour_length`` distinct 8-adjacent pixels from ``start``, one pixel clear
     of the border (room for a marker square), or None when it leaves the image or crosses
     itself."""
@@ -135,7 +143,7 @@ def _footprint(rng: np.random.Generator, chain, cfg: Config, marked: bool):
     reserved = dashes.copy()
     if marked:
         for r, c in (chain[0], chain[-1]):
-            reserved[r - 1:r + 2, c - 1:c + 2] = True
+            reserved[r - 1 : r + 2, c - 1 : c + 2] = True
     return dashes, reserved
 
 
@@ -143,16 +151,15 @@ def _dilate(image: np.ndarray, radius: int) -> np.ndarray:
     """Every pixel within Chebyshev distance ``radius`` of a True pixel."""
     rows, cols = image.shape
     padded = np.zeros((rows + 2 * radius, cols + 2 * radius), dtype=bool)
-    padded[radius:radius + rows, radius:radius + cols] = image
+    padded[radius : radius + rows, radius : radius + cols] = image
     out = np.zeros_like(image)
     for dy in range(2 * radius + 1):
         for dx in range(2 * radius + 1):
-            out |= padded[dy:dy + rows, dx:dx + cols]
+            out |= padded[dy : dy + rows, dx : dx + cols]
     return out
 
 
-def _place(rng, cfg: Config, forbidden: np.ndarray, centre: np.ndarray, spread: float,
-           marked: bool):
+def _place(rng, cfg: Config, forbidden: np.ndarray, centre: np.ndarray, spread: float, marked: bool):
     """Trace a contour starting within ``spread`` of ``centre`` whose reserved pixels avoid
     ``forbidden``; returns ``(chain, dashes, reserved)`` or None."""
     for _ in range(_TRACE_TRIES):
@@ -194,18 +201,17 @@ def _image(rng: np.random.Generator, cfg: Config, label: int) -> np.ndarray | No
         pairs = [(p, q) for p in (a[0], a[-1]) for q in (b[0], b[-1])]
         ends = min(pairs, key=lambda pq: abs(math.dist(*pq) - math.dist(a[0], a[-1])))
     for r, c in ends:
-        image[r - 1:r + 2, c - 1:c + 2] = MARKER
+        image[r - 1 : r + 2, c - 1 : c + 2] = MARKER
     return image
 
 
 def generate(cfg: Config, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     splits = {}
-    for index, (name, n) in enumerate([("train", cfg.n_train), ("val", cfg.n_val),
-                                       ("test", cfg.n_test)]):
+    for index, (name, n) in enumerate([("train", cfg.n_train), ("val", cfg.n_val), ("test", cfg.n_test)]):
         # One independent stream per split, so growing n_train leaves val/test unchanged.
         rng = np.random.default_rng([seed, index, 0x70617468])
         labels = rng.permutation(np.repeat([0, 1], n // 2))
-        tokens = np.empty((n, cfg.resolution ** 2), dtype=np.int64)
+        tokens = np.empty((n, cfg.resolution**2), dtype=np.int64)
         for i, label in enumerate(labels):
             tokens[i] = _retry(rng, cfg, int(label)).reshape(-1) + 1
         splits[name] = (torch.from_numpy(tokens), torch.from_numpy(labels.astype(np.int64)))
@@ -217,9 +223,11 @@ def _retry(rng: np.random.Generator, cfg: Config, label: int) -> np.ndarray:
         image = _image(rng, cfg, label)
         if image is not None:
             return image
-    raise ValueError(f"could not fit {2 + cfg.n_distractors} contours of length "
-                     f"{cfg.contour_length} with dash {cfg.dash} into {cfg.resolution}x"
-                     f"{cfg.resolution} images; lower contour_length, n_distractors or dash")
+    raise ValueError(
+        f"could not fit {2 + cfg.n_distractors} contours of length "
+        f"{cfg.contour_length} with dash {cfg.dash} into {cfg.resolution}x"
+        f"{cfg.resolution} images; lower contour_length, n_distractors or dash"
+    )
 
 
 def render(tokens, resolution: int | None = None) -> str:
@@ -227,5 +235,4 @@ def render(tokens, resolution: int | None = None) -> str:
     values = [int(t) - 1 for t in tokens]
     side = resolution or math.isqrt(len(values))
     glyph = {BACKGROUND: ".", CONTOUR: "o", MARKER: "#"}
-    return "\n".join("".join(glyph[v] for v in values[r * side:(r + 1) * side])
-                     for r in range(side))
+    return "\n".join("".join(glyph[v] for v in values[r * side : (r + 1) * side]) for r in range(side))

