@@ -19,6 +19,10 @@ How a call runs:
 
 A ``score_mod`` (ALiBi, ...) runs pieces through an einsum path instead of the flash kernel.
 Rows that see no key give zeros and zero gradient.
+
+``Blocked`` is the backend object ``dispatch`` runs: the structured path (``structured.py``,
+``windowed.py``) where the pattern has window structure, else this module's tile plan; the
+plans and their caches live in ``plan.py``.
 """
 
 from __future__ import annotations
