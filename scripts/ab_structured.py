@@ -18,21 +18,22 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo import patterns as P
-from attnzoo.backends import blocked, dispatch, windowed
+from attnzoo.backends import blocked, plan, windowed
+from attnzoo.backends.call import Call
 from attnzoo.bench.speed import machine
 from attnzoo.bench.train import git_revision
 
 
 def _paths(pattern: P.Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> dict:
     full = pattern & P.causal() if causal else pattern
-    call = dispatch.Call(q, k, v, full, None, None, q.shape[-1] ** -0.5, 128)
-    structure, plan = dispatch.structure_for(call), dispatch.plan_for(call)
+    call = Call(q, k, v, full, None, None, q.shape[-1] ** -0.5, 128)
+    structure, tile_plan = plan.structure_for(call), plan.plan_for(call)
     assert structure is not None
     mask_mod = full.mask_mod_for(q.shape[2], k.shape[2])
     return {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
         "structured": lambda: windowed.structured_attention(q, k, v, structure, scale=call.scale),
-        "tiles": lambda: blocked.blocked_attention(q, k, v, plan, mask_mod=mask_mod, scale=call.scale),
+        "tiles": lambda: blocked.blocked_attention(q, k, v, tile_plan, mask_mod=mask_mod, scale=call.scale),
     }
 
 

@@ -192,7 +192,8 @@ def test_alibi_score_mod_through_a_sparse_layer_equals_softmax_with_the_same_bia
 def test_triangular_tiles_run_unmasked_and_stay_exact(causal, dtype):
     # Windows that are multiples of the tile make the edge tiles (and the causal diagonal)
     # exact triangles: the plan must run them with is_causal, and stay equal to the reference.
-    from attnzoo.backends.dispatch import Call, plan_for
+    from attnzoo.backends.call import Call
+    from attnzoo.backends.plan import plan_for
 
     pattern = P.sliding_window(32, 16)
     q, k, v = (t.detach().to(dtype).requires_grad_(dtype == torch.float32) for t in _inputs(torch.float32))

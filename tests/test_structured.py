@@ -9,7 +9,7 @@ import torch
 
 import oracles as O
 from attnzoo import patterns as P
-from attnzoo.backends import dispatch, structured
+from attnzoo.backends import plan, structured
 from attnzoo.backends.dispatch import attend, last_choice
 from conftest import LargestTensor
 
@@ -153,8 +153,8 @@ def test_plans_are_cached_by_pattern_value(monkeypatch):
 
     monkeypatch.setattr(structured, "structure", counted_structure)
     monkeypatch.setattr(P.Pattern, "blocks", counted_blocks)
-    dispatch._STRUCTURES.clear()
-    dispatch._PLANS.clear()
+    plan.STRUCTURES.clear()
+    plan.PLANS.clear()
     q, k, v = _inputs(96, dtype=torch.float32)
     for _ in range(3):  # patterns rebuilt on every call, causal=True and-ed in by attend
         attend(q, k, v, pattern=P.sliding_window(5, 5), causal=True, backend="blocked")

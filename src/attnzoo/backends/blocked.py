@@ -3,7 +3,7 @@ eager PyTorch, with a FlashAttention-style backward. Trains on CPU; memory O(N *
 
 How a call runs:
 
-1. ``make_plan`` turns ``Pattern.blocks()`` into *pieces*: query blocks that share a head group
+1. ``plan.make_plan`` turns ``Pattern.blocks()`` into *pieces*: query blocks that share a head group
    and a number of listed key blocks, each piece either all-full tiles or all-partial tiles,
    with at most ``max_kv_blocks`` key blocks (longer rows, e.g. global tokens, become several
    pieces).
@@ -19,6 +19,10 @@ How a call runs:
 
 A ``score_mod`` (ALiBi, ...) runs pieces through an einsum path instead of the flash kernel.
 Rows that see no key give zeros and zero gradient.
+
+``Blocked`` is the backend object ``dispatch`` runs: the structured path (``structured.py``,
+``windowed.py``) where the pattern has window structure, else this module's tile plan; the
+plans and their caches live in ``plan.py``.
 """
 
 from __future__ import annotations
@@ -30,94 +34,17 @@ import torch
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
-from attnzoo.patterns.algebra import BlockList, Pattern, TileGrid, evaluate_tiles
+from attnzoo.backends.call import Backend, Call, compute_dtype
+from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
+from attnzoo.backends.windowed import structured_attention
 from attnzoo.spec import MaskMod, ScoreMod
 
 _flash = flash_attention_cpu
 _flash_backward = flash_attention_cpu_backward
 
-#: How each tile is computed: no mask, causal, causal on reversed rows, or an explicit mask.
-KINDS = ("full", "tril", "triu", "mask")
-#: Pairs of partial tiles ``make_plan`` may evaluate once to find the triangular ones.
-CLASSIFY_BUDGET = 1 << 26
 #: Elements of one piece's score matrix (batch x heads x rows x keys) above which its query
 #: blocks are split further. 4M measured fastest on a 2-core EPYC (cache-sized chunks).
 SCORE_BUDGET = 1 << 22
-
-
-@dataclass(frozen=True)
-class Piece:
-    heads: Tensor  # (Hg,) the heads this piece serves
-    qb: Tensor  # (Q',) query blocks
-    kb: Tensor  # (Q', c) key blocks of each query block
-    kind: str  # one of KINDS (triangular kinds have c == 1)
-
-
-@dataclass(frozen=True)
-class Plan(TileGrid):
-    n_q: int
-    n_kv: int
-    block: int
-    heads: int
-    pieces: tuple[Piece, ...]
-
-
-def make_plan(
-    tiles: BlockList,
-    head_groups: Tensor,
-    *,
-    pattern: Pattern | None = None,
-    mask_blocks: Tensor | None = None,
-    max_kv_blocks: int = 32,
-) -> Plan:
-    """Group tiles into pieces. ``head_groups (H,)`` maps heads to tile groups; ``mask_blocks``
-    (bool per key block) forces tiles of those key blocks to use an explicit mask (blocks with
-    padded keys); the ragged last key block always does. Given the ``pattern``, partial tiles
-    are classified once (within ``CLASSIFY_BUDGET``) so triangles run without a mask."""
-    forced = torch.zeros(tiles.n_kv_blocks, dtype=torch.bool)
-    if tiles.n_kv % tiles.block:
-        forced[-1] = True
-    if mask_blocks is not None:
-        forced |= mask_blocks
-    kinds = tile_kinds(tiles, forced, pattern)
-    pieces = []
-    for group in range(tiles.n_groups):
-        heads = (head_groups == group).nonzero().flatten()
-        if heads.numel() == 0:
-            continue
-        for index, kind in enumerate(KINDS):
-            keep = (tiles.group == group) & (kinds == index)
-            width = max_kv_blocks if kind in ("full", "mask") else 1
-            pieces += _pieces_of(heads, tiles.qb[keep], tiles.kb[keep], kind, tiles.n_q_blocks, width)
-    return Plan(tiles.n_q, tiles.n_kv, tiles.block, int(head_groups.numel()), tuple(pieces))
-
-
-def tile_kinds(tiles: BlockList, forced: Tensor, pattern: Pattern | None) -> Tensor:
-    """Index into ``KINDS`` per tile. Partial tiles are evaluated (once per plan, partial tiles
-    only) to find exact lower/upper triangles; above ``CLASSIFY_BUDGET`` they keep a mask."""
-    masked = ~tiles.full | forced[tiles.kb]
-    kinds = torch.where(masked, KINDS.index("mask"), KINDS.index("full"))
-    candidates = (~tiles.full & ~forced[tiles.kb]).nonzero().flatten()
-    if pattern is None or candidates.numel() * tiles.block**2 > CLASSIFY_BUDGET:
-        return kinds
-    lower = torch.ones(tiles.block, tiles.block, dtype=torch.bool).tril()
-    for chunk in candidates.split(1024):
-        masks = evaluate_tiles(pattern, tiles.select(chunk))
-        kinds[chunk[(masks == lower).flatten(1).all(1)]] = KINDS.index("tril")
-        kinds[chunk[(masks == lower.T).flatten(1).all(1)]] = KINDS.index("triu")
-    return kinds
-
-
-def _pieces_of(heads: Tensor, qb: Tensor, kb: Tensor, kind: str, n_qb: int, max_kv: int) -> list[Piece]:
-    # Entries arrive sorted by (qb, kb). Query blocks with the same count form one piece.
-    counts = torch.bincount(qb, minlength=n_qb)
-    pieces = []
-    for c in torch.unique(counts[counts > 0]).tolist():
-        rows = (counts == c).nonzero().flatten()
-        cols = kb[(counts[qb] == c)].view(rows.numel(), c)
-        for start in range(0, c, max_kv):
-            pieces.append(Piece(heads, rows, cols[:, start : start + max_kv], kind))
-    return pieces
 
 
 @dataclass(frozen=True)
@@ -174,10 +101,6 @@ def _additive(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _uses_flash(piece: Piece, ctx: Context) -> bool:
     # The flash kernel takes no score_mod, and its mask cannot depend on the batch row (tiles
     # with padded keys are always of kind "mask").
@@ -198,7 +121,7 @@ def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -
     piece; ``-inf`` where a row sees no key of this piece."""
     qx, kx, vx = _gather(piece, q, k, v, ctx.plan.block)
     visible = _visible(piece, ctx, qx) if _needs_mask(piece, ctx) else None
-    cd = _compute_dtype(q)
+    cd = compute_dtype(q)
     if _uses_flash(piece, ctx):
         if piece.kind in ("tril", "triu"):
             flip = piece.kind == "triu"
@@ -252,7 +175,7 @@ def piece_backward(
         return _flash_backward(
             dox, qx, kx, vx, ox, lse_x, 0.0, False, attn_mask=_additive(visible, q.dtype), scale=ctx.scale
         )
-    cd = _compute_dtype(q)
+    cd = compute_dtype(q)
     qx, kx, vx, dox = qx.to(cd), kx.to(cd), vx.to(cd), dox.to(cd)
     with torch.enable_grad():
         raw = (torch.matmul(qx, kx.transpose(-1, -2)) * ctx.scale).detach().requires_grad_()
@@ -296,7 +219,7 @@ class BlockedAttention(torch.autograd.Function):
         plan, batch, heads = data.plan, q.shape[0], q.shape[1]
         n_kv_pad = plan.n_kv_blocks * plan.block
         qp, kp, vp = _pad(q, plan.n_q_blocks * plan.block), _pad(k, n_kv_pad), _pad(v, n_kv_pad)
-        cd = _compute_dtype(q)
+        cd = compute_dtype(q)
         # Running output and log-sum-exp per head and query block: [H, QB, B, block, (Dv)].
         acc = torch.zeros(heads, plan.n_q_blocks, batch, plan.block, v.shape[-1], dtype=cd, device=q.device)
         acc_lse = torch.full(acc.shape[:-1], float("-inf"), dtype=cd, device=q.device)
@@ -330,7 +253,7 @@ class BlockedAttention(torch.autograd.Function):
         n_q_pad, n_kv_pad = plan.n_q_blocks * plan.block, plan.n_kv_blocks * plan.block
         qp, kp, vp = _pad(q, n_q_pad), _pad(k, n_kv_pad), _pad(v, n_kv_pad)
         op, gp = _pad(out, n_q_pad), _pad(grad_out.contiguous(), n_q_pad)
-        cd = _compute_dtype(q)
+        cd = compute_dtype(q)
         delta = (gp.to(cd) * op.to(cd)).sum(-1)  # [B, H, Nq_pad]
         # d lse_i / d s_ij = p_ij, so a gradient on the lse enters exactly like -delta.
         lse_grad = grad_lse is not None and bool((grad_lse != 0).any())
@@ -400,3 +323,34 @@ def blocked_attention(
     ctx = Context(plan, scale, mask_mod, score_mod, key_padding_mask, q.shape[0], q.shape[-1] == v.shape[-1])
     out, lse = BlockedAttention.apply(q, k, v, ctx)
     return (out, lse[:, :, : plan.n_q]) if return_lse else out
+
+
+class Blocked(Backend):
+    """The CPU training backend: the structured path where the pattern has window structure
+    (``plan.structure_for``), else the generic tile plan (``plan.plan_for``)."""
+
+    NAME = "blocked"
+
+    def not_supported_reasons(self, call: Call) -> list[str]:
+        if call.q.device.type != "cpu":
+            return [f"blocked runs PyTorch's CPU flash kernel; inputs are on {call.q.device.type} (use flex)"]
+        return []
+
+    def path(self, call: Call) -> str:
+        return "tiles" if structure_for(call) is None else "structured"
+
+    def run(self, call: Call) -> Tensor:
+        q, k, v = call.q, call.k, call.v
+        structure = structure_for(call)
+        if structure is not None:
+            return structured_attention(q, k, v, structure, scale=call.scale, key_padding_mask=call.key_padding_mask)
+        return blocked_attention(
+            q,
+            k,
+            v,
+            plan_for(call),
+            mask_mod=call.pattern.mask_mod_for(q.shape[2], k.shape[2]),
+            scale=call.scale,
+            score_mod=call.score_mod,
+            key_padding_mask=call.key_padding_mask,
+        )

@@ -2,24 +2,27 @@
 built directly from ``Pattern.blocks()`` (``create_block_mask`` would evaluate every pair).
 
 The compiled function is created once per process; dynamo caches one graph per input shape,
-so a second call with the same shapes does not recompile. Block masks are cached per pattern
-and size. On CPU, FlexAttention has no backward: inputs that require grad are refused.
+so a second call with the same shapes does not recompile. The block structure (which tiles are
+full, which partial) is cached by the pattern's value, the sizes and the masked key blocks
+(``call.plan_key``); a key padding mask only enters through ``mask_mod``, so it is never part of
+a cache key (keying on ``id(mask)`` would miss on every fresh mask and pin old masks alive).
+On CPU, FlexAttention has no backward: inputs that require grad are refused.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from attnzoo.backends.dispatch import Call
+from attnzoo.backends.call import Backend, Call, PlanCache, masked_key_blocks, plan_key
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
-_MASKS: OrderedDict[tuple, Any] = OrderedDict()
+#: Per plan key and device: the ``BlockMask`` (calls without padding) or its four CSR tensors
+#: (calls with padding: the ``BlockMask`` is rebuilt around the call's own mask).
+MASKS: PlanCache[tuple, Any] = PlanCache(maxsize=32)
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -31,27 +34,6 @@ def _flex_module() -> Any:
     return flex_attention
 
 
-def not_supported_reasons(call: Call) -> list[str]:
-    reasons = []
-    if _flex_module() is None:
-        return ["torch.nn.attention.flex_attention is not available in this torch"]
-    q = call.q
-    if q.device.type == "cpu":
-        if any(t.requires_grad for t in (call.q, call.k, call.v)):
-            reasons.append(
-                "FlexAttention has no backward on CPU and refuses inputs that require grad; "
-                "use backend='blocked' to train, or pass detached tensors"
-            )
-        if q.dtype not in CPU_DTYPES:
-            reasons.append(f"flex on CPU supports {', '.join(map(str, CPU_DTYPES))}, got {q.dtype}")
-    elif q.device.type != "cuda":
-        reasons.append(f"flex runs on CPU or CUDA, got {q.device.type}")
-    for name, dim in (("D", q.shape[-1]), ("D_v", call.v.shape[-1])):
-        if dim < 16 or dim & (dim - 1):
-            reasons.append(f"flex needs a power-of-two head dimension >= 16, got {name}={dim}")
-    return reasons
-
-
 def _compiled() -> Callable[..., Tensor]:
     if "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(_flex_module().flex_attention, dynamic=False)
@@ -60,43 +42,29 @@ def _compiled() -> Callable[..., Tensor]:
 
 def block_mask_for(call: Call) -> Any:
     """A ``BlockMask`` from ``Pattern.blocks()``: full tiles skip the mask, partial tiles run
-    ``mask_mod``. Tiles with padded keys, and the ragged last key block, count as partial."""
-    from attnzoo.backends.dispatch import padded_blocks
+    ``mask_mod``. Tiles of ``masked_key_blocks`` (padded keys, the ragged last block) count as
+    partial."""
+    key = (*plan_key(call), str(call.q.device), call.key_padding_mask is None)
+    if call.key_padding_mask is None:
+        return MASKS.get(key, lambda: _block_mask(call, _kv_blocks(call)))
+    return _block_mask(call, MASKS.get(key, lambda: _kv_blocks(call)))
 
-    n_q, n_kv, heads = call.q.shape[2], call.k.shape[2], call.q.shape[1]
-    kpm = call.key_padding_mask
-    mask_blocks = padded_blocks(kpm, n_kv, call.block)
-    key = (
-        call.pattern,
-        n_q,
-        n_kv,
-        call.block,
-        heads,
-        str(call.q.device),
-        None if mask_blocks is None else bytes(mask_blocks.numpy()),
-        None if kpm is None else id(kpm),
-    )
-    if key in _MASKS:
-        _MASKS.move_to_end(key)
-        return _MASKS[key]
+
+def _kv_blocks(call: Call) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The partial and full tiles of each (head, query block), as ``BlockMask.from_kv_blocks``
+    takes them."""
+    n_q, n_kv, _ = call.sizes()
     tiles = call.pattern.blocks(n_q, n_kv, call.block)
-    partial_kb = torch.zeros(tiles.n_kv_blocks, dtype=torch.bool)
-    if n_kv % call.block:
-        partial_kb[-1] = True
-    if mask_blocks is not None:
-        partial_kb |= mask_blocks
-    full = tiles.full & ~partial_kb[tiles.kb]
-    groups = call.head_groups
-    device = call.q.device
-    p_num, p_idx = _csr(tiles, ~full, groups, device)
-    f_num, f_idx = _csr(tiles, full, groups, device)
-    block_mask = _flex_module().BlockMask.from_kv_blocks(
-        p_num, p_idx, f_num, f_idx, BLOCK_SIZE=call.block, mask_mod=_flex_mask_mod(call), seq_lengths=(n_q, n_kv)
+    full = tiles.full & ~masked_key_blocks(n_kv, call.block, call.key_padding_mask)[tiles.kb]
+    groups, device = call.head_groups, call.q.device
+    return (*_csr(tiles, ~full, groups, device), *_csr(tiles, full, groups, device))
+
+
+def _block_mask(call: Call, kv_blocks: tuple[Tensor, Tensor, Tensor, Tensor]) -> Any:
+    seq_lengths = (call.q.shape[2], call.k.shape[2])
+    return _flex_module().BlockMask.from_kv_blocks(
+        *kv_blocks, BLOCK_SIZE=call.block, mask_mod=_flex_mask_mod(call), seq_lengths=seq_lengths
     )
-    _MASKS[key] = block_mask
-    if len(_MASKS) > 32:
-        _MASKS.popitem(last=False)
-    return block_mask
 
 
 def _csr(tiles: Any, keep: Tensor, head_groups: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -122,14 +90,38 @@ def _flex_mask_mod(call: Call) -> Callable[..., Tensor]:
     return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + offset, kv_idx) & kpm[b, kv_idx]
 
 
-def flex_attend(call: Call) -> Tensor:
-    block_mask = block_mask_for(call)
-    score_mod = None
-    if call.score_mod is not None:
-        offset, user = call.k.shape[2] - call.q.shape[2], call.score_mod
+class Flex(Backend):
+    """The GPU backend (and a CPU inference one, after ~20 s of compilation per shape)."""
 
-        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return user(score, b, h, q_idx + offset, kv_idx)
+    NAME = "flex"
 
-    out = _compiled()(call.q, call.k, call.v, score_mod=score_mod, block_mask=block_mask, scale=call.scale)
-    return out
+    def not_supported_reasons(self, call: Call) -> list[str]:
+        reasons = []
+        if _flex_module() is None:
+            return ["torch.nn.attention.flex_attention is not available in this torch"]
+        q = call.q
+        if q.device.type == "cpu":
+            if any(t.requires_grad for t in (call.q, call.k, call.v)):
+                reasons.append(
+                    "FlexAttention has no backward on CPU and refuses inputs that require grad; "
+                    "use backend='blocked' to train, or pass detached tensors"
+                )
+            if q.dtype not in CPU_DTYPES:
+                reasons.append(f"flex on CPU supports {', '.join(map(str, CPU_DTYPES))}, got {q.dtype}")
+        elif q.device.type != "cuda":
+            reasons.append(f"flex runs on CPU or CUDA, got {q.device.type}")
+        for name, dim in (("D", q.shape[-1]), ("D_v", call.v.shape[-1])):
+            if dim < 16 or dim & (dim - 1):
+                reasons.append(f"flex needs a power-of-two head dimension >= 16, got {name}={dim}")
+        return reasons
+
+    def run(self, call: Call) -> Tensor:
+        block_mask = block_mask_for(call)
+        score_mod = None
+        if call.score_mod is not None:
+            offset, user = call.k.shape[2] - call.q.shape[2], call.score_mod
+
+            def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return user(score, b, h, q_idx + offset, kv_idx)
+
+        return _compiled()(call.q, call.k, call.v, score_mod=score_mod, block_mask=block_mask, scale=call.scale)

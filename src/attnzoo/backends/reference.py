@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._checks import check_causal, check_choice, check_key_padding_mask, check_qkv
+from attnzoo.backends.call import Backend, Call
 from attnzoo.spec import MaskMod, ScoreMod
 
 NORMALIZERS = ("softmax", "relu")
@@ -137,3 +138,22 @@ def reference_attention(
     weights = normalize_scores(scores, visible, normalizer)
     out = torch.einsum("bhij,bhjd->bhid", weights, vc).to(q.dtype)
     return (out, weights) if return_weights else out
+
+
+class Reference(Backend):
+    """The oracle as a backend: runs every call (it is last in every priority list), at
+    O(N_q x N_kv) memory."""
+
+    NAME = "reference"
+
+    def run(self, call: Call) -> Tensor:
+        q, k = call.q, call.k
+        return reference_attention(
+            q,
+            k,
+            call.v,
+            key_padding_mask=call.key_padding_mask,
+            mask_mod=call.pattern.mask_mod_for(q.shape[2], k.shape[2]),
+            score_mod=call.score_mod,
+            scale=call.scale,
+        )

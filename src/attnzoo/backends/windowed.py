@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
-from attnzoo.backends.blocked import _compute_dtype
+from attnzoo.backends.call import compute_dtype
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
 
 # --- layout: heads, de-interleaving, windows ------------------------------------------------
@@ -218,7 +218,7 @@ def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, key_valid: Tensor | 
     allowed = part.columns.to(q.device)[None, None]
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, None, part.tokens.to(q.device)]
-    cd = _compute_dtype(q)
+    cd = compute_dtype(q)
     scores = torch.matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * scale
     return scores.masked_fill(~allowed, float("-inf"))
 
@@ -284,7 +284,7 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: 
     """The global tokens' rows: each attends every (real, and with ``causal`` earlier) key.
     ``(B, H, g, Dv)``; O(g N) memory; differentiable by autograd."""
     index = part.tokens.to(q.device)
-    cd = _compute_dtype(q)
+    cd = compute_dtype(q)
     scores = torch.matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * scale
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if part.causal:

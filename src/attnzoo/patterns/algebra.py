@@ -147,8 +147,22 @@ class BlockList(TileGrid):
         return grid
 
 
-class Pattern:
-    """Base class. Subclasses implement ``mask_mod_for`` and ``_blocks``."""
+class _Immutable(type):
+    """Freezes every pattern once its ``__init__`` returns: patterns are hashed by value and
+    used as keys of the backends' plan caches, so a pattern changed after a plan was cached
+    for it would silently run the old plan."""
+
+    def __call__(cls, *args: object, **kwargs: object) -> object:
+        obj = super().__call__(*args, **kwargs)
+        object.__setattr__(obj, "_frozen", True)
+        return obj
+
+
+class Pattern(metaclass=_Immutable):
+    """Base class. Subclasses implement ``mask_mod_for`` and ``_blocks``. Instances are
+    immutable once built (only the display ``name`` may be changed) and compare by ``_value``."""
+
+    _frozen = False
 
     name: str = "pattern"
     #: True when the pattern differs per head (``per_head``); see ``resolve_heads``.
@@ -204,6 +218,11 @@ class Pattern:
         """What makes two patterns of one class equal; None compares by identity. Plans are
         cached by it, so ``local(64) & causal()`` built afresh per call reuses its plan."""
         return None
+
+    def __setattr__(self, attr: str, value: object) -> None:
+        if self._frozen and attr != "name":
+            raise AttributeError(f"patterns are immutable: build a new {type(self).__name__} instead of setting {attr}")
+        object.__setattr__(self, attr, value)
 
     def __eq__(self, other: object) -> bool:
         if self is other:

@@ -1,0 +1,129 @@
+"""What every backend shares: the resolved ``Call``, the ``Backend`` protocol, the rule for
+which key blocks must run under an explicit mask, and the bounded plan cache.
+
+It lives apart from ``dispatch`` so that backends import it and ``dispatch`` imports the
+backends, never the other way round (no import cycle).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import ClassVar, Generic, NamedTuple, TypeVar
+
+import torch
+from torch import Tensor
+
+from attnzoo.patterns import Pattern
+from attnzoo.spec import ScoreMod
+
+
+@dataclass(frozen=True)
+class Call:
+    """One resolved ``attend`` call, as the backends see it: the pattern already has its heads
+    resolved and ``causal`` and-ed in, the scale is a number, the padding mask is checked."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    pattern: Pattern
+    key_padding_mask: Tensor | None
+    score_mod: ScoreMod | None
+    scale: float
+    block: int
+
+    @property
+    def head_groups(self) -> Tensor:
+        """``(H,)``: the tile group of every head (all zeros unless the pattern is per head)."""
+        return self.pattern.head_groups() if self.pattern.per_head else torch.zeros(self.q.shape[1], dtype=torch.long)
+
+    def sizes(self) -> tuple[int, int, int]:
+        """``(n_q, n_kv, heads)``: with the pattern and the block, what a plan depends on."""
+        return self.q.shape[2], self.k.shape[2], self.q.shape[1]
+
+
+class Backend:
+    """The protocol every backend follows. ``dispatch`` asks ``not_supported_reasons`` (empty
+    means the backend can run the call) and then ``run``s; the reasons are shown to the user,
+    so each says what is wrong and what to do instead."""
+
+    NAME: ClassVar[str]
+
+    def not_supported_reasons(self, call: Call) -> list[str]:
+        return []
+
+    def run(self, call: Call) -> Tensor:
+        raise NotImplementedError
+
+    def path(self, call: Call) -> str | None:
+        """Which of its own strategies the backend will take for ``call`` (recorded in
+        ``last_choice()``); None for backends with one strategy."""
+        return None
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """Backends accumulate in float32, or float64 for float64 inputs (the golden tests)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def masked_key_blocks(n_kv: int, block: int, key_padding_mask: Tensor | None = None) -> Tensor:
+    """Bool per key block: True where tiles must run under an explicit mask whatever the pattern
+    says, because the block holds keys that do not exist for some query — the ragged last
+    block (keys past ``n_kv``) and blocks where any batch row pads a key. The blocked tile plan
+    and flex's ``BlockMask`` both treat these tiles as partial; this is the one place the rule
+    is written."""
+    n_kb = -(-n_kv // block)
+    masked = torch.zeros(n_kb * block, dtype=torch.bool)
+    masked[n_kv:] = True
+    if key_padding_mask is not None:
+        masked[:n_kv] = ~key_padding_mask.all(dim=0).cpu()
+    return masked.view(n_kb, block).any(dim=1)
+
+
+def plan_key(call: Call) -> tuple[Hashable, ...]:
+    """What a plan for ``call`` depends on: the pattern by value (``Pattern.__eq__``, so a
+    pattern rebuilt per call hits the cache), the sizes, the block and the masked key blocks.
+    Never the identity of a tensor."""
+    masked = masked_key_blocks(call.k.shape[2], call.block, call.key_padding_mask)
+    return (call.pattern, *call.sizes(), call.block, bytes(masked.numpy()))
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    size: int
+    maxsize: int
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class PlanCache(Generic[K, V]):
+    """A least-recently-used dict of plans with ``functools.lru_cache``-style counters, so tests
+    (and users profiling a loop) can see that repeated calls reuse their plan."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: K, build: Callable[[], V]) -> V:
+        if key in self._entries:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        self.misses += 1
+        value = self._entries[key] = build()
+        if len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+        return value
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(self.hits, self.misses, len(self._entries), self.maxsize)
+
+    def clear(self) -> None:
+        """Drop the entries and reset the counters."""
+        self._entries.clear()
+        self.hits = self.misses = 0

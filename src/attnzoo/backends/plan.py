@@ -1,0 +1,126 @@
+"""Plans of the ``blocked`` backend — which tiles to compute and how — and the caches that
+make a repeated call skip ``Pattern.blocks()``.
+
+Two kinds of plan: the *structured* plan (``structured.structure``: windows and sub-sequences,
+run by ``windowed.py``) for patterns with window structure, else the generic *tile plan*
+(``make_plan``: pieces of tiles, run by ``blocked.py``). Both are cached by the pattern's
+*value* and the sizes (``call.plan_key``), so ``local(64) & causal()`` rebuilt on every call
+reuses its plan; ``PLANS.cache_info()`` and ``STRUCTURES.cache_info()`` count hits and misses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnzoo.backends import structured
+from attnzoo.backends.call import Call, PlanCache, masked_key_blocks, plan_key
+from attnzoo.patterns.algebra import BlockList, Pattern, TileGrid, evaluate_tiles
+
+#: How each tile is computed: no mask, causal, causal on reversed rows, or an explicit mask.
+KINDS = ("full", "tril", "triu", "mask")
+#: Pairs of partial tiles ``make_plan`` may evaluate once to find the triangular ones.
+CLASSIFY_BUDGET = 1 << 26
+
+
+@dataclass(frozen=True)
+class Piece:
+    heads: Tensor  # (Hg,) the heads this piece serves
+    qb: Tensor  # (Q',) query blocks
+    kb: Tensor  # (Q', c) key blocks of each query block
+    kind: str  # one of KINDS (triangular kinds have c == 1)
+
+
+@dataclass(frozen=True)
+class Plan(TileGrid):
+    n_q: int
+    n_kv: int
+    block: int
+    heads: int
+    pieces: tuple[Piece, ...]
+
+
+def make_plan(
+    tiles: BlockList,
+    head_groups: Tensor,
+    *,
+    pattern: Pattern | None = None,
+    masked_blocks: Tensor | None = None,
+    max_kv_blocks: int = 32,
+) -> Plan:
+    """Group tiles into pieces. ``head_groups (H,)`` maps heads to tile groups; ``masked_blocks``
+    (bool per key block, ``call.masked_key_blocks``; default: the ragged last block only) forces
+    tiles of those key blocks to use an explicit mask. Given the ``pattern``, partial tiles are
+    classified once (within ``CLASSIFY_BUDGET``) so triangles run without a mask."""
+    forced = masked_key_blocks(tiles.n_kv, tiles.block) if masked_blocks is None else masked_blocks
+    kinds = tile_kinds(tiles, forced, pattern)
+    pieces = []
+    for group in range(tiles.n_groups):
+        heads = (head_groups == group).nonzero().flatten()
+        if heads.numel() == 0:
+            continue
+        for index, kind in enumerate(KINDS):
+            keep = (tiles.group == group) & (kinds == index)
+            width = max_kv_blocks if kind in ("full", "mask") else 1
+            pieces += _pieces_of(heads, tiles.qb[keep], tiles.kb[keep], kind, tiles.n_q_blocks, width)
+    return Plan(tiles.n_q, tiles.n_kv, tiles.block, int(head_groups.numel()), tuple(pieces))
+
+
+def tile_kinds(tiles: BlockList, forced: Tensor, pattern: Pattern | None) -> Tensor:
+    """Index into ``KINDS`` per tile. Partial tiles are evaluated (once per plan, partial tiles
+    only) to find exact lower/upper triangles; above ``CLASSIFY_BUDGET`` they keep a mask."""
+    masked = ~tiles.full | forced[tiles.kb]
+    kinds = torch.where(masked, KINDS.index("mask"), KINDS.index("full"))
+    candidates = (~tiles.full & ~forced[tiles.kb]).nonzero().flatten()
+    if pattern is None or candidates.numel() * tiles.block**2 > CLASSIFY_BUDGET:
+        return kinds
+    lower = torch.ones(tiles.block, tiles.block, dtype=torch.bool).tril()
+    for chunk in candidates.split(1024):
+        masks = evaluate_tiles(pattern, tiles.select(chunk))
+        kinds[chunk[(masks == lower).flatten(1).all(1)]] = KINDS.index("tril")
+        kinds[chunk[(masks == lower.T).flatten(1).all(1)]] = KINDS.index("triu")
+    return kinds
+
+
+def _pieces_of(heads: Tensor, qb: Tensor, kb: Tensor, kind: str, n_qb: int, max_kv: int) -> list[Piece]:
+    # Entries arrive sorted by (qb, kb). Query blocks with the same count form one piece.
+    counts = torch.bincount(qb, minlength=n_qb)
+    pieces = []
+    for c in torch.unique(counts[counts > 0]).tolist():
+        rows = (counts == c).nonzero().flatten()
+        cols = kb[(counts[qb] == c)].view(rows.numel(), c)
+        for start in range(0, c, max_kv):
+            pieces.append(Piece(heads, rows, cols[:, start : start + max_kv], kind))
+    return pieces
+
+
+#: dtypes PyTorch's CPU flash kernel runs (the structured path needs it).
+FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+PLANS: PlanCache[tuple, Plan] = PlanCache(maxsize=64)
+STRUCTURES: PlanCache[tuple, structured.Structure | None] = PlanCache(maxsize=64)
+
+
+def structure_for(call: Call) -> structured.Structure | None:
+    """The structured plan for this call (cached by the pattern's value and the sizes), or None
+    where the call needs the generic tile plan: a pattern without window structure, a
+    ``score_mod``, value and key head sizes that differ, or a dtype the CPU flash kernel does
+    not run (cross-attention of unequal lengths: ``structure`` returns None)."""
+    q, v = call.q, call.v
+    if call.score_mod is not None or q.shape[-1] != v.shape[-1] or q.dtype not in FLASH_DTYPES:
+        return None
+    return STRUCTURES.get((call.pattern, *call.sizes()), lambda: structured.structure(call.pattern, *call.sizes()))
+
+
+def plan_for(call: Call) -> Plan:
+    """The tile plan for this call, cached by ``plan_key`` (pattern value, sizes, block, masked
+    key blocks) so repeated calls skip ``blocks()``."""
+
+    def build() -> Plan:
+        n_q, n_kv, _ = call.sizes()
+        masked = masked_key_blocks(n_kv, call.block, call.key_padding_mask)
+        tiles = call.pattern.blocks(n_q, n_kv, call.block)
+        return make_plan(tiles, call.head_groups, pattern=call.pattern, masked_blocks=masked)
+
+    return PLANS.get(plan_key(call), build)

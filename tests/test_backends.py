@@ -1,0 +1,145 @@
+"""The backend protocol and dispatch: every backend is an object with ``NAME``,
+``not_supported_reasons`` and ``run``; ``auto`` walks a per-device priority list and reports
+every reason; plans are cached by the pattern's value; private torch ops stay in ``_compat``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo import patterns as P
+from attnzoo.backends import dispatch, flex, plan
+from attnzoo.backends.call import Backend, Call, masked_key_blocks
+
+SRC = Path(attnzoo.__file__).parent
+
+
+def _qkv(n: int = 96, dim: int = 16, grad: bool = False) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randn(2, 4, n, dim, generator=g, requires_grad=grad) for _ in range(3)]
+
+
+def _call(q, k, v, pattern=None, mask=None, block=32) -> Call:
+    return Call(q, k, v, (pattern or P.full()).resolve_heads(q.shape[1]), mask, None, q.shape[-1] ** -0.5, block)
+
+
+def test_every_backend_follows_the_protocol():
+    assert dispatch.BACKENDS == ("auto", *dispatch.REGISTRY)
+    q, k, v = _qkv()
+    for name, backend in dispatch.REGISTRY.items():
+        assert isinstance(backend, Backend) and backend.NAME == name
+        reasons = backend.not_supported_reasons(_call(q, k, v))
+        assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons)
+    assert dispatch.REGISTRY["reference"].not_supported_reasons(_call(q, k, v)) == []
+
+
+def test_every_priority_list_ends_with_the_backend_that_runs_everything():
+    for order in (*dispatch.PRIORITY.values(), dispatch.DEFAULT_PRIORITY):
+        assert order[-1] == "reference" and set(order) <= set(dispatch.REGISTRY)
+
+
+def test_explicit_backend_raises_with_every_reason():
+    q, k, v = _qkv(dim=8, grad=True)  # flex on CPU: no backward, and D=8 is too small
+    with pytest.raises(ValueError, match="backend 'flex' cannot run this call") as info:
+        attnzoo.attend(q, k, v, pattern=P.local(3), backend="flex")
+    call = _call(q, k, v, P.local(3))
+    assert all(reason in str(info.value) for reason in dispatch.REGISTRY["flex"].not_supported_reasons(call))
+    assert "D=8" in str(info.value) and "D_v=8" in str(info.value) and "require grad" in str(info.value)
+
+
+class _Refuses(Backend):
+    NAME = "refuses"
+
+    def not_supported_reasons(self, call: Call) -> list[str]:
+        return ["first reason", "second reason"]
+
+
+def test_auto_walks_the_priority_list_and_records_every_skipped_reason(monkeypatch):
+    monkeypatch.setitem(dispatch.REGISTRY, "refuses", _Refuses())
+    monkeypatch.setattr(dispatch, "DEFAULT_PRIORITY", ("refuses", "flex", "reference"))
+    q, k, v = _qkv(dim=8, grad=True)
+    out = attnzoo.attend(q, k, v, pattern=P.local(3))
+    choice = attnzoo.last_choice()
+    assert choice.backend == "reference" and list(choice.skipped) == ["refuses", "flex"]
+    assert choice.skipped["refuses"] == ["first reason", "second reason"]
+    assert len(choice.skipped["flex"]) == 3
+    torch.testing.assert_close(out, attnzoo.attend(q, k, v, pattern=P.local(3), backend="reference"))
+
+
+def test_blocked_records_its_path():
+    q, k, v = _qkv()
+    attnzoo.attend(q, k, v, pattern=P.local(8), causal=True)
+    assert attnzoo.last_choice() == dispatch.Choice("blocked", {}, "structured")
+    attnzoo.attend(q, k, v, pattern=P.bigbird(16, 3, 2, 1), backend="blocked")
+    assert attnzoo.last_choice() == dispatch.Choice("blocked", {}, "tiles")
+    attnzoo.attend(q, k, v, backend="reference")
+    assert attnzoo.last_choice() == dispatch.Choice("reference", {}, None)
+
+
+@pytest.mark.parametrize(
+    "build, cache",
+    [
+        (lambda: P.local(8), plan.STRUCTURES),  # structured path
+        (lambda: P.local(8) & P.random(2, seed=1), plan.PLANS),  # tile plan
+        (lambda: P.bigbird(16, 3, 2, 1), plan.PLANS),
+    ],
+)
+def test_plan_cache_hits_for_a_pattern_rebuilt_per_call_with_causal(build, cache):
+    cache.clear()
+    q, k, v = _qkv()
+    mask = torch.ones(2, 96, dtype=torch.bool)
+    mask[0, 90:] = False
+    for _ in range(3):
+        attnzoo.attend(q, k, v, pattern=build(), causal=True, key_padding_mask=mask.clone(), backend="blocked")
+    info = cache.cache_info()
+    assert info.misses == 1 and info.hits >= 2, info
+
+
+def test_flex_block_masks_are_cached_by_value_never_by_the_mask_object():
+    flex.MASKS.clear()
+    q, k, v = _qkv()
+    mask = torch.ones(2, 96, dtype=torch.bool)
+    mask[1, :5] = False
+    for _ in range(3):  # a fresh pattern and a fresh (equal) mask every call
+        flex.block_mask_for(_call(q, k, v, P.local(8) & P.causal(), mask.clone()))
+    assert flex.MASKS.cache_info().misses == 1
+    mask[1, :40] = False  # pads a second key block: another structure
+    flex.block_mask_for(_call(q, k, v, P.local(8) & P.causal(), mask))
+    assert flex.MASKS.cache_info().misses == 2
+
+
+def test_masked_key_blocks_is_the_ragged_block_and_the_padded_ones():
+    assert masked_key_blocks(64, 32).tolist() == [False, False]
+    assert masked_key_blocks(70, 32).tolist() == [False, False, True]
+    mask = torch.ones(2, 70, dtype=torch.bool)
+    mask[1, 33] = False
+    assert masked_key_blocks(70, 32, mask).tolist() == [False, True, True]
+
+
+def test_patterns_are_immutable_values():
+    a, b = P.local(4) & P.causal(), P.local(4) & P.causal()
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(AttributeError, match="immutable"):
+        a.lo = 3
+
+
+def test_backends_import_no_dispatch():
+    # dispatch imports the backends; a backend importing dispatch would be a cycle.
+    for path in (SRC / "backends").glob("*.py"):
+        if path.name not in ("dispatch.py", "__init__.py"):
+            assert "attnzoo.backends.dispatch" not in _imports(path), path.name
+
+
+def test_private_torch_ops_only_through_compat():
+    for path in SRC.rglob("*.py"):
+        if path.name != "_compat.py":
+            assert "torch.ops." not in path.read_text(), f"{path}: use attnzoo._compat"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
