@@ -235,12 +235,18 @@ class GraphAttention(Attention):
             attention_vector=self.attention_vector,
         )
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         self._check(q)
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:3] + (1,))
         return reference_graph_attention(
             q,
             k,
@@ -250,5 +256,5 @@ class GraphAttention(Attention):
             key_padding_mask=key_padding_mask,
             scale=self.config.scale,
             attention_vector=self.attention_vector,
-            return_weights=True,
-        )[1]
+            return_weights=return_weights,
+        )

@@ -374,17 +374,19 @@ class KernelAttention(Attention):
     ) -> Tensor:
         return self._run(q, k, v, causal=causal, key_padding_mask=key_padding_mask)[0]
 
-    def reference(
+    def _reference(
         self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
         *,
-        causal: bool = False,
-        key_padding_mask: Tensor | None = None,
-        return_weights: bool = False,
-    ) -> Any:
-        """The same function through ``reference_kernel_attention`` (same features, dense)."""
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The same function through ``reference_kernel_attention`` (same features, dense): the
+        normalised ``phi(Q) phi(K)^T`` as an explicit matrix."""
         qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
         real = None if key_padding_mask is None else key_padding_mask[:, None]
         f = self.key_features(kc, real, causal=causal)
@@ -399,14 +401,6 @@ class KernelAttention(Attention):
             normalizer=self.normalizer,
             return_weights=return_weights,
         )
-
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The ``(B, H, N_q, N_kv)`` normalised ``phi(Q) phi(K)^T`` this mechanism applies."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
-        return self.reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_weights=True)[1]
 
     def init_state(
         self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None

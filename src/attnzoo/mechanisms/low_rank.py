@@ -10,7 +10,7 @@ mechanism's dense ``reference_*`` reads like its paper and returns the weights i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,32 +38,7 @@ def _real(mask: Tensor | None, b: int, n: int, device: torch.device) -> Tensor:
 
 
 class _LowRank(Attention):
-    """``_attend`` runs ``_run(fast=True)``; ``implied_attention`` the dense reference's weights."""
-
-    def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
-        raise NotImplementedError
-
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        return self._run(True, q, k, v, causal, key_padding_mask)
-
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The dense ``(B, H, N_q, N_kv)`` weights the forward pass applies (small N: pictures)."""
-        if causal and not self.spec.capabilities.causal:
-            self._refuse("causal=True", "causal")
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
-        return self._run(False, q, k, v, causal, key_padding_mask, return_weights=True)[1]
+    """Shared by the family: the head-count check of configs with per-head parameters."""
 
     def _check_heads(self, q: Tensor, used: bool) -> None:
         if used and q.shape[1] != self.config.heads:
@@ -192,15 +167,42 @@ class LinformerAttention(_LowRank):
             proj = (torch.rand(shape, generator=torch.Generator().manual_seed(config.seed)) * 2 - 1) * bound
         self.proj = nn.Parameter(proj)
 
-    def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
+    def _check(self, q: Tensor, k: Tensor) -> None:
         if k.shape[2] > self.config.max_len:
             raise ValueError(
                 f"linformer was built with max_len={self.config.max_len} but N_kv={k.shape[2]}; "
                 f"build it with max_len >= {k.shape[2]}"
             )
         self._check_heads(q, self.config.sharing == "none")
-        fn = linformer_attention if fast else reference_linformer
-        return fn(q, k, v, self.proj[0], self.proj[-1], key_padding_mask=mask, **kw)
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
+        self._check(q, k)
+        return linformer_attention(q, k, v, self.proj[0], self.proj[-1], key_padding_mask=key_padding_mask)
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        self._check(q, k)
+        return reference_linformer(
+            q, k, v, self.proj[0], self.proj[-1], key_padding_mask=key_padding_mask, return_weights=return_weights
+        )
 
 
 def compress(x: Tensor, taps: Tensor, *, kernel: int, stride: int) -> Tensor:
@@ -401,12 +403,53 @@ class CompressedAttention(_LowRank):
         groups = config.heads if config.per_head else 1
         self.taps = nn.Parameter(torch.full((2, groups, config.kernel), 1.0 / config.kernel))
 
-    def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
-        self._check_heads(q, self.config.per_head)
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         cfg = self.config
-        fn, extra = (compressed_attention, {"chunk": cfg.chunk}) if fast else (reference_compressed, kw)
-        return fn(
-            q, k, v, self.taps, kernel=cfg.kernel, stride=cfg.stride, causal=causal, key_padding_mask=mask, **extra
+        self._check_heads(q, cfg.per_head)
+        return compressed_attention(
+            q,
+            k,
+            v,
+            self.taps,
+            kernel=cfg.kernel,
+            stride=cfg.stride,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk=cfg.chunk,
+        )
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        cfg = self.config
+        self._check_heads(q, cfg.per_head)
+        return reference_compressed(
+            q,
+            k,
+            v,
+            self.taps,
+            kernel=cfg.kernel,
+            stride=cfg.stride,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            return_weights=return_weights,
         )
 
 
@@ -554,8 +597,39 @@ class NystromAttention(_LowRank):
 
     config: NystromConfig
 
-    def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
-        fn = nystrom_attention if fast else reference_nystrom
-        return fn(
-            q, k, v, landmarks=self.config.landmarks, pinv_iters=self.config.pinv_iters, key_padding_mask=mask, **kw
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
+        cfg = self.config
+        return nystrom_attention(
+            q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=key_padding_mask
+        )
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        cfg = self.config
+        return reference_nystrom(
+            q,
+            k,
+            v,
+            landmarks=cfg.landmarks,
+            pinv_iters=cfg.pinv_iters,
+            key_padding_mask=key_padding_mask,
+            return_weights=return_weights,
         )

@@ -407,12 +407,20 @@ class LSHAttention(Attention):
         alone = torch.isinf(total)[..., None] & real[:, None, :, None]  # sees nothing in any round
         return torch.where(alone, vc, out).to(q.dtype)
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The combined ``(B, H, N, N)`` attention of a forward pass on ``q`` (small N)."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``reference_lsh`` under this module's rotations. k is not read: LSH attention shares
+        QK, its keys are the unit-normalised queries."""
         rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
         return reference_lsh(
-            q, q[..., :1], self.config, rotation, causal=causal, key_padding_mask=key_padding_mask, return_weights=True
-        )[1]
+            q, v, self.config, rotation, causal=causal, key_padding_mask=key_padding_mask, return_weights=return_weights
+        )

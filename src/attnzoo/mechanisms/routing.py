@@ -468,20 +468,27 @@ class RoutingAttention(Attention):
             self.centroids.copy_(ema_centroids(self.centroids, sims, units, real, self.config.decay))
         return out.to(q.dtype)
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The ``(B, H, N, N)`` effective attention matrix (small N: pictures); no EMA update."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``reference_routing`` under the current centroids (no EMA update)."""
         return reference_routing(
             q,
             k,
-            q[..., :1],
+            v,
             self.centroids_for(q),
             window=self.config.window,
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=self.config.scale,
             share_qk=self.config.share_qk,
-            return_weights=True,
-        )[1]
+            return_weights=return_weights,
+        )

@@ -405,26 +405,27 @@ class SinkhornAttention(Attention):
             sortcut=cfg.sortcut,
         )
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The effective ``(B, H, N, N)`` weights (small N: pictures), with ``output == A @ v``;
-        see ``implied_matrix``. Call in eval mode, or each call draws new Gumbel noise."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``reference_sinkhorn`` (block by block, as the paper reads) under one drawn
+        permutation; the weights are the fast path's slot weights mapped back to key positions
+        (``implied_matrix``), so ``output == weights @ v``. In training mode each call draws new
+        Gumbel noise: compare with ``forward`` in eval mode."""
         cfg = self.config
         P = self.permutation(k, key_padding_mask, causal)
-        v = q.new_zeros(q.shape[:3] + (1,))
-        _, weights = sinkhorn_attention(
-            q,
-            k,
-            v,
-            P,
-            block=cfg.block,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=cfg.scale,
-            sortcut=cfg.sortcut,
-            return_weights=True,
-        )
+        settings = dict(block=cfg.block, causal=causal, key_padding_mask=key_padding_mask, scale=cfg.scale)
+        out = reference_sinkhorn(q, k, v, P, **settings, sortcut=cfg.sortcut)
+        if not return_weights:
+            return out
+        _, slots = sinkhorn_attention(q, k, v, P, **settings, sortcut=cfg.sortcut, return_weights=True)
         real = real_blocks(key_padding_mask, q.shape[0], q.shape[2], cfg.block, q.device)
-        return implied_matrix(weights, P, real, n=q.shape[2], causal=causal, sortcut=cfg.sortcut)
+        return out, implied_matrix(slots, P, real, n=q.shape[2], causal=causal, sortcut=cfg.sortcut)

@@ -12,7 +12,6 @@ key index winning ties, or all visible entries if fewer. Each fast path has a de
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,12 +285,17 @@ class TopKAttention(Attention):
             q, k, v, topk=cfg.topk, chunk=cfg.chunk, causal=causal, key_padding_mask=key_padding_mask, scale=cfg.scale
         )
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies (small N: pictures)."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         return reference_topk(
             q,
             k,
@@ -300,8 +304,8 @@ class TopKAttention(Attention):
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=self.config.scale,
-            return_weights=True,
-        )[1]
+            return_weights=return_weights,
+        )
 
 
 def sac_candidates(
@@ -405,37 +409,32 @@ class SACAttention(Attention):
         key_padding_mask: Tensor | None,
         score_mod: ScoreMod | None,
     ) -> Tensor:
-        return self._run(sac_attention, q, k, v, causal, key_padding_mask)
+        return sac_attention(q, k, v, self.predictor, **self._settings(q, causal, key_padding_mask))
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The dense ``(B, H, N, N)`` weights this mechanism applies (small N: pictures)."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
-        return self._run(reference_sac, q, k, v, causal, key_padding_mask, return_weights=True)[1]
-
-    def _run(
+    def _reference(
         self,
-        fn: Callable[..., Any],
         q: Tensor,
         k: Tensor,
         v: Tensor,
+        *,
         causal: bool,
         key_padding_mask: Tensor | None,
-        **extra: bool,
-    ) -> Any:
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        settings = self._settings(q, causal, key_padding_mask)
+        return reference_sac(q, k, v, self.predictor, **settings, return_weights=return_weights)
+
+    def _settings(self, q: Tensor, causal: bool, key_padding_mask: Tensor | None) -> dict[str, Any]:
+        """The keyword arguments ``sac_attention`` and ``reference_sac`` share, after checking
+        that q has the head size the predictor was built for."""
         cfg = self.config
         if q.shape[-1] != cfg.head_dim:
             raise ValueError(
                 f"sac was built with head_dim={cfg.head_dim} but q has D={q.shape[-1]}; "
                 f"build it with head_dim={q.shape[-1]}"
             )
-        return fn(
-            q,
-            k,
-            v,
-            self.predictor,
+        return dict(
             topk=cfg.topk,
             candidates=cfg.candidates,
             n_random=cfg.n_random,
@@ -443,7 +442,6 @@ class SACAttention(Attention):
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=cfg.scale,
-            **extra,
         )
 
 
