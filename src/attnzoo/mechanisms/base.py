@@ -29,11 +29,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv, check_tensor
-from attnzoo.mechanisms._ops import zero_padding
+from attnzoo.mechanisms._ops import compute_dtype, zero_padding
 from attnzoo.registry import names, spec_of_config
 from attnzoo.spec import ScoreMod, Spec
 
@@ -64,7 +63,7 @@ def nan_rows_of_non_finite_queries(out: Tensor, q: Tensor) -> Tensor:
     reduction (about 2% of ``local``'s forward at N = 1024), detached, so backward is untouched.
     The sum runs in float32 at least, so large finite half-precision queries do not overflow it.
     """
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    wide = compute_dtype(q)
     return out + q.detach().sum(-1, keepdim=True, dtype=wide).mul_(0).to(out.dtype)
 
 

@@ -28,6 +28,7 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo._checks import check_qkv
+from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -302,10 +303,6 @@ class KernelState:
     c: Tensor | None = None
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 class KernelAttention(Attention):
     """Base of the family: a subclass supplies ``query_features`` and ``key_features`` (and
     ``num_features`` for decoding); this class runs the shared core, the reference, and
@@ -344,7 +341,7 @@ class KernelAttention(Attention):
         key_padding_mask: Tensor | None,
         state: KernelState | None = None,
     ) -> tuple[Tensor, KernelState]:
-        qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
+        qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
         if state is not None:
             state = KernelState(state.s.to(qc.dtype), state.z.to(qc.dtype), state.c)
         out, state = kernel_attention(
@@ -387,7 +384,7 @@ class KernelAttention(Attention):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The same function through ``reference_kernel_attention`` (same features, dense): the
         normalised ``phi(Q) phi(K)^T`` as an explicit matrix."""
-        qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
+        qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
         real = None if key_padding_mask is None else key_padding_mask[:, None]
         f = self.key_features(kc, real, causal=causal)
         return reference_kernel_attention(

@@ -18,23 +18,16 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import Attention, zero_padding
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
-
-
-def _compute(x: Tensor) -> torch.dtype:  # low precision is computed in float32, as the reference
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _at_least(config: Config, *lows: tuple[str, int]) -> None:
     for name, low in lows:
         if getattr(config, name) < low:
             raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
-
-
-def _real(mask: Tensor | None, b: int, n: int, device: torch.device) -> Tensor:
-    return torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
 
 
 class _LowRank(Attention):
@@ -59,7 +52,7 @@ def linformer_attention(
     scale: float | None = None,
 ) -> Tensor:
     """Linformer, fast: SDPA over the k projected keys and values (args as ``reference_linformer``)."""
-    ct, (heads, n) = _compute(q), k.shape[1:3]
+    ct, (heads, n) = compute_dtype(q), k.shape[1:3]
     kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
     e_n, f_n = (p[:, :, :n].to(kc).expand(heads, -1, -1) for p in (e, f))  # (H, k, N)
     k_bar = torch.einsum("hcn,bhnd->bhcd", e_n, kc)  # (B, H, k, D)
@@ -91,9 +84,9 @@ def reference_linformer(
         Padded key and value rows are set to 0 (a select) before the projection, so they add nothing
         to any slot; every slot still takes softmax mass (padding is not exact even at E = F = I).
     """
-    ct, n = _compute(q), k.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    keep = _real(key_padding_mask, q.shape[0], n, q.device).to(ct)  # (B, N)
+    ct, n = compute_dtype(q), k.shape[2]
+    scale = default_scale(scale, q.shape[-1])
+    keep = real_tokens(key_padding_mask, q.shape[0], n, q.device).to(ct)  # (B, N)
     outs, weights = [], []
     for h in range(q.shape[1]):
         e_h, f_h = e[h % e.shape[0], :, :n].to(ct), f[h % f.shape[0], :, :n].to(ct)  # (k, N)
@@ -269,12 +262,12 @@ def compressed_attention(
     """Memory-compressed attention, fast (args as ``reference_compressed``). Not causal: SDPA over
     the slots. Causal: SDPA per ``chunk`` query rows with a ``chunk x (N / stride + chunk)`` mask,
     checkpointed (recomputed in backward), so nothing of size N x N / stride is ever kept."""
-    ct, (b, _, n_q, dim), n = _compute(q), q.shape, k.shape[2]
-    scale = dim**-0.5 if scale is None else scale
+    ct, (b, _, n_q, dim), n = compute_dtype(q), q.shape, k.shape[2]
+    scale = default_scale(scale, dim)
     qc = q.to(ct)
     kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
     k_slot, v_slot = (compress(x, w, kernel=kernel, stride=stride) for x, w in zip((kc, vc), taps))
-    real = _real(key_padding_mask, b, n, q.device)
+    real = real_tokens(key_padding_mask, b, n, q.device)
     slot_ok = (
         compress(real[:, None, :, None].to(ct), torch.ones(1, kernel), kernel=kernel, stride=stride)[:, 0, :, 0] > 0
     )
@@ -329,9 +322,9 @@ def reference_compressed(
             is masked, and so are padded raw keys.
         scale: default ``1 / sqrt(D)``. return_weights: also the ``(B, H, N_q, N_kv)`` weights.
     """
-    ct, (b, heads, n_q, dim), n = _compute(q), q.shape, k.shape[2]
-    scale = dim**-0.5 if scale is None else scale
-    real = _real(key_padding_mask, b, n, q.device)
+    ct, (b, heads, n_q, dim), n = compute_dtype(q), q.shape, k.shape[2]
+    scale = default_scale(scale, dim)
+    real = real_tokens(key_padding_mask, b, n, q.device)
     slots, j = -(-n // stride), torch.arange(n, device=q.device)
     offset = j - torch.arange(slots, device=q.device)[:, None] * stride  # (M, N): tap of key j in slot s
     inside = (offset >= 0) & (offset < kernel)
@@ -495,11 +488,11 @@ def nystrom_attention(
     scale: float | None = None,
 ) -> Tensor:
     """Nyströmformer, fast: ``F (Z (B V))`` by two SDPA calls (args as ``reference_nystrom``)."""
-    ct, (b, _, n, dim) = _compute(q), q.shape
-    scale = dim**-0.5 if scale is None else scale
+    ct, (b, _, n, dim) = compute_dtype(q), q.shape
+    scale = default_scale(scale, dim)
     qc, kc, vc = (t.to(ct) for t in (q, k, v))
     seg, m = landmark_segments(n, landmarks, q.device)
-    real = _real(key_padding_mask, b, n, q.device)
+    real = real_tokens(key_padding_mask, b, n, q.device)
     (q_l, ok), (k_l, _) = _segment_means(qc, seg, m, real), _segment_means(kc, seg, m, real)  # (B, H, m, D)
     a = normalize_scores(q_l @ k_l.transpose(-1, -2) * scale, ok[:, None, :, None] & ok[:, None, None, :], "softmax")
     padded = key_padding_mask is not None
@@ -535,11 +528,11 @@ def reference_nystrom(
             block-diagonal with a zero block, whose pseudo-inverse is zero there).
         scale: default ``1 / sqrt(D)``. return_weights: also the ``(B, H, N, N)`` matrix S^.
     """
-    ct, (b, _, n, dim) = _compute(q), q.shape
-    scale = dim**-0.5 if scale is None else scale
+    ct, (b, _, n, dim) = compute_dtype(q), q.shape
+    scale = default_scale(scale, dim)
     qc, kc, vc = (t.to(ct) for t in (q, k, v))
     seg, m = landmark_segments(n, landmarks, q.device)
-    real = _real(key_padding_mask, b, n, q.device)
+    real = real_tokens(key_padding_mask, b, n, q.device)
     member = (seg == torch.arange(m, device=q.device)[:, None]) & real[:, None, :]  # (B, m, N)
     counts = member.sum(-1, keepdim=True)
     average = (member.to(ct) / counts.clamp(min=1).to(ct))[:, None]  # (B, 1, m, N)

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
+from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -197,7 +198,7 @@ class SynthesizerAttention(Attention):
         variants, ``(1, H, N, N)`` for random ones, in float32 (float64 for float64 ``q``)."""
         n = q.shape[2]
         self._check(q, n)
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        compute = compute_dtype(q)
         p = lambda t: t.to(compute)  # noqa: E731
         if self._base == "random":
             return p(self.random_matrix[:, :n, :n]).unsqueeze(0)
