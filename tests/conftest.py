@@ -61,3 +61,23 @@ class LargestTensor(TorchDispatchMode):
         sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         self.numel = max([self.numel, *sizes])
         return out
+
+
+def largest_tensor(fn, *args, **kwargs) -> int:  # noqa: ANN001
+    """The element count of the largest tensor created while running ``fn(*args, **kwargs)``
+    (under ``LargestTensor``): the one probe every "allocates nothing N x N" test uses."""
+    with LargestTensor() as probe:
+        fn(*args, **kwargs)
+    return probe.numel
+
+
+def small_mechanism(name: str, n: int, *, heads: int, head_dim: int, **extra: object) -> torch.nn.Module:
+    """``name`` with a config sized for length ``n`` (``attnzoo.bench.configs.sized``) and its
+    geometry fields (``heads``, ``head_dim``, where the config has them) set; float64, eval mode
+    (no dropout, Gumbel noise, EMA updates or fresh random draws)."""
+    import attnzoo
+    from attnzoo.bench.configs import sized
+
+    fields = attnzoo.registry.config_fields(name)
+    geometry = {key: value for key, value in (("heads", heads), ("head_dim", head_dim)) if key in fields}
+    return attnzoo.build(name, **{**sized(name, n), **geometry, **extra}).double().eval()

@@ -17,6 +17,7 @@ from rich.table import Table
 
 import attnzoo
 from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import config_fields
 
 _FLAGS = ("causal", "key_padding", "decode_step", "cross_attention", "score_mod")
@@ -106,7 +107,7 @@ def cmd_show(console: Console, args: argparse.Namespace) -> None:
             block=args.grid,
             causal=args.causal,
         )
-    elif callable(getattr(module, "implied_attention", None)):
+    elif isinstance(module, Attention):
         # Content-based mechanisms: what a real forward pass on random inputs attended to.
         torch.manual_seed(0)
         q, k = torch.randn(2, 1, 4, args.n, 64).unbind(0)  # (B, H, N, D); D=64 matches config defaults

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import attnzoo
 from attnzoo.bench.monitor import PeakMemory, release_mmap_threshold
+from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import check_values, config_fields
 
 CHECK_N = 300
@@ -190,7 +191,7 @@ def check(
         out = fast(q, k, v, causal=causal)
         if "backend" in config_fields(name):
             want, how = _build(name, config, "reference")(q, k, v, causal=causal), "reference backend"
-        elif callable(getattr(fast, "implied_attention", None)):
+        elif isinstance(fast, Attention):
             want, how = fast.implied_attention(q, k, causal=causal) @ v, "implied_attention @ v"
         else:
             return float("nan"), "unchecked"

@@ -1,8 +1,22 @@
 """The base classes of every ``(q, k, v)`` attention mechanism (``Attention``) and of every
 attention-free token mixer (``TokenMixer``).
 
-``Attention.forward`` validates inputs against the mechanism's declared capabilities once, here,
-so each mechanism implements only ``_attend`` with inputs it knows it can honour. A request it
+The mechanism protocol. A mechanism implements two methods, both on inputs already checked:
+
+* ``_attend`` — the fast path, what ``forward`` runs;
+* ``_reference`` — the same function computed densely, written to read like the paper, with
+  ``return_weights=True`` also returning the ``(B, H, N_q, N_kv)`` weights it applies.
+
+The base turns them into the public API: ``forward``, ``reference`` and ``implied_attention``
+(defined once, from ``reference``). Decoding (``init_state`` / ``step``) is declared here too
+and refused unless the mechanism declares ``decode_step``. ``tests/test_contracts.py`` holds
+every registered mechanism to this protocol by reading its capabilities: fast == reference
+(forward and gradients), causal prefix invariance, padding invariance, no N x N allocation where
+the spec promises sub-quadratic memory, and step == forward.
+
+``Attention.forward`` (and ``reference``) validates inputs against the mechanism's declared
+capabilities once, here, so each mechanism implements only ``_attend`` with inputs it knows it
+can honour. A request it
 cannot honour (causal, key padding, a score_mod, cross-attention, a decode step) raises a
 ``ValueError`` that says so and names the registered mechanisms of the same kind that can.
 Empty inputs (B = 0, or no query or no position) never reach ``_attend``/``_mix``: they return
@@ -15,11 +29,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv, check_tensor
+from attnzoo.mechanisms._ops import compute_dtype, zero_padding
 from attnzoo.registry import names, spec_of_config
 from attnzoo.spec import ScoreMod, Spec
 
@@ -50,7 +63,7 @@ def nan_rows_of_non_finite_queries(out: Tensor, q: Tensor) -> Tensor:
     reduction (about 2% of ``local``'s forward at N = 1024), detached, so backward is untouched.
     The sum runs in float32 at least, so large finite half-precision queries do not overflow it.
     """
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    wide = compute_dtype(q)
     return out + q.detach().sum(-1, keepdim=True, dtype=wide).mul_(0).to(out.dtype)
 
 
@@ -71,6 +84,63 @@ class Attention(Mechanism):
         key_padding_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
     ) -> Tensor:
+        causal, key_padding_mask = self._checked(q, k, v, causal, key_padding_mask, score_mod)
+        if q.shape[0] == 0 or q.shape[2] == 0:
+            # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
+            return (q @ k.transpose(-1, -2)) @ v
+        q, k, v = self.zero_padded(key_padding_mask, q, k, v)
+        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+        return nan_rows_of_non_finite_queries(out, q)
+
+    def reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        score_mod: ScoreMod | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The dense twin of ``forward``: the same function, computed the plain way (the N x N
+        weights built explicitly), with the same checks and the same zeroed padding. With
+        ``return_weights``: ``(output, weights (B, H, N_q, N_kv))``, ``output == weights @ v``
+        up to rounding for every mechanism whose output is linear in v."""
+        causal, key_padding_mask = self._checked(q, k, v, causal, key_padding_mask, score_mod)
+        if q.shape[0] == 0 or q.shape[2] == 0:
+            weights = q @ k.transpose(-1, -2)  # empty, on the graph
+            return (weights @ v, weights) if return_weights else weights @ v
+        q, k, v = self.zero_padded(key_padding_mask, q, k, v)
+        return self._reference(
+            q,
+            k,
+            v,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            score_mod=score_mod,
+            return_weights=return_weights,
+        )
+
+    def implied_attention(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies to ``v`` (small N: for
+        pictures and for checking): ``reference``'s weights, with a dummy one-column v."""
+        v = k.new_zeros(k.shape[:3] + (1,))
+        return self.reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_weights=True)[1]
+
+    def _checked(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> tuple[bool, Tensor | None]:
+        """Validate a call against the declared capabilities; return the normalised ``causal``
+        and ``key_padding_mask`` (None when nothing is padded is kept as given)."""
         caps = self.spec.capabilities
         check_qkv(q, k, v, cross_attention=caps.cross_attention, allow_empty=True)
         causal = check_causal(causal, q.shape[2], k.shape[2])
@@ -81,19 +151,14 @@ class Attention(Mechanism):
             self._refuse("key_padding_mask", "key_padding")
         if score_mod is not None and not caps.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
-        if q.shape[0] == 0 or q.shape[2] == 0:
-            # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
-            return (q @ k.transpose(-1, -2)) @ v
-        q, k, v = self.zero_padded(key_padding_mask, q, k, v)
-        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
-        return nan_rows_of_non_finite_queries(out, q)
+        return causal, key_padding_mask
 
     def zero_padded(self, key_padding_mask: Tensor | None, q: Tensor, *kv: Tensor) -> tuple[Tensor, ...]:
         """``(q, *kv)`` as ``_attend`` receives them: the key-side tensors ``kv`` with padded
         positions zeroed (``zero_padding``), and ``q`` too if the mechanism is self-attention
         only, where the mask marks the padded queries as well. A cross-attention mechanism's
         query i need not be key i (even with N_q == N_kv): its q is left as given. Methods that
-        take ``q, k`` beside ``forward`` (``implied_attention``) call this too."""
+        take ``q, k`` beside ``forward`` call this too."""
         if key_padding_mask is None:
             return (q, *kv)
         if not self.spec.capabilities.cross_attention:
@@ -111,6 +176,19 @@ class Attention(Mechanism):
         score_mod: ScoreMod | None,
     ) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _attend")
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} must implement _reference")
 
     def init_state(
         self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None
@@ -131,21 +209,6 @@ class Attention(Mechanism):
         raise ValueError(
             f"{self.spec.name!r} does not support {what}; mechanisms that do: {', '.join(able) or '(none yet)'}"
         )
-
-
-def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-    """``x (B, H, N, D)`` with its padded positions (``key_padding_mask`` False) set to zero.
-
-    A select, not a multiply: whatever padding held (NaN, ±inf, 1e30) is gone, the padded
-    positions get exactly zero gradient, and the real ones' values and gradients are bit for bit
-    those of a zero-padded input. ``Attention.forward`` applies it to k and v (and to q of a
-    self-attention-only mechanism) before ``_attend``, because a mechanism that gives a padded
-    key weight 0 still computes ``0 * NaN = NaN``, and a NaN query row poisons the backward of
-    every key it met even under a zero upstream gradient. O(B H N D), once per call.
-    """
-    if key_padding_mask is None:
-        return x
-    return torch.where(rearrange(key_padding_mask, "b n -> b 1 n 1"), x, 0.0)
 
 
 class TokenMixer(Mechanism):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, reference_attention, visible_pairs
+from attnzoo.mechanisms._ops import compute_dtype, default_scale
 from attnzoo.mechanisms.base import Attention
 from attnzoo.patterns.atomic import Graph
 from attnzoo.registry import Config, register
@@ -106,8 +107,8 @@ def graph_attention(
     Shapes:
         q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)`` with N = ``graph.n`` -> ``(B, H, N, Dv)``.
     """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = default_scale(scale, q.shape[-1])
+    compute = compute_dtype(q)
     if attention_vector is not None:
         from_query, from_key = gat_terms(q.to(compute), k.to(compute), attention_vector)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=compute)
@@ -157,7 +158,7 @@ def reference_graph_attention(
             mask_mod=mask_mod,
             return_weights=return_weights,
         )
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(q)
     from_query, from_key = gat_terms(q.to(compute), k.to(compute), attention_vector)
     scores = F.leaky_relu(from_query[..., :, None] + from_key[..., None, :], NEGATIVE_SLOPE)  # [B, H, N, N]
     batch, heads, n, _ = q.shape
@@ -235,12 +236,18 @@ class GraphAttention(Attention):
             attention_vector=self.attention_vector,
         )
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         self._check(q)
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:3] + (1,))
         return reference_graph_attention(
             q,
             k,
@@ -250,5 +257,5 @@ class GraphAttention(Attention):
             key_padding_mask=key_padding_mask,
             scale=self.config.scale,
             attention_vector=self.attention_vector,
-            return_weights=True,
-        )[1]
+            return_weights=return_weights,
+        )

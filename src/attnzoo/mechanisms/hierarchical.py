@@ -321,20 +321,19 @@ class HierarchicalAttention(Attention):
             q, k, v, k_near=self.config.k, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale
         )
 
-    def reference(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The dense oracle with this module's config."""
-        return reference_hierarchical(
-            q, k, v, k_near=self.config.k, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale
-        )
-
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The ``(B, H, N, N)`` attention matrix over tokens this mechanism applies."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The dense oracle with this module's config; its weights spread each node's weight
+        evenly over the real tokens the node covers."""
         return reference_hierarchical(
             q,
             k,
@@ -343,5 +342,5 @@ class HierarchicalAttention(Attention):
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=self.config.scale,
-            return_weights=True,
-        )[1]
+            return_weights=return_weights,
+        )

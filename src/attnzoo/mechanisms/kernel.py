@@ -28,6 +28,7 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo._checks import check_qkv
+from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -302,10 +303,6 @@ class KernelState:
     c: Tensor | None = None
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 class KernelAttention(Attention):
     """Base of the family: a subclass supplies ``query_features`` and ``key_features`` (and
     ``num_features`` for decoding); this class runs the shared core, the reference, and
@@ -344,7 +341,7 @@ class KernelAttention(Attention):
         key_padding_mask: Tensor | None,
         state: KernelState | None = None,
     ) -> tuple[Tensor, KernelState]:
-        qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
+        qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
         if state is not None:
             state = KernelState(state.s.to(qc.dtype), state.z.to(qc.dtype), state.c)
         out, state = kernel_attention(
@@ -374,18 +371,20 @@ class KernelAttention(Attention):
     ) -> Tensor:
         return self._run(q, k, v, causal=causal, key_padding_mask=key_padding_mask)[0]
 
-    def reference(
+    def _reference(
         self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
         *,
-        causal: bool = False,
-        key_padding_mask: Tensor | None = None,
-        return_weights: bool = False,
-    ) -> Any:
-        """The same function through ``reference_kernel_attention`` (same features, dense)."""
-        qc, kc, vc = (x.to(_compute_dtype(q)) for x in (q, k, v))
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The same function through ``reference_kernel_attention`` (same features, dense): the
+        normalised ``phi(Q) phi(K)^T`` as an explicit matrix."""
+        qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
         real = None if key_padding_mask is None else key_padding_mask[:, None]
         f = self.key_features(kc, real, causal=causal)
         return reference_kernel_attention(
@@ -399,14 +398,6 @@ class KernelAttention(Attention):
             normalizer=self.normalizer,
             return_weights=return_weights,
         )
-
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The ``(B, H, N_q, N_kv)`` normalised ``phi(Q) phi(K)^T`` this mechanism applies."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
-        return self.reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_weights=True)[1]
 
     def init_state(
         self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None

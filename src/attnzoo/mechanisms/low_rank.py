@@ -10,7 +10,7 @@ mechanism's dense ``reference_*`` reads like its paper and returns the weights i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +18,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import Attention, zero_padding
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
-
-
-def _compute(x: Tensor) -> torch.dtype:  # low precision is computed in float32, as the reference
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _at_least(config: Config, *lows: tuple[str, int]) -> None:
@@ -33,37 +30,8 @@ def _at_least(config: Config, *lows: tuple[str, int]) -> None:
             raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
 
 
-def _real(mask: Tensor | None, b: int, n: int, device: torch.device) -> Tensor:
-    return torch.ones(b, n, dtype=torch.bool, device=device) if mask is None else mask
-
-
 class _LowRank(Attention):
-    """``_attend`` runs ``_run(fast=True)``; ``implied_attention`` the dense reference's weights."""
-
-    def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
-        raise NotImplementedError
-
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        return self._run(True, q, k, v, causal, key_padding_mask)
-
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The dense ``(B, H, N_q, N_kv)`` weights the forward pass applies (small N: pictures)."""
-        if causal and not self.spec.capabilities.causal:
-            self._refuse("causal=True", "causal")
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
-        return self._run(False, q, k, v, causal, key_padding_mask, return_weights=True)[1]
+    """Shared by the family: the head-count check of configs with per-head parameters."""
 
     def _check_heads(self, q: Tensor, used: bool) -> None:
         if used and q.shape[1] != self.config.heads:
@@ -84,7 +52,7 @@ def linformer_attention(
     scale: float | None = None,
 ) -> Tensor:
     """Linformer, fast: SDPA over the k projected keys and values (args as ``reference_linformer``)."""
-    ct, (heads, n) = _compute(q), k.shape[1:3]
+    ct, (heads, n) = compute_dtype(q), k.shape[1:3]
     kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
     e_n, f_n = (p[:, :, :n].to(kc).expand(heads, -1, -1) for p in (e, f))  # (H, k, N)
     k_bar = torch.einsum("hcn,bhnd->bhcd", e_n, kc)  # (B, H, k, D)
@@ -116,9 +84,9 @@ def reference_linformer(
         Padded key and value rows are set to 0 (a select) before the projection, so they add nothing
         to any slot; every slot still takes softmax mass (padding is not exact even at E = F = I).
     """
-    ct, n = _compute(q), k.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    keep = _real(key_padding_mask, q.shape[0], n, q.device).to(ct)  # (B, N)
+    ct, n = compute_dtype(q), k.shape[2]
+    scale = default_scale(scale, q.shape[-1])
+    keep = real_tokens(key_padding_mask, q.shape[0], n, q.device).to(ct)  # (B, N)
     outs, weights = [], []
     for h in range(q.shape[1]):
         e_h, f_h = e[h % e.shape[0], :, :n].to(ct), f[h % f.shape[0], :, :n].to(ct)  # (k, N)
@@ -192,15 +160,42 @@ class LinformerAttention(_LowRank):
             proj = (torch.rand(shape, generator=torch.Generator().manual_seed(config.seed)) * 2 - 1) * bound
         self.proj = nn.Parameter(proj)
 
-    def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
+    def _check(self, q: Tensor, k: Tensor) -> None:
         if k.shape[2] > self.config.max_len:
             raise ValueError(
                 f"linformer was built with max_len={self.config.max_len} but N_kv={k.shape[2]}; "
                 f"build it with max_len >= {k.shape[2]}"
             )
         self._check_heads(q, self.config.sharing == "none")
-        fn = linformer_attention if fast else reference_linformer
-        return fn(q, k, v, self.proj[0], self.proj[-1], key_padding_mask=mask, **kw)
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
+        self._check(q, k)
+        return linformer_attention(q, k, v, self.proj[0], self.proj[-1], key_padding_mask=key_padding_mask)
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        self._check(q, k)
+        return reference_linformer(
+            q, k, v, self.proj[0], self.proj[-1], key_padding_mask=key_padding_mask, return_weights=return_weights
+        )
 
 
 def compress(x: Tensor, taps: Tensor, *, kernel: int, stride: int) -> Tensor:
@@ -267,12 +262,12 @@ def compressed_attention(
     """Memory-compressed attention, fast (args as ``reference_compressed``). Not causal: SDPA over
     the slots. Causal: SDPA per ``chunk`` query rows with a ``chunk x (N / stride + chunk)`` mask,
     checkpointed (recomputed in backward), so nothing of size N x N / stride is ever kept."""
-    ct, (b, _, n_q, dim), n = _compute(q), q.shape, k.shape[2]
-    scale = dim**-0.5 if scale is None else scale
+    ct, (b, _, n_q, dim), n = compute_dtype(q), q.shape, k.shape[2]
+    scale = default_scale(scale, dim)
     qc = q.to(ct)
     kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
     k_slot, v_slot = (compress(x, w, kernel=kernel, stride=stride) for x, w in zip((kc, vc), taps))
-    real = _real(key_padding_mask, b, n, q.device)
+    real = real_tokens(key_padding_mask, b, n, q.device)
     slot_ok = (
         compress(real[:, None, :, None].to(ct), torch.ones(1, kernel), kernel=kernel, stride=stride)[:, 0, :, 0] > 0
     )
@@ -327,9 +322,9 @@ def reference_compressed(
             is masked, and so are padded raw keys.
         scale: default ``1 / sqrt(D)``. return_weights: also the ``(B, H, N_q, N_kv)`` weights.
     """
-    ct, (b, heads, n_q, dim), n = _compute(q), q.shape, k.shape[2]
-    scale = dim**-0.5 if scale is None else scale
-    real = _real(key_padding_mask, b, n, q.device)
+    ct, (b, heads, n_q, dim), n = compute_dtype(q), q.shape, k.shape[2]
+    scale = default_scale(scale, dim)
+    real = real_tokens(key_padding_mask, b, n, q.device)
     slots, j = -(-n // stride), torch.arange(n, device=q.device)
     offset = j - torch.arange(slots, device=q.device)[:, None] * stride  # (M, N): tap of key j in slot s
     inside = (offset >= 0) & (offset < kernel)
@@ -401,12 +396,53 @@ class CompressedAttention(_LowRank):
         groups = config.heads if config.per_head else 1
         self.taps = nn.Parameter(torch.full((2, groups, config.kernel), 1.0 / config.kernel))
 
-    def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
-        self._check_heads(q, self.config.per_head)
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
         cfg = self.config
-        fn, extra = (compressed_attention, {"chunk": cfg.chunk}) if fast else (reference_compressed, kw)
-        return fn(
-            q, k, v, self.taps, kernel=cfg.kernel, stride=cfg.stride, causal=causal, key_padding_mask=mask, **extra
+        self._check_heads(q, cfg.per_head)
+        return compressed_attention(
+            q,
+            k,
+            v,
+            self.taps,
+            kernel=cfg.kernel,
+            stride=cfg.stride,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            chunk=cfg.chunk,
+        )
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        cfg = self.config
+        self._check_heads(q, cfg.per_head)
+        return reference_compressed(
+            q,
+            k,
+            v,
+            self.taps,
+            kernel=cfg.kernel,
+            stride=cfg.stride,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            return_weights=return_weights,
         )
 
 
@@ -452,11 +488,11 @@ def nystrom_attention(
     scale: float | None = None,
 ) -> Tensor:
     """Nyströmformer, fast: ``F (Z (B V))`` by two SDPA calls (args as ``reference_nystrom``)."""
-    ct, (b, _, n, dim) = _compute(q), q.shape
-    scale = dim**-0.5 if scale is None else scale
+    ct, (b, _, n, dim) = compute_dtype(q), q.shape
+    scale = default_scale(scale, dim)
     qc, kc, vc = (t.to(ct) for t in (q, k, v))
     seg, m = landmark_segments(n, landmarks, q.device)
-    real = _real(key_padding_mask, b, n, q.device)
+    real = real_tokens(key_padding_mask, b, n, q.device)
     (q_l, ok), (k_l, _) = _segment_means(qc, seg, m, real), _segment_means(kc, seg, m, real)  # (B, H, m, D)
     a = normalize_scores(q_l @ k_l.transpose(-1, -2) * scale, ok[:, None, :, None] & ok[:, None, None, :], "softmax")
     padded = key_padding_mask is not None
@@ -492,11 +528,11 @@ def reference_nystrom(
             block-diagonal with a zero block, whose pseudo-inverse is zero there).
         scale: default ``1 / sqrt(D)``. return_weights: also the ``(B, H, N, N)`` matrix S^.
     """
-    ct, (b, _, n, dim) = _compute(q), q.shape
-    scale = dim**-0.5 if scale is None else scale
+    ct, (b, _, n, dim) = compute_dtype(q), q.shape
+    scale = default_scale(scale, dim)
     qc, kc, vc = (t.to(ct) for t in (q, k, v))
     seg, m = landmark_segments(n, landmarks, q.device)
-    real = _real(key_padding_mask, b, n, q.device)
+    real = real_tokens(key_padding_mask, b, n, q.device)
     member = (seg == torch.arange(m, device=q.device)[:, None]) & real[:, None, :]  # (B, m, N)
     counts = member.sum(-1, keepdim=True)
     average = (member.to(ct) / counts.clamp(min=1).to(ct))[:, None]  # (B, 1, m, N)
@@ -554,8 +590,39 @@ class NystromAttention(_LowRank):
 
     config: NystromConfig
 
-    def _run(self, fast: bool, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None, **kw: Any) -> Any:
-        fn = nystrom_attention if fast else reference_nystrom
-        return fn(
-            q, k, v, landmarks=self.config.landmarks, pinv_iters=self.config.pinv_iters, key_padding_mask=mask, **kw
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+    ) -> Tensor:
+        cfg = self.config
+        return nystrom_attention(
+            q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=key_padding_mask
+        )
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        cfg = self.config
+        return reference_nystrom(
+            q,
+            k,
+            v,
+            landmarks=cfg.landmarks,
+            pinv_iters=cfg.pinv_iters,
+            key_padding_mask=key_padding_mask,
+            return_weights=return_weights,
         )

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -127,8 +128,8 @@ def reference_lsh(
         else key_padding_mask
     )
     keys = F.normalize(q, dim=-1)
-    scale = q.shape[-1] ** -0.5 if config.scale is None else config.scale
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = default_scale(config.scale, q.shape[-1])
+    compute = compute_dtype(q)
     scores = torch.einsum("bhid,bhjd->bhij", q.to(compute), keys.to(compute)) * scale
     masks = [visible(buckets(keys, rot, real), real, config.chunk, causal) for rot in rotation.to(q.device)]
     found = torch.stack(masks).sum(0).clamp(min=1).to(compute)  # N_ij
@@ -378,11 +379,11 @@ class LSHAttention(Attention):
         score_mod: ScoreMod | None,
     ) -> Tensor:
         cfg, (batch, _, n, dim) = self.config, q.shape
-        real = torch.ones(batch, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        real = real_tokens(key_padding_mask, batch, n, q.device)
+        compute = compute_dtype(q)
         qc, vc = q.to(compute), v.to(compute)
         keys = F.normalize(qc, dim=-1)
-        scale = dim**-0.5 if cfg.scale is None else cfg.scale
+        scale = default_scale(cfg.scale, dim)
         with torch.no_grad():
             rots = self.rotations(q.shape[1], dim, q.device)
             laid = [layout(buckets(keys, rot, real), cfg.n_buckets, cfg.chunk) for rot in rots]
@@ -407,12 +408,20 @@ class LSHAttention(Attention):
         alone = torch.isinf(total)[..., None] & real[:, None, :, None]  # sees nothing in any round
         return torch.where(alone, vc, out).to(q.dtype)
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The combined ``(B, H, N, N)`` attention of a forward pass on ``q`` (small N)."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``reference_lsh`` under this module's rotations. k is not read: LSH attention shares
+        QK, its keys are the unit-normalised queries."""
         rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
         return reference_lsh(
-            q, q[..., :1], self.config, rotation, causal=causal, key_padding_mask=key_padding_mask, return_weights=True
-        )[1]
+            q, v, self.config, rotation, causal=causal, key_padding_mask=key_padding_mask, return_weights=return_weights
+        )

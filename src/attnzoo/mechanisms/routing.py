@@ -32,6 +32,7 @@ from torch import Tensor
 
 from attnzoo._checks import check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, gather_rows, real_tokens
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -132,13 +133,6 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -
     return out.reshape(*q.shape[:-1], v.shape[-1]) * has_key
 
 
-def _gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M, D)``; index M reads a zero row."""
-    x = F.pad(x, (0, 0, 0, 1))
-    rows = x.gather(2, rearrange(index, "b h ... -> b h (...) 1").expand(-1, -1, -1, x.shape[-1]))
-    return rows.reshape(*index.shape, x.shape[-1])
-
-
 def _bincount(index: Tensor, bins: int) -> Tensor:
     """``(B, H, bins)`` counts of the values of ``index (B, H, N)``."""
     return index.new_zeros(index.shape[:2] + (bins,)).scatter_add_(-1, index, torch.ones_like(index))
@@ -146,7 +140,7 @@ def _bincount(index: Tensor, bins: int) -> Tensor:
 
 def _take(x: Tensor, index: Tensor) -> Tensor:
     """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M)``; index M reads 0 (False)."""
-    return _gather_rows(x[..., None], index)[..., 0]
+    return gather_rows(x[..., None], index, zero_row=True)[..., 0]
 
 
 def grouped_attention(
@@ -197,8 +191,16 @@ def grouped_attention(
     for s in range(0, n_tiles, step):
         queries, keys = slot_query[:, :, s : s + step], key_index[:, :, s : s + step]
         pairs = (keys < n)[..., None, :] & visible(queries[..., :, None], keys[..., None, :])
-        parts.append(_attention(_gather_rows(q, queries), _gather_rows(k, keys), _gather_rows(v, keys), pairs, scale))
-    return _gather_rows(rearrange(torch.cat(parts, dim=2), "b h s w e -> b h (s w) e"), query_slot)
+        parts.append(
+            _attention(
+                gather_rows(q, queries, zero_row=True),
+                gather_rows(k, keys, zero_row=True),
+                gather_rows(v, keys, zero_row=True),
+                pairs,
+                scale,
+            )
+        )
+    return gather_rows(rearrange(torch.cat(parts, dim=2), "b h s w e -> b h (s w) e"), query_slot, zero_row=True)
 
 
 def balanced_attention(q: Tensor, k: Tensor, v: Tensor, sims: Pair, w: int, real: Tensor, scale: float) -> Tensor:
@@ -215,7 +217,11 @@ def balanced_attention(q: Tensor, k: Tensor, v: Tensor, sims: Pair, w: int, real
     """
     (sim_q, sim_k), n_clusters = sims, sims[0].shape[2]
     pick_q, pick_k = top_w(sim_q, w), top_w(sim_k, w)  # [B, H, C, w]
-    q_c, k_c, v_c = _gather_rows(q, pick_q), _gather_rows(k, pick_k), _gather_rows(v, pick_k)  # [B, H, C, w, D]
+    q_c, k_c, v_c = (
+        gather_rows(q, pick_q, zero_row=True),
+        gather_rows(k, pick_k, zero_row=True),
+        gather_rows(v, pick_k, zero_row=True),
+    )  # [B, H, C, w, D]
     per_cluster = _attention(q_c, k_c, v_c, _take(real, pick_k)[..., None, :], scale)  # [B, H, C, w, Dv]
     flat = rearrange(pick_q, "b h c w -> b h (c w)")
     per_query = rearrange(per_cluster, "b h c w e -> b h (c w) e")
@@ -349,9 +355,9 @@ def reference_routing(
     check_qkv(q, k, v, cross_attention=False)
     b, _, n, _ = q.shape
     real = check_key_padding_mask(key_padding_mask, b, n, q.device)
-    real = torch.ones(b, n, dtype=torch.bool, device=q.device) if real is None else real
+    real = real_tokens(real, b, n, q.device)
     real = real[:, None, :].expand(-1, q.shape[1], -1)
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(q)
     qc, kc = q.to(compute), k.to(compute)
     if share_qk:
         qc = kc = F.normalize(qc, dim=-1)
@@ -452,13 +458,13 @@ class RoutingAttention(Attention):
         score_mod: ScoreMod | None,
     ) -> Tensor:
         b, h, n, d = q.shape
-        qc, kc, vc = (x.to(torch.float64 if q.dtype == torch.float64 else torch.float32) for x in (q, k, v))
+        qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
         qc, kc, scale = attention_inputs(qc, kc, self.config)
-        real = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+        real = real_tokens(key_padding_mask, b, n, q.device)
         sims = similarities(qc, kc, self.centroids_for(q), real)
         real = real[:, None, :].expand(-1, h, -1)
         w = min(math.ceil(n / self.config.n_clusters) if self.config.window is None else self.config.window, n)
-        scale = d**-0.5 if scale is None else scale
+        scale = default_scale(scale, d)
         out = (causal_attention if causal else balanced_attention)(qc, kc, vc, sims, w, real, scale)
         # A non-finite query is routed last; its row is NaN (a causal one alone would read its own value).
         out = out.masked_fill(~torch.isfinite(qc).all(-1, keepdim=True), math.nan)
@@ -468,20 +474,27 @@ class RoutingAttention(Attention):
             self.centroids.copy_(ema_centroids(self.centroids, sims, units, real, self.config.decay))
         return out.to(q.dtype)
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The ``(B, H, N, N)`` effective attention matrix (small N: pictures); no EMA update."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``reference_routing`` under the current centroids (no EMA update)."""
         return reference_routing(
             q,
             k,
-            q[..., :1],
+            v,
             self.centroids_for(q),
             window=self.config.window,
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=self.config.scale,
             share_qk=self.config.share_qk,
-            return_weights=True,
-        )[1]
+            return_weights=return_weights,
+        )

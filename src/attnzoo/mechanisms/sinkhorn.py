@@ -22,6 +22,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -67,15 +68,11 @@ class SinkhornConfig(Config):
             raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def real_blocks(key_padding_mask: Tensor | None, batch: int, n: int, block: int, device: torch.device) -> Tensor:
     """``(B, n_blocks, block)`` bool: True where a block slot holds a real token (not key
     padding, not the positions added to reach a multiple of ``block``)."""
     n_blocks = -(-n // block)
-    real = torch.ones(batch, n, dtype=torch.bool, device=device) if key_padding_mask is None else key_padding_mask
+    real = real_tokens(key_padding_mask, batch, n, device)
     real = F.pad(real, (0, n_blocks * block - n), value=False)
     return rearrange(real, "b (n w) -> b n w", w=block)
 
@@ -169,8 +166,8 @@ def sinkhorn_attention(
         n^2) memory (SortCut: O(N * s * block)); nothing N x N.
     """
     b, h, n, d = q.shape
-    compute = _compute_dtype(q)
-    scale = d**-0.5 if scale is None else scale
+    compute = compute_dtype(q)
+    scale = default_scale(scale, d)
     real = real_blocks(key_padding_mask, b, n, block, q.device)  # [B, nb, w]
     m = real[:, None, :, :, None]
     qb = to_blocks(q.to(compute), block)  # [B, H, nb, w, D]
@@ -256,8 +253,8 @@ def reference_sinkhorn(
         mass ``sum_j P[i, j] [K_j[t] is real]`` is > 0. A query with no visible key gives zeros.
     """
     b, h, n, d = q.shape
-    compute = _compute_dtype(q)
-    scale = d**-0.5 if scale is None else scale
+    compute = compute_dtype(q)
+    scale = default_scale(scale, d)
     real = real_blocks(key_padding_mask, b, n, block, q.device)  # [B, nb, w]
     # Padded slots hold zeros: they add nothing to a sorted block, and are never visible.
     qb, kb, vb = (to_blocks(x.to(compute), block) for x in (q, k, v))
@@ -374,7 +371,7 @@ class SinkhornAttention(Attention):
         b, _, n, d = k.shape
         self._check(n, d, causal)
         real = real_blocks(key_padding_mask, b, n, cfg.block, k.device)  # [B, nb, w]
-        compute = _compute_dtype(k)
+        compute = compute_dtype(k)
         summary = block_summaries(to_blocks(k.to(compute), cfg.block), real, causal=causal)  # [B, H, nb, D]
         logits = summary @ self.sort_weight[:, : real.shape[1]].to(compute)  # [B, H, nb, nb]
         if self.training:
@@ -405,26 +402,27 @@ class SinkhornAttention(Attention):
             sortcut=cfg.sortcut,
         )
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The effective ``(B, H, N, N)`` weights (small N: pictures), with ``output == A @ v``;
-        see ``implied_matrix``. Call in eval mode, or each call draws new Gumbel noise."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``reference_sinkhorn`` (block by block, as the paper reads) under one drawn
+        permutation; the weights are the fast path's slot weights mapped back to key positions
+        (``implied_matrix``), so ``output == weights @ v``. In training mode each call draws new
+        Gumbel noise: compare with ``forward`` in eval mode."""
         cfg = self.config
         P = self.permutation(k, key_padding_mask, causal)
-        v = q.new_zeros(q.shape[:3] + (1,))
-        _, weights = sinkhorn_attention(
-            q,
-            k,
-            v,
-            P,
-            block=cfg.block,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=cfg.scale,
-            sortcut=cfg.sortcut,
-            return_weights=True,
-        )
+        settings = dict(block=cfg.block, causal=causal, key_padding_mask=key_padding_mask, scale=cfg.scale)
+        out = reference_sinkhorn(q, k, v, P, **settings, sortcut=cfg.sortcut)
+        if not return_weights:
+            return out
+        _, slots = sinkhorn_attention(q, k, v, P, **settings, sortcut=cfg.sortcut, return_weights=True)
         real = real_blocks(key_padding_mask, q.shape[0], q.shape[2], cfg.block, q.device)
-        return implied_matrix(weights, P, real, n=q.shape[2], causal=causal, sortcut=cfg.sortcut)
+        return out, implied_matrix(slots, P, real, n=q.shape[2], causal=causal, sortcut=cfg.sortcut)

@@ -92,9 +92,9 @@ class SoftmaxAttention(Attention):
         score_mod: ScoreMod | None,
     ) -> Tensor:
         if not self.uses_fast_path(score_mod=score_mod):
-            return self.forward_with_weights(
-                q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod
-            )[0]
+            return self._reference(
+                q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod, return_weights=False
+            )
         return sdpa_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale)
 
     def forward_with_weights(
@@ -107,10 +107,24 @@ class SoftmaxAttention(Attention):
         key_padding_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The dense reference: ``(output, weights (B, H, N_q, N_kv))``, for pictures and for
-        position encodings that need the weights (Shaw relative values)."""
-        q, k, v = self.zero_padded(key_padding_mask, q, k, v)
-        out, weights = reference_attention(
+        """``(output, weights (B, H, N_q, N_kv))`` from the dense reference, for position
+        encodings that need the weights (Shaw relative values)."""
+        return self.reference(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod, return_weights=True
+        )
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        return reference_attention(
             q,
             k,
             v,
@@ -119,16 +133,8 @@ class SoftmaxAttention(Attention):
             score_mod=score_mod,
             scale=self.config.scale,
             normalizer=self.config.normalizer,
-            return_weights=True,
+            return_weights=return_weights,
         )
-        return out, weights
-
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The ``(B, H, N_q, N_kv)`` attention matrix this mechanism applies."""
-        v = q.new_zeros(q.shape[:3] + (1,)).expand(-1, -1, k.shape[2], -1)
-        return self.forward_with_weights(q, k, v, causal=causal, key_padding_mask=key_padding_mask)[1]
 
     def init_state(
         self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from attnzoo import patterns as P
 from attnzoo.backends.dispatch import attend
+from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -76,25 +77,31 @@ class PatternAttention(Attention):
             block=cfg.block,
         )
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies (small N: pictures)."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        from attnzoo.backends.reference import reference_attention
-
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Dense softmax over the pattern's mask (the ``reference`` backend, whatever
+        ``config.backend`` says)."""
         pattern = self.pattern.resolve_heads(q.shape[1])
         pattern = pattern & P.causal() if causal else pattern
-        v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
         return reference_attention(
             q,
             k,
             v,
             key_padding_mask=key_padding_mask,
+            score_mod=score_mod,
             scale=self.config.scale,
             mask_mod=pattern.mask_mod_for(q.shape[2], k.shape[2]),
-            return_weights=True,
-        )[1]
+            return_weights=return_weights,
+        )
 
 
 SELF_ONLY = "defined on a fixed number of positions: self-attention only"

@@ -47,8 +47,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import normalize_scores, visible_pairs
+from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -198,7 +198,7 @@ class SynthesizerAttention(Attention):
         variants, ``(1, H, N, N)`` for random ones, in float32 (float64 for float64 ``q``)."""
         n = q.shape[2]
         self._check(q, n)
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        compute = compute_dtype(q)
         p = lambda t: t.to(compute)  # noqa: E731
         if self._base == "random":
             return p(self.random_matrix[:, :n, :n]).unsqueeze(0)
@@ -223,14 +223,8 @@ class SynthesizerAttention(Attention):
             s = alpha * s + (1.0 - alpha) * dot
         return s
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The ``(B, H, N, N)`` attention matrix this mechanism applies."""
-        check_qkv(q, k, k, cross_attention=False)
-        causal = check_causal(causal, q.shape[2], k.shape[2])
-        key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-        q, k = self.zero_padded(key_padding_mask, q, k)
+    def _weights(self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+        """The ``(B, H, N, N)`` attention matrix: softmax of ``scores`` over the visible keys."""
         batch, heads, n, _ = q.shape
         scores = self.scores(q, k).expand(batch, heads, n, n)
         visible = visible_pairs(
@@ -248,8 +242,26 @@ class SynthesizerAttention(Attention):
         key_padding_mask: Tensor | None,
         score_mod: ScoreMod | None,
     ) -> Tensor:
-        weights = self.implied_attention(q, k, causal=causal, key_padding_mask=key_padding_mask)
-        return torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype)
+        # The synthesizer's weights are an explicit N x N matrix by definition (the paper's
+        # point): its fast path is its reference.
+        return self._reference(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod, return_weights=False
+        )
+
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        weights = self._weights(q, k, causal, key_padding_mask)
+        out = torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype)
+        return (out, weights) if return_weights else out
 
 
 def reference_synthesizer(

@@ -12,7 +12,6 @@ key index winning ties, or all visible entries if fewer. Each fast path has a de
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import Tensor, nn
 
 from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import normalize_scores, visible_pairs
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, gather_rows
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import Config, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -82,13 +82,6 @@ def select_topk(scores: Tensor, visible: Tensor | None, k: int) -> tuple[Tensor,
     return idx, valid
 
 
-def _gather_rows(x: Tensor, idx: Tensor) -> Tensor:
-    """``x (B, H, N, D)``, ``idx (B, H, M, K)`` -> ``x[b, h, idx] (B, H, M, K, D)``."""
-    m, kk = idx.shape[2], idx.shape[3]
-    flat = rearrange(idx, "b h m k -> b h (m k) 1").expand(-1, -1, -1, x.shape[-1])
-    return rearrange(x.gather(2, flat), "b h (m k) d -> b h m k d", m=m, k=kk)
-
-
 def _sparse_softmax(
     q: Tensor, k_sel: Tensor, v_sel: Tensor, valid: Tensor, scale: float, bias: Tensor | None = None
 ) -> Tensor:
@@ -100,11 +93,6 @@ def _sparse_softmax(
         logits = logits + bias
     weights = normalize_scores(logits, valid, "softmax")
     return torch.einsum("bhmk,bhmkd->bhmd", weights, v_sel)
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    # As the reference backend: low precision is computed in float32 and cast back.
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _check_ranges(config: Config, lows: tuple[tuple[str, int], ...], scale: float | None) -> None:
@@ -129,8 +117,8 @@ def _dense_inputs(
     check_qkv(q, k, v, cross_attention=cross_attention)
     check_causal(causal, q.shape[2], k.shape[2])
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return tuple(t.to(_compute_dtype(q)) for t in (q, k, v)), key_padding_mask, scale
+    scale = default_scale(scale, q.shape[-1])
+    return tuple(t.to(compute_dtype(q)) for t in (q, k, v)), key_padding_mask, scale
 
 
 def _chunk_visible(
@@ -174,9 +162,9 @@ def topk_attention(
         ``N_q x N_kv`` tensor exists at any time, and what autograd keeps is ``O(N k D)``.
     """
     n_q, n_kv = q.shape[2], k.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(scale, q.shape[-1])
     kk = min(topk, n_kv)
-    qc, kc, vc = (t.to(_compute_dtype(q)) for t in (q, k, v))
+    qc, kc, vc = (t.to(compute_dtype(q)) for t in (q, k, v))
     outs = []
     for start in range(0, n_q, chunk):
         stop = min(start + chunk, n_q)
@@ -186,7 +174,7 @@ def topk_attention(
             scores = torch.matmul(q_c * scale, kc.transpose(-1, -2))  # (B, H, c, N_kv)
             idx, valid = select_topk(scores, visible, kk)  # (B, H, c, kk)
             del scores
-        outs.append(_sparse_softmax(q_c, _gather_rows(kc, idx), _gather_rows(vc, idx), valid, scale))
+        outs.append(_sparse_softmax(q_c, gather_rows(kc, idx), gather_rows(vc, idx), valid, scale))
     return torch.cat(outs, dim=2).to(q.dtype)
 
 
@@ -286,12 +274,17 @@ class TopKAttention(Attention):
             q, k, v, topk=cfg.topk, chunk=cfg.chunk, causal=causal, key_padding_mask=key_padding_mask, scale=cfg.scale
         )
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies (small N: pictures)."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
+    def _reference(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         return reference_topk(
             q,
             k,
@@ -300,8 +293,8 @@ class TopKAttention(Attention):
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=self.config.scale,
-            return_weights=True,
-        )[1]
+            return_weights=return_weights,
+        )
 
 
 def sac_candidates(
@@ -405,37 +398,32 @@ class SACAttention(Attention):
         key_padding_mask: Tensor | None,
         score_mod: ScoreMod | None,
     ) -> Tensor:
-        return self._run(sac_attention, q, k, v, causal, key_padding_mask)
+        return sac_attention(q, k, v, self.predictor, **self._settings(q, causal, key_padding_mask))
 
-    def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        """The dense ``(B, H, N, N)`` weights this mechanism applies (small N: pictures)."""
-        q, k = self.zero_padded(key_padding_mask, q, k)
-        v = q.new_zeros(q.shape[:2] + (k.shape[2], 1))
-        return self._run(reference_sac, q, k, v, causal, key_padding_mask, return_weights=True)[1]
-
-    def _run(
+    def _reference(
         self,
-        fn: Callable[..., Any],
         q: Tensor,
         k: Tensor,
         v: Tensor,
+        *,
         causal: bool,
         key_padding_mask: Tensor | None,
-        **extra: bool,
-    ) -> Any:
+        score_mod: ScoreMod | None,
+        return_weights: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        settings = self._settings(q, causal, key_padding_mask)
+        return reference_sac(q, k, v, self.predictor, **settings, return_weights=return_weights)
+
+    def _settings(self, q: Tensor, causal: bool, key_padding_mask: Tensor | None) -> dict[str, Any]:
+        """The keyword arguments ``sac_attention`` and ``reference_sac`` share, after checking
+        that q has the head size the predictor was built for."""
         cfg = self.config
         if q.shape[-1] != cfg.head_dim:
             raise ValueError(
                 f"sac was built with head_dim={cfg.head_dim} but q has D={q.shape[-1]}; "
                 f"build it with head_dim={q.shape[-1]}"
             )
-        return fn(
-            q,
-            k,
-            v,
-            self.predictor,
+        return dict(
             topk=cfg.topk,
             candidates=cfg.candidates,
             n_random=cfg.n_random,
@@ -443,7 +431,6 @@ class SACAttention(Attention):
             causal=causal,
             key_padding_mask=key_padding_mask,
             scale=cfg.scale,
-            **extra,
         )
 
 
@@ -478,8 +465,8 @@ def sac_attention(
         ``e - e.detach()`` (e on detached q, k: only W receives its gradient).
     """
     n = q.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qc, kc, vc = (t.to(_compute_dtype(q)) for t in (q, k, v))
+    scale = default_scale(scale, q.shape[-1])
+    qc, kc, vc = (t.to(compute_dtype(q)) for t in (q, k, v))
     cand, valid = sac_candidates(n, candidates=candidates, n_random=n_random, seed=seed, causal=causal, device=q.device)
     kk = min(topk, cand.shape[1])
     with torch.no_grad():
@@ -487,7 +474,7 @@ def sac_attention(
         edges = _edge_scores(qc, kc[:, :, cand], weight, scale)  # (B, H, N, C)
         slot, ok = kept_indices(topk_mask(edges, visible[:, None], kk), kk)  # (B, H, N, kk)
         idx = cand.expand(slot.shape[:2] + cand.shape).gather(-1, slot)  # key positions (B, H, N, kk)
-    k_sel, v_sel = _gather_rows(kc, idx), _gather_rows(vc, idx)
+    k_sel, v_sel = gather_rows(kc, idx), gather_rows(vc, idx)
     edge = _edge_scores(qc.detach(), k_sel.detach(), weight, scale)
     return _sparse_softmax(qc, k_sel, v_sel, ok, scale, bias=edge - edge.detach()).to(q.dtype)
 

@@ -1,0 +1,64 @@
+"""Small rules every mechanism shares, written once so that they cannot drift apart.
+
+Each is a line or two, but each is a *decision* — which dtype low precision is computed in, what
+``scale=None`` means, how padding is neutralised, which row a query with no visible key gets — and
+the mechanisms' fast paths and dense references must make the same decision for the contract
+tests (``tests/test_contracts.py``) to hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a mechanism computes in for inputs like ``x``: float64 stays float64, everything
+    else (float32, bfloat16, float16) is accumulated in float32 and cast back, as the reference
+    backend does — so a half-precision fast path is compared against a float32-accurate
+    reference, not against its own rounding."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def default_scale(scale: float | None, head_dim: int) -> float:
+    """``scale``, or the Transformer's ``1 / sqrt(D)`` when it is None (every config's
+    ``scale=None`` means this)."""
+    return head_dim**-0.5 if scale is None else scale
+
+
+def real_tokens(key_padding_mask: Tensor | None, batch: int, n: int, device: torch.device) -> Tensor:
+    """The ``(B, N)`` bool mask of real (not padded) positions: ``key_padding_mask`` itself, or
+    all True when there is none, so code downstream has one case, not two."""
+    if key_padding_mask is None:
+        return torch.ones(batch, n, dtype=torch.bool, device=device)
+    return key_padding_mask
+
+
+def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """``x (B, H, N, D)`` with its padded positions (``key_padding_mask`` False) set to zero.
+
+    A select, not a multiply: whatever padding held (NaN, ±inf, 1e30) is gone, the padded
+    positions get exactly zero gradient, and the real ones' values and gradients are bit for bit
+    those of a zero-padded input. ``Attention.forward`` applies it to k and v (and to q of a
+    self-attention-only mechanism) before ``_attend``, because a mechanism that gives a padded
+    key weight 0 still computes ``0 * NaN = NaN``, and a NaN query row poisons the backward of
+    every key it met even under a zero upstream gradient. O(B H N D), once per call.
+    """
+    if key_padding_mask is None:
+        return x
+    return torch.where(rearrange(key_padding_mask, "b n -> b 1 n 1"), x, 0.0)
+
+
+def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:
+    """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M, D)`` and an integer ``index (B, H, ...)``
+    -> ``(B, H, ..., D)``: each query's own selection of keys or values, as one ``gather``
+    (never an ``(B, H, M, M)`` one-hot product).
+
+    With ``zero_row``, index ``M`` (one past the end) reads a row of zeros: the slot a selection
+    fills when a query has fewer candidates than slots.
+    """
+    if zero_row:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 1))
+    flat = rearrange(index, "b h ... -> b h (...) 1").expand(-1, -1, -1, x.shape[-1])
+    return x.gather(2, flat).reshape(*index.shape, x.shape[-1])

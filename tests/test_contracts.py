@@ -1,0 +1,152 @@
+"""The mechanism protocol's contracts, checked for every registered attention mechanism.
+
+Parametrised over ``attnzoo.names(kind="attention")``; what each mechanism is held to comes from
+its registration (``attnzoo.describe(name)``): its capabilities and complexity, never its name.
+A new mechanism is covered by registering it.
+
+* fast == reference: ``forward`` (the fast path) and ``reference`` (the dense twin) agree in
+  float64, outputs and gradients; ``implied_attention @ v`` is the reference output.
+* causal: outputs of the first t rows do not change when later tokens change (strong causality),
+  or ``causal=True`` is refused.
+* padding: changing padded tokens changes no real output; a query that sees no key gets zeros.
+* memory: where ``subquadratic_memory``, no tensor as large as the dense score matrix is made.
+* decode: where ``decode_step``, ``step`` token by token equals the causal ``forward``.
+
+Tolerances: ``tolerances.assert_same`` (float64 row), the suite's one policy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnzoo
+from conftest import grads, largest_tensor, padding_mask, small_mechanism
+from tolerances import assert_same
+
+ATTENTION = attnzoo.names(kind="attention")
+B, HEADS, HEAD_DIM, N = 3, 2, 4, 16  # every sized config fits N = 16 (axial, block2d: a 4x4 grid)
+
+
+def _caps(name: str) -> attnzoo.spec.Capabilities:
+    return attnzoo.describe(name).capabilities
+
+
+def _causal_modes(name: str) -> tuple[bool, ...]:
+    return (False, True) if _caps(name).causal else (False,)
+
+
+def _qkv(seed: int = 0, batch: int = B, n: int = N) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, HEADS, n, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(3))
+
+
+def _mask() -> torch.Tensor:
+    """Batch 0 all padding (its queries see nothing), batch 1 partly padded, batch 2 real."""
+    return padding_mask(B, N)
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_fast_path_equals_reference_forward_and_gradients(name):
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    params = tuple(attn.parameters())
+    for causal in _causal_modes(name):
+        for mask in (None, _mask()):
+            what = f"{name} causal={causal} padded={mask is not None}"
+            inputs = tuple(x.requires_grad_() for x in _qkv())
+            kw = dict(causal=causal, key_padding_mask=mask)
+            fast, ref = attn(*inputs, **kw), attn.reference(*inputs, **kw)
+            assert_same(fast, ref, what=f"{what}: output")
+            assert torch.equal(fast, attn(*inputs, **kw)), f"{what}: eval mode is not deterministic"
+            for i, (g_fast, g_ref) in enumerate(zip(grads(fast, inputs + params), grads(ref, inputs + params))):
+                assert_same(g_fast, g_ref, what=f"{what}: gradient {i}")
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_implied_attention_is_what_the_reference_applies(name):
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    q, k, v = _qkv(1)
+    for causal in _causal_modes(name):
+        for mask in (None, _mask()):
+            out, weights = attn.reference(q, k, v, causal=causal, key_padding_mask=mask, return_weights=True)
+            assert weights.shape == (B, HEADS, N, N)
+            assert_same(attn.implied_attention(q, k, causal=causal, key_padding_mask=mask), weights)
+            assert_same(weights.to(v.dtype) @ v, out, what=f"{name} causal={causal}: weights @ v vs reference")
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_causal_outputs_depend_only_on_the_past_or_causal_is_refused(name):
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    q, k, v = _qkv(2)
+    if not _caps(name).causal:
+        with pytest.raises(ValueError, match="does not support causal"):
+            attn(q, k, v, causal=True)
+        return
+    t = N // 2 + 1
+    later = tuple(x.clone() for x in (q, k, v))
+    for x in later:
+        x[:, :, t:] = torch.randn_like(x[:, :, t:]) * 3
+    for call in (attn, attn.reference):
+        before, after = call(q, k, v, causal=True), call(*later, causal=True)
+        assert_same(after[:, :, :t], before[:, :, :t], what=f"{name}: the first {t} rows after changing later tokens")
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_padding_changes_nothing_real_and_rows_that_see_nothing_are_zero(name):
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    mask = _mask()
+    q, k, v = _qkv(3)
+    pad = ~mask[:, None, :, None]
+    # The mask marks keys; for a self-attention-only mechanism it marks the queries too, so
+    # padded queries change as well and only the real rows are compared.
+    self_only = not _caps(name).cross_attention
+    changed = tuple(x.masked_fill(pad, 0) + torch.randn_like(x).masked_fill(~pad, 0) * 5 for x in (q, k, v))
+    changed = changed if self_only else (q, *changed[1:])
+    real = ~pad.expand_as(q[..., :1]) if self_only else torch.ones_like(q[..., :1], dtype=torch.bool)
+    for causal in _causal_modes(name):
+        for call in (attn, attn.reference):
+            out = call(q, k, v, causal=causal, key_padding_mask=mask)
+            what = f"{name} causal={causal} {getattr(call, '__name__', 'forward')}"
+            assert torch.isfinite(out).all(), what
+            assert not out[0].any(), f"{what}: batch 0 sees no key, its rows must be zero"
+            again = call(*changed, causal=causal, key_padding_mask=mask)
+            got, want = (x.masked_select(real) for x in (again, out))
+            assert_same(got, want, what=f"{what}: real outputs after changing the padding")
+
+
+@pytest.mark.parametrize("name", [n for n in ATTENTION if attnzoo.describe(n).complexity.subquadratic_memory])
+def test_subquadratic_memory_never_makes_a_dense_score_tensor(name):
+    # A config sized for a short sequence, run on a long one: its windows, blocks and features
+    # stay small while N grows. A mechanism defined on a fixed shape (a grid, a graph) is built
+    # for the long length instead. Measured after a warm-up call: plans and graphs are cached.
+    n = 2048
+    q, k, v = _qkv(4, batch=1, n=n)
+    try:
+        attn = small_mechanism(name, 128, heads=HEADS, head_dim=HEAD_DIM, **_max_len(name, n))
+        attn(q, k, v)
+    except ValueError:  # built for 128 positions exactly
+        attn = small_mechanism(name, n, heads=HEADS, head_dim=HEAD_DIM, **_max_len(name, n))
+    mask = torch.arange(n)[None] < n - 5
+    dense = HEADS * n * n
+    with torch.no_grad():
+        for causal in _causal_modes(name):
+            attn(q, k, v, causal=causal, key_padding_mask=mask)
+            largest = largest_tensor(attn, q, k, v, causal=causal, key_padding_mask=mask)
+            assert largest < dense, f"{name} causal={causal}: a tensor of {largest} elements, dense scores are {dense}"
+
+
+def _max_len(name: str, n: int) -> dict[str, int]:
+    return {"max_len": n} if "max_len" in attnzoo.registry.config_fields(name) else {}
+
+
+@pytest.mark.parametrize("name", attnzoo.names(kind="attention", decode_step=True))
+def test_decode_steps_equal_the_causal_forward(name):
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    q, k, v = _qkv(5)
+    want = attn(q, k, v, causal=True)
+    state = attn.init_state(B, HEADS, HEAD_DIM, HEAD_DIM, dtype=q.dtype)
+    outs = []
+    for t in range(N):
+        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(out)
+    assert_same(torch.cat(outs, 2), want, what=f"{name}: step by step vs forward")
