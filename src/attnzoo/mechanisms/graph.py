@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, reference_attention, visible_pairs
 from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.sparse import ring_with_chords
 from attnzoo.patterns.atomic import Graph
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -48,13 +49,15 @@ class GraphAttentionConfig(Config):
     self_loops: bool = True
     scale: float | None = None
     score: Literal["dot", "gat"] = "dot"
-    heads: int = 8
-    head_dim: int = 64
+    heads: int = bounded(8, ge=1)
+    head_dim: int = bounded(64, ge=1)
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A ring with chords on ``n`` nodes (``ring_with_chords``), as the ``graph`` pattern."""
+        return dict(edges=ring_with_chords(n), n=n)
 
     def validate(self) -> None:
-        for name in ("heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.score == "gat" and self.scale is not None:
             raise ValueError("scale applies to score='dot' only; GAT's additive score is not scaled, drop scale=")
         self.graph()

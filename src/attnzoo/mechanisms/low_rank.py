@@ -19,18 +19,12 @@ from torch.utils.checkpoint import checkpoint
 
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms.base import Attention, zero_padding
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
 def _compute(x: Tensor) -> torch.dtype:  # low precision is computed in float32, as the reference
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _at_least(config: Config, *lows: tuple[str, int]) -> None:
-    for name, low in lows:
-        if getattr(config, name) < low:
-            raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
 
 
 def _real(mask: Tensor | None, b: int, n: int, device: torch.device) -> Tensor:
@@ -146,15 +140,17 @@ class LinformerConfig(Config):
             ``"identity"`` (E = F = the first k rows of I; with k = N it is exact attention).
     """
 
-    k: int = 64
-    max_len: int = 4096
+    k: int = bounded(64, ge=1)
+    max_len: int = bounded(4096, ge=1)
     sharing: Literal["headwise", "kv", "layerwise", "none"] = "headwise"
-    heads: int = 8
+    heads: int = bounded(8, ge=1)
     init: Literal["xavier", "identity"] = "xavier"
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
 
-    def validate(self) -> None:
-        _at_least(self, ("k", 1), ("max_len", 1), ("heads", 1), ("seed", 0))
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter of the keys: k = 64 would project a short sequence to a longer one."""
+        return dict(k=quarter(n))
 
 
 @register(
@@ -359,14 +355,11 @@ class CompressedConfig(Config):
         chunk: query rows scored at once by the causal path. Default 256.
     """
 
-    kernel: int = 4
-    stride: int = 4
+    kernel: int = bounded(4, ge=1)
+    stride: int = bounded(4, ge=1)
     per_head: bool = False
-    heads: int = 8
-    chunk: int = 256
-
-    def validate(self) -> None:
-        _at_least(self, ("kernel", 1), ("stride", 1), ("heads", 1), ("chunk", 1))
+    heads: int = bounded(8, ge=1)
+    chunk: int = bounded(256, ge=1)
 
 
 @register(
@@ -524,11 +517,13 @@ class NystromConfig(Config):
         pinv_iters: steps of the pseudo-inverse iteration (0: its initial guess). Default 6.
     """
 
-    landmarks: int = 64
-    pinv_iters: int = 6
+    landmarks: int = bounded(64, ge=1)
+    pinv_iters: int = bounded(6, ge=0)
 
-    def validate(self) -> None:
-        _at_least(self, ("landmarks", 1), ("pinv_iters", 0))
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Landmarks of an eighth of the sequence (segments of 8 tokens)."""
+        return dict(landmarks=eighth(n))
 
 
 @register(

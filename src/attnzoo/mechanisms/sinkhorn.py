@@ -15,6 +15,7 @@ reads like the paper) compute the same output from the same ``P``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, eighth, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -46,25 +47,23 @@ class SinkhornConfig(Config):
             Default 0.
     """
 
-    block: int = 64
-    n_iters: int = 8
-    temperature: float = 0.75
-    max_blocks: int = 256
-    head_dim: int = 64
+    block: int = bounded(64, ge=1)
+    n_iters: int = bounded(8, ge=1)
+    temperature: float = bounded(0.75, gt=0)
+    max_blocks: int = bounded(256, ge=1)
+    head_dim: int = bounded(64, ge=1)
     sortcut: int | None = None
-    scale: float | None = None
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
     seed: int = 0
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Blocks of an eighth of the sequence: eight blocks to sort."""
+        return dict(block=eighth(n))
+
     def validate(self) -> None:
-        for name in ("block", "n_iters", "max_blocks", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.sortcut is not None and not 1 <= self.sortcut <= self.max_blocks:
             raise ValueError(f"sortcut must be None or in [1, max_blocks={self.max_blocks}], got {self.sortcut}")
-        if self.scale is not None and not self.scale > 0:
-            raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

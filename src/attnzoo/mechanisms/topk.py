@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -105,15 +105,6 @@ def _sparse_softmax(
 def _compute_dtype(x: Tensor) -> torch.dtype:
     # As the reference backend: low precision is computed in float32 and cast back.
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _check_ranges(config: Config, lows: tuple[tuple[str, int], ...], scale: float | None) -> None:
-    """Raise ValueError naming the first field below its minimum, or a scale that is not > 0."""
-    for name, low in lows:
-        if getattr(config, name) < low:
-            raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
-    if scale is not None and not scale > 0:
-        raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {scale}")
 
 
 def _dense_inputs(
@@ -240,12 +231,14 @@ class TopKConfig(Config):
         scale: score scale; default None means ``1 / sqrt(D)``.
     """
 
-    topk: int = 32
-    chunk: int = 256
-    scale: float | None = None
+    topk: int = bounded(32, ge=1)
+    chunk: int = bounded(256, ge=1)
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
 
-    def validate(self) -> None:
-        _check_ranges(self, (("topk", 1), ("chunk", 1)), self.scale)
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter of the keys per query."""
+        return dict(topk=quarter(n))
 
 
 @register(
@@ -353,15 +346,17 @@ class SACConfig(Config):
         scale: score scale; default None means ``1 / sqrt(D)``.
     """
 
-    topk: int = 8
-    candidates: int = 32
-    n_random: int = 4
-    seed: int = 0
-    head_dim: int = 64
-    scale: float | None = None
+    topk: int = bounded(8, ge=1)
+    candidates: int = bounded(32, ge=1)
+    n_random: int = bounded(4, ge=0)
+    seed: int = bounded(0, ge=0)
+    head_dim: int = bounded(64, ge=1)
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
 
-    def validate(self) -> None:
-        _check_ranges(self, (("topk", 1), ("candidates", 1), ("n_random", 0), ("seed", 0), ("head_dim", 1)), self.scale)
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Candidate windows of a quarter of the keys, an eighth of them kept."""
+        return dict(topk=eighth(n), candidates=quarter(n))
 
 
 @register(
