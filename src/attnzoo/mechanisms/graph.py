@@ -181,6 +181,7 @@ def reference_graph_attention(
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(time="O(E D)", memory="O(E D)", subquadratic_memory=True),
     notes=(
+        "not a drop-in for pretrained attention: needs a graph (edge list) as input",
         "edges are (query, key) pairs; causal keeps edges with key <= query",
         "nodes are bucketed by degree so a hub does not pad every neighbour list",
         "score='dot' (default): the scaled dot product q_i.k_j/sqrt(D) along the edges - Transformer "

@@ -464,7 +464,7 @@ class LinearConfig(Config):
     paper="Katharopoulos et al. 2020, Transformers are RNNs, https://arxiv.org/abs/2006.16236",
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D D_v)", memory="O(N D) (+ (N/chunk) D D_v causal)", subquadratic_memory=True),
-    notes=_NOTES,
+    notes=_NOTES + ("swapped in untrained: elu+1 feature map: not an approximation of softmax attention",),
 )
 class LinearAttention(KernelAttention):
     """Linear attention (Katharopoulos et al. 2020, https://arxiv.org/abs/2006.16236):

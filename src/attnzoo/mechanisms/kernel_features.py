@@ -293,6 +293,7 @@ class PerformerConfig(Config):
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
     notes=_NOTES
+    + ("swapped in untrained: random features (seed 0): an unbiased estimate of softmax attention",)
     + _DRAWS
     + (
         "q and k are scaled by D^-1/4, so phi(q).phi(k) estimates exp(q.k / sqrt(D))",
@@ -362,6 +363,7 @@ class RFAConfig(Config):
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
     notes=_NOTES
+    + ("swapped in untrained: random Fourier features on unit-normalised q, k: not softmax attention",)
     + _DRAWS
     + (
         "q, k unit-normalised; phi = [sin, cos](w^T x / sigma) / sqrt(m) can be negative: "
@@ -435,6 +437,7 @@ class EfficientConfig(Config):
     capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
     complexity=Complexity(time="O(N D D_v)", memory="O(N D + D D_v)", subquadratic_memory=True),
     notes=(
+        "swapped in untrained: softmax over q's channels and k's positions: not an approximation of softmax attention",
         "not causal: the softmax of K runs over all positions",
         "rows are normalised by construction (no denominator); padded keys get weight 0",
     ),

@@ -162,6 +162,7 @@ class LinformerConfig(Config):
     capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
     complexity=Complexity(time="O(N k D)", memory="O(N k)", subquadratic_memory=True),
     notes=(
+        "swapped in untrained: projections E, F randomly initialised (xavier, seed 0), not trained",
         "representative keys: the k rows of E[:, :N] K, learned mixtures of all keys; values F[:, :N] V",
         "padded keys and values are set to 0 before the projection (their slots still take softmax mass)",
         "not causal: every projected slot mixes future keys",
@@ -373,6 +374,7 @@ class CompressedConfig(Config):
         time="O(N^2 D / stride)", memory="O(N D) SDPA; causal O(chunk N / stride)", subquadratic_memory=True
     ),
     notes=(
+        "swapped in untrained: convolution taps at their initial value 1/kernel (mean pooling), not trained",
         "representative keys: slot s = sum_t w_t k_(s*stride + t), one per stride; the taps w (per head or "
         "shared, separate for keys and values) are scalars shared by the D channels, initialised to 1/kernel",
         "causal: a query sees the slots made entirely of keys <= its position, plus the raw keys after the "

@@ -343,6 +343,7 @@ class _Rounds(torch.autograd.Function):
     capabilities=Capabilities(causal=True, key_padding=True, backends=("blocked", "reference")),
     complexity=Complexity(time="O(n_hashes N c D)", memory="O(n_hashes N c)", subquadratic_memory=True),
     notes=(
+        "swapped in untrained: shared-QK: keys are the unit-normalised queries, the model's keys are not used",
         "shared QK: keys are the unit-normalised queries; the k argument is not used",
         "chunks are taken within each bucket by position rank (Reformer chunks the whole sorted "
         "sequence, which lets future tokens move chunk boundaries); this makes routing causal",

@@ -378,6 +378,7 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(time="O(N (w + C) D), w = N / C", memory="O(N (w + C))", subquadratic_memory=True),
     notes=(
+        "swapped in untrained: k-means centroids at their random initial value (no EMA updates in eval)",
         "centroids (H, C, D): a buffer made at construction when heads and head_dim are set, else on the "
         "first forward; EMA updates in training mode only",
         "non-causal: balanced top-w queries and keys per cluster; an unpicked query uses its nearest cluster's keys",

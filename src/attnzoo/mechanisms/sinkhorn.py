@@ -312,6 +312,7 @@ def implied_matrix(weights: Tensor, P: Tensor, real: Tensor, *, n: int, causal: 
         subquadratic_memory=True,
     ),
     notes=(
+        "not a drop-in for pretrained attention: its sorting network is a trained parameter: needs retraining",
         "N is padded to a multiple of block; padded positions are never attended",
         "block summary: mean of the block's real keys; sort net: one (head_dim, max_blocks) linear map shared by heads",
         "sorted keys sum_j P[i,j] K_j, sorted values sum_j P[i,j] V_j",

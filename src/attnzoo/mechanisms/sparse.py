@@ -487,6 +487,8 @@ _register(
     "Parmar et al. 2018, " + ARXIV + "1802.05751",
     cross=False,
     notes=(
+        "not a drop-in for pretrained attention: needs an h x w image grid (N = h * w); "
+        "text is 1-D and of varying length",
         SELF_ONLY,
         "causal=True is j <= i in raster (row-major) order, not the paper's block-raster "
         "generation order: with 2 x 2 query blocks and a margin, pixel (1, 0) sees (0, 2), "
@@ -500,6 +502,8 @@ _register(
     "Huang et al. 2019 (CCNet criss-cross attention), " + ARXIV + "1811.11721",
     cross=False,
     notes=(
+        "not a drop-in for pretrained attention: needs an h x w image grid (N = h * w); "
+        "text is 1-D and of varying length",
         SELF_ONLY,
         "one softmax over the union of the row and the column (h + w - 1 keys), the criss-cross "
         "pattern; not Ho et al. 2019's axial attention (" + ARXIV + "1912.12180), which is a row pass then "
@@ -513,6 +517,18 @@ _register(
     "Attention along the edges of a graph.",
     "Velickovic et al. 2018 (GAT), " + ARXIV + "1710.10903",
     cross=False,
-    notes=(SELF_ONLY,),
+    notes=(
+        "not a drop-in for pretrained attention: needs a graph (edge list) as input",
+        SELF_ONLY,
+    ),
 )
-_register("pattern", PatternConfig, "Any attnzoo.patterns.Pattern (per_head for mixed heads).", "see attnzoo.patterns")
+_register(
+    "pattern",
+    PatternConfig,
+    "Any attnzoo.patterns.Pattern (per_head for mixed heads).",
+    "see attnzoo.patterns",
+    notes=(
+        "causal=True intersects the pattern with j <= i",
+        "not a drop-in for pretrained attention: needs a Pattern object; the named patterns cover it",
+    ),
+)

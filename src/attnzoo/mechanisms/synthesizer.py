@@ -120,6 +120,8 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
         subquadratic_memory=False,
     ),
     notes=(
+        "not a drop-in for pretrained attention: synthesized attention weights are trained parameters "
+        "(no q.k): needs retraining",
         "self-attention only, N <= max_len; inputs must have `heads` heads (and `head_dim` for "
         "variants that read q) - in MultiHeadAttention pass a built module",
         "dense/factorized_dense synthesize from the per-head query q_i (the paper uses x_i)",

@@ -373,6 +373,7 @@ class SACConfig(Config):
         subquadratic_memory=True,
     ),
     notes=(
+        "not a drop-in for pretrained attention: its edge predictor is a trained parameter: needs retraining",
         "candidates: a window of `candidates` positions (centred; causal: i - c + 1 .. i) plus "
         "`n_random` seeded random positions (causal: <= i); padded keys are never candidates",
         "predictor: score_ij = (q_i W) . k_j / sqrt(D), W (D, D) learned, initialised to identity; "
