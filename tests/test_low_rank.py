@@ -274,7 +274,7 @@ def test_registry_entries():
     ],
 )
 def test_bad_config_values_name_the_field(name, field, value):
-    with pytest.raises(ValueError, match=f"^{field} must be >= "):
+    with pytest.raises(ValueError, match=f"^[A-Za-z]+Config: {field} must be >= "):
         attnzoo.build(name, **{field: value})
 
 

@@ -129,3 +129,64 @@ def test_refusals_name_mechanisms_that_can(monkeypatch):
         module(q, q[:, :, :2], q[:, :, :2])
     with pytest.raises(ValueError, match="decode step"):
         module.init_state(1, 1, 4, 4)
+
+
+# ----------------------------------------------------------- configs carry examples and ranges
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_for_length_gives_a_valid_config_at_every_length(name):
+    config_class = attnzoo.describe(name).config
+    for n in (1, 4, 16, 64, 75, 100, 256, 1024):
+        config = config_class.for_length(n)
+        assert isinstance(config, config_class)
+        assert attnzoo.build(name, **config_class.length_values(n)).config == config
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        config_class.for_length(0)
+
+
+def test_for_length_defaults_to_the_defaults_and_sized_reads_it():
+    from attnzoo.bench.configs import sized
+
+    assert attnzoo.describe("softmax").config.for_length(64) == attnzoo.registry.make_config("softmax")
+    assert sized("local", 64) == {"left": 16, "right": 16}
+    assert attnzoo.describe("local").config.for_length(64).left == 16
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "message"),
+    [
+        ("local", {"block": 0}, "LocalConfig: block must be >= 1, got 0"),
+        ("topk", {"scale": -1.0}, r"TopKConfig: scale must be > 0 or None \(for 1/sqrt\(D\)\), got -1.0"),
+        ("routing", {"decay": 1.5}, r"RoutingConfig: decay must be in \[0.0, 1.0\], got 1.5"),
+        ("routing", {"window": 0}, r"RoutingConfig: window must be >= 1 or None \(for ceil\(N / n_clusters\)\), got 0"),
+        ("performer", {"redraw_every": 0}, r"PerformerConfig: redraw_every must be >= 1 or None \(never redraw\)"),
+        ("linear", {"eps": 0.0}, "LinearConfig: eps must be > 0, got 0.0"),
+    ],
+)
+def test_a_range_violation_names_the_config_field_bound_and_value(name, values, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        attnzoo.build(name, **values)
+
+
+def test_no_range_helper_per_config_and_no_name_keyed_tables():
+    import pathlib
+
+    import attnzoo.bench.configs as configs
+    import attnzoo.bench.fidelity as fidelity
+    from attnzoo import viz
+
+    src = pathlib.Path(attnzoo.__file__).parent
+    mechanisms = "\n".join(p.read_text() for p in (src / "mechanisms").glob("*.py"))
+    for helper in ("def _check_ranges", "def _at_least", "def _positive"):
+        assert helper not in mechanisms
+    assert not hasattr(viz, "GALLERY_CONFIGS")
+    assert not any(hasattr(fidelity, table) for table in ("DEFAULTS", "NOTES", "NOT_APPLICABLE"))
+    # The benchmark modules and viz name no mechanism outside docs and examples.
+    code = "\n".join(
+        p.read_text()
+        for p in [pathlib.Path(configs.__file__), pathlib.Path(fidelity.__file__), pathlib.Path(viz.__file__)]
+    )
+    for name in attnzoo.names(family="sparse"):
+        if name not in ("global", "pattern", "local"):  # also ordinary words / the docstring example
+            assert f'"{name}"' not in code, name

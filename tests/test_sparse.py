@@ -12,33 +12,10 @@ import torch
 import attnzoo
 from attnzoo import patterns as P
 from conftest import grads, padding_mask
-from tolerances import assert_close_to_golden
+from tolerances import assert_close_to_golden, assert_same, max_abs_error
 
 B, H, N, D = 2, 4, 75, 16  # N not a multiple of the 16-wide tiles
-RING = tuple((i, (i + d) % N) for i in range(N) for d in (1, -1, 7))
-SMALL = {
-    "local": dict(left=5, right=3),
-    "dilated": dict(left=3, right=2, dilation=3),
-    "strided": dict(stride=9),
-    "global": dict(indices=(0, 40)),
-    "random": dict(r=6, seed=1),
-    "block_local": dict(size=10),
-    "longformer": dict(window=4, global_indices=(0,), dilation=(1, 2)),
-    "bigbird": dict(block=16, random_blocks=1),
-    "star": dict(),
-    "etc": dict(window=3, n_global=2),
-    "sparse_transformer_strided": dict(l=8),
-    "sparse_transformer_fixed": dict(l=8, c=2),
-    "block2d": dict(h=5, w=15, query_block=(2, 4), memory_margin=(1, 2)),
-    "axial": dict(h=5, w=15),
-    "graph": dict(edges=RING, n=N),
-    "pattern": dict(pattern=P.per_head([P.local(2), P.strided(5)])),
-}
 SPARSE = attnzoo.names(family="sparse")
-
-
-def test_every_sparse_mechanism_is_covered_here():
-    assert set(SPARSE) == set(SMALL), "add a small config for each new sparse mechanism"
 
 
 def _inputs(dtype, requires_grad=True):
@@ -47,10 +24,11 @@ def _inputs(dtype, requires_grad=True):
 
 
 def _build(name, backend):
-    cfg = dict(SMALL[name])
-    if name != "bigbird":
-        cfg["block"] = 16
-    return attnzoo.build(name, backend=backend, **cfg)
+    # Each mechanism sized for N by its own config (a quarter of the keys; grids and graphs
+    # fitted to N = 75 = 5 x 15), so a new sparse mechanism is covered without editing this file.
+    # Tiles of 16 leave a ragged last tile; bigbird's tile is its own block (75 // 8 = 9).
+    cfg = attnzoo.describe(name).config.length_values(N)
+    return attnzoo.build(name, backend=backend, **{"block": 16, **cfg})
 
 
 @pytest.mark.parametrize("name", SPARSE)
@@ -69,7 +47,13 @@ def test_blocked_equals_reference_forward_and_gradients(name, causal):
     assert_close_to_golden(actual, reference, golden.detach(), what=f"{name} forward")
     for a, r, g, w in zip(grads(actual, (q, k, v)), grads(reference, (q, k, v)), grads(golden, golden_in), "qkv"):
         assert torch.isfinite(a).all()
-        assert_close_to_golden(a, r, g, what=f"{name} d{w}")
+        if max_abs_error(r, g) == 0:
+            # The dense reference is exact here (e.g. a causal row that sees only one global key:
+            # its softmax gradient is 0), so "4 x the reference's error" is no allowance at all;
+            # the fast path's rounding, summed over N query rows, is held to the atol table.
+            assert_same(a, g, what=f"{name} d{w}")
+        else:
+            assert_close_to_golden(a, r, g, what=f"{name} d{w}")
 
 
 @pytest.mark.parametrize("name", SPARSE)

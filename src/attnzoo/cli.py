@@ -96,7 +96,7 @@ def cmd_show(console: Console, args: argparse.Namespace) -> None:
     if not args.name:
         raise ValueError("name a mechanism to draw (attnzoo list), or pass --all for the gallery")
     name, config = parse_mechanism(args.name, args.set)
-    config = {**viz.GALLERY_CONFIGS.get(name, {}), **config}
+    config = {**attnzoo.describe(name).config.length_values(args.n), **config}  # sized to the picture
     out = Path(args.out or f"{name}.png")
     module = attnzoo.build(name, **config)
     if getattr(module, "pattern", None) is not None:

@@ -4,7 +4,12 @@ by name, list ``names``, ``describe`` one.
 Config classes subclass ``Config``: frozen, keyword-only dataclasses. ``build`` rejects unknown
 keys with the list of valid ones; constructing a config (through ``build`` or directly) checks
 every value against its annotation (``int``, ``float``, ``bool``, ``str``, ``Literal[...]``,
-``X | None``, ``tuple[...]``) and then runs the class's own ``validate()`` for ranges.
+``X | None``, ``tuple[...]``), then every range declared beside a field (``bounded``), then the
+class's own ``validate()`` for what one field cannot say alone (``a < b``, "even or 1").
+
+A config also carries its own example: ``Config.for_length(n)`` is the config to use on
+sequences of length ``n`` (what benchmarks, the gallery and tests on short sequences build), so
+no table keyed by mechanism name has to grow when a mechanism is added.
 """
 
 from __future__ import annotations
@@ -14,16 +19,54 @@ import difflib
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from torch import nn
 
 from attnzoo.spec import Capabilities, Complexity, Spec
 
 
+def bounded(
+    default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None, none: str = ""
+) -> Any:
+    """A config field with its range declared beside it: ``chunk: int = bounded(64, ge=1)``.
+
+    ``Config`` checks every such field once, on construction, so a config class states its
+    ranges instead of writing a check per field; the error names the config, the field, the
+    bound and the value. ``ge``/``gt`` are the lower bound (inclusive/exclusive), ``le`` the upper.
+    ``none`` says what None means for a field typed ``X | None`` (None is never range-checked),
+    e.g. ``scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")``.
+    """
+    limits = {"ge": ge, "gt": gt, "le": le}
+    metadata = {key: value for key, value in limits.items() if value is not None}
+    if none:
+        metadata["none"] = none
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _bound_text(limits: typing.Mapping[str, Any]) -> str:
+    low = limits.get("ge", limits.get("gt"))
+    if "le" in limits:
+        opening = "[" if "ge" in limits else "("
+        return f"in {opening}{low}, {limits['le']}]" if low is not None else f"<= {limits['le']}"
+    return f">= {low}" if "ge" in limits else f"> {low}"
+
+
+def _within(value: Any, limits: typing.Mapping[str, Any]) -> bool:
+    return (
+        ("ge" not in limits or value >= limits["ge"])
+        and ("gt" not in limits or value > limits["gt"])
+        and ("le" not in limits or value <= limits["le"])
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """Base of every mechanism config: type-checks fields on construction, then ``validate``."""
+    """Base of every mechanism config: on construction, checks each field's type against its
+    annotation and its range against its ``bounded`` declaration, then runs ``validate``.
+
+    ``for_length(n)`` gives the config for sequences of length ``n``; a mechanism with a setting
+    that should follow the length overrides ``length_values``."""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -34,10 +77,46 @@ class Config:
                 literal = typing.get_origin(hints[f.name]) is Literal
                 error = ValueError if literal else TypeError
                 raise error(f"{type(self).__name__}: {f.name!r} must be {_show(hints[f.name])}, got {value!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not _within(value, f.metadata):
+                nullable = _matches(None, hints[f.name])
+                none = f" or None ({f.metadata['none']})" if "none" in f.metadata else " or None" if nullable else ""
+                raise ValueError(
+                    f"{type(self).__name__}: {f.name} must be {_bound_text(f.metadata)}{none}, got {value}"
+                )
         self.validate()
 
     def validate(self) -> None:
-        """Check value ranges; override in subclasses. Raise ValueError naming the field."""
+        """Check what one field's range cannot say (relations between fields); override in
+        subclasses. Raise ValueError naming the fields."""
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """The values ``for_length(n)`` sets (the rest keep their defaults); ``{}`` here.
+
+        Override where a default is sized for long inputs: on a short sequence a window of 64
+        or 64 landmarks would cover every key and make the mechanism full attention. The rule
+        of thumb is about a quarter of the keys per query (``quarter(n)``) and blocks of an
+        eighth (``eighth(n)``); mechanisms defined on a fixed shape fit it to ``n``."""
+        return {}
+
+    @classmethod
+    def for_length(cls, n: int) -> Self:
+        """The config for sequences of ``n`` tokens: ``length_values(n)`` over the defaults."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{cls.__name__}.for_length: n must be an int >= 1, got {n!r}")
+        return cls(**cls.length_values(n))
+
+
+def quarter(n: int) -> int:
+    """About a quarter of ``n`` (at least 2): the keys per query of a length-sized config."""
+    return max(2, n // 4)
+
+
+def eighth(n: int) -> int:
+    """About an eighth of ``n`` (at least 2): the block size of a length-sized config."""
+    return max(2, n // 8)
 
 
 _SPECS: dict[str, Spec] = {}

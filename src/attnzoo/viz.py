@@ -30,33 +30,6 @@ from attnzoo.registry import build, describe, names
 STRONG, PARTIAL_FILL, PARTIAL_EDGE, FULL_EDGE, GRID = "#1f4e9c", "#fde2c0", "#e07b00", "#9ecae1", "#c8c8c8"
 
 
-#: A config per registered sparse mechanism that makes a readable picture at n = 64. Only
-#: bigbird sets ``block``: its kernel tile is its pattern block. graph: a ring (both ways) on 64
-#: nodes plus a chord from every 8th node to the opposite one.
-GALLERY_CONFIGS: dict[str, dict[str, Any]] = {
-    "local": dict(left=4, right=4),
-    "dilated": dict(left=3, right=3, dilation=2),
-    "strided": dict(stride=8),
-    "global": dict(indices=(0, 32)),
-    "random": dict(r=4),
-    "block_local": dict(size=8),
-    "longformer": dict(window=3, global_indices=(0,)),
-    "bigbird": dict(block=8, window_blocks=3, global_blocks=2, random_blocks=1),
-    "star": {},
-    "etc": dict(window=3, n_global=2),
-    "sparse_transformer_strided": dict(l=8),
-    "sparse_transformer_fixed": dict(l=8, c=2),
-    "block2d": dict(h=8, w=8, query_block=(4, 4), memory_margin=(2, 2)),
-    "axial": dict(h=8, w=8),
-    "graph": dict(
-        edges=tuple((i, (i + s) % 64) for i in range(64) for s in (1, -1))
-        + tuple((i, (i + 32) % 64) for i in range(0, 64, 8)),
-        n=64,
-    ),
-    "pattern": dict(pattern=P.per_head([P.local(2), P.strided(8)])),
-}
-
-
 def _figure(rows: int, cols: int, figsize: tuple[float, float]) -> tuple[Figure, Any]:
     # A bare Figure (no pyplot) draws headless and leaves the user's matplotlib backend alone.
     fig = Figure(figsize=figsize, layout="constrained")
@@ -182,7 +155,7 @@ def mechanism_pattern(name: str, n: int, /, **config: Any) -> P.Pattern:
     """The pattern (``.pattern``) of the registered sparse mechanism ``name`` built with
         ``config``, checked to be defined on ``n`` positions (graph, axial and block2d are defined
         on a fixed number). ``name`` and ``n`` are positional-only, so ``config`` may hold an ``n``
-    (graph's). ``GALLERY_CONFIGS[name]`` is a config that suits n = 64."""
+    (graph's). ``describe(name).config.length_values(n)`` is a config that suits ``n``."""
     if describe(name).family != "sparse":
         raise ValueError(f"{name!r} is not a sparse mechanism; sparse ones: {', '.join(names(family='sparse'))}")
     pattern = build(name, **config).pattern
@@ -198,25 +171,19 @@ def _show_config(config: dict[str, Any]) -> str:
 
 
 def gallery(out_dir: str | Path, *, n: int = 64, block: int = 8) -> list[Path]:
-    """Draw every registered sparse mechanism with its ``GALLERY_CONFIGS`` entry into
-    ``out_dir/<name>.png`` (tile grid ``block``; bigbird uses its own block), plus
-    ``softmax.png`` (full) and ``causal.png``, and ``index.html`` showing them in a grid.
-    Returns the PNG paths, then the index. Raises ValueError for a sparse mechanism without a
-    ``GALLERY_CONFIGS`` entry, or an ``n`` a fixed-size entry does not fit (they suit 64)."""
+    """Draw every registered sparse mechanism, each with the config it gives itself for ``n``
+    tokens (``Config.for_length``), into ``out_dir/<name>.png`` (tile grid ``block``; bigbird
+    uses its own block), plus ``softmax.png`` (full) and ``causal.png``, and ``index.html``
+    showing them in a grid. Returns the PNG paths, then the index. The configs come from the
+    mechanisms, so a new sparse mechanism appears here without touching this module."""
     out_dir = Path(out_dir)
     sparse = names(family="sparse")
-    missing = [name for name in sparse if name not in GALLERY_CONFIGS]
-    if missing:
-        raise ValueError(
-            f"no GALLERY_CONFIGS entry for sparse mechanism(s) {', '.join(missing)}: "
-            "add a config that makes a readable picture at n = 64 to attnzoo.viz.GALLERY_CONFIGS"
-        )
     entries = [
         ("softmax", P.full(), block, describe("softmax").summary, "full attention"),
         ("causal", P.causal(), block, "Exact attention with causal=True.", "j <= i"),
     ]
     for name in sparse:
-        config = GALLERY_CONFIGS[name]
+        config = describe(name).config.length_values(n)
         entries.append(
             (
                 name,

@@ -16,6 +16,7 @@ offline. Needs ``pip install 'attnzoo[hf]'``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -37,60 +38,41 @@ LIMIT = 128  # passages in a default run: about 5 minutes for every mechanism on
 MAX_LENGTH = 256  # the model's own max_seq_length (sentence_bert_config.json)
 HEADS = 12  # MiniLM-L6: 12 heads of 32 channels; mechanisms with per-head parameters need it
 
-# Configs sized for 100-256-token passages; index 0 is the [CLS] token. Pattern mechanisms run
-# on the `reference` backend: every backend computes the same function (the test suite checks
-# that), and at N <= 512 on a CPU dense-under-a-mask is the fastest of the three.
-DEFAULTS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("softmax", {}),
-    ("local", {"left": 32, "right": 32, "backend": "reference"}),
-    ("local", {"left": 8, "right": 8, "backend": "reference"}),
-    ("longformer", {"window": 32, "global_indices": (0,), "backend": "reference"}),
-    ("etc", {"window": 32, "n_global": 1, "backend": "reference"}),
-    ("dilated", {"left": 16, "right": 16, "dilation": 2, "backend": "reference"}),
-    ("block_local", {"size": 32, "backend": "reference"}),
-    ("strided", {"stride": 8, "backend": "reference"}),
-    ("global", {"indices": (0,), "backend": "reference"}),
-    ("random", {"r": 32, "backend": "reference"}),
-    ("bigbird", {"block": 16, "window_blocks": 3, "global_blocks": 1, "random_blocks": 2, "backend": "reference"}),
-    ("star", {"relay": 0, "backend": "reference"}),
-    ("sparse_transformer_strided", {"l": 16, "backend": "reference"}),
-    ("sparse_transformer_fixed", {"l": 32, "c": 4, "backend": "reference"}),
-    ("topk", {"topk": 32}),
-    ("lsh", {"n_hashes": 2, "n_buckets": 8, "chunk": 32}),
-    ("routing", {"n_clusters": 4}),
-    ("hierarchical", {"k": 4}),
-    ("compressed", {"kernel": 4, "stride": 4, "heads": HEADS}),
-    ("linformer", {"k": 64, "max_len": 512, "heads": HEADS}),
-    ("nystrom", {"landmarks": 32}),
-    ("performer", {"features": 256, "seed": 0}),
-    ("rfa", {"features": 128, "seed": 0}),
-    ("linear", {}),
-    ("efficient", {}),
-)
+LENGTH = 128  # a typical passage (100-256 tokens): every mechanism runs its config for this length
 
-# Caveats printed with the numbers of an applicable mechanism.
-NOTES = {
-    "linformer": "projections E, F randomly initialised (xavier, seed 0), not trained",
-    "compressed": "convolution taps at their initial value 1/kernel (mean pooling), not trained",
-    "lsh": "shared-QK: keys are the unit-normalised queries, the model's keys are not used",
-    "routing": "k-means centroids at their random initial value (no EMA updates in eval)",
-    "performer": "random features (seed 0): an unbiased estimate of softmax attention",
-    "rfa": "random Fourier features on unit-normalised q, k: not softmax attention",
-    "linear": "elu+1 feature map: not an approximation of softmax attention",
-    "efficient": "softmax over q's channels and k's positions: not an approximation of softmax attention",
-}
+#: Prefixes of registration notes (``attnzoo.describe(name).notes``) this benchmark reads: a
+#: caveat printed beside an untrained mechanism's numbers, and why a mechanism is not run here.
+UNTRAINED = "swapped in untrained: "
+NOT_DROP_IN = "not a drop-in for pretrained attention: "
 
-# Why a registered mechanism without a config above does not run here.
-NOT_APPLICABLE = {
-    "axial": "needs an h x w image grid (N = h * w); passages are 1-D text of varying length",
-    "block2d": "needs an h x w image grid (N = h * w); passages are 1-D text of varying length",
-    "graph": "needs a graph (edge list) as input",
-    "graph_attention": "needs a graph (edge list) as input",
-    "pattern": "needs a Pattern object; the named patterns above cover it",
-    "synthesizer": "synthesized attention weights are trained parameters (no q.k): needs retraining",
-    "sinkhorn": "its sorting network is a trained parameter: needs retraining",
-    "sac": "its edge predictor is a trained parameter: needs retraining",
-}
+
+def default_mechanisms(length: int = LENGTH) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """``(name, config)`` for every registered attention mechanism that can be swapped into the
+    pretrained model untrained: its own config for ``length`` tokens (``Config.length_values``),
+    with the model's geometry where the config asks for it (``heads``), the dense ``reference``
+    backend for patterns (every backend computes the same function, which the test suite checks,
+    and at N <= 512 on a CPU dense-under-a-mask is the fastest) and seed 0 for random draws (so
+    a rerun reproduces the numbers). Read from the registry: a new mechanism is included
+    without editing this module. Index 0 of a passage is the [CLS] token, which the sized
+    configs' global tokens cover."""
+    out = []
+    for name in attnzoo.names(kind="attention"):
+        if _not_drop_in(name):
+            continue
+        fields = {f.name: f for f in dataclasses.fields(attnzoo.describe(name).config)}
+        geometry = {"heads": HEADS, "backend": "reference", "seed": 0}
+        config = {key: value for key, value in geometry.items() if key in fields}
+        out.append((name, {**attnzoo.describe(name).config.length_values(length), **config}))
+    return tuple(out)
+
+
+def _notes(name: str, prefix: str) -> str | None:
+    found = [note[len(prefix) :] for note in attnzoo.describe(name).notes if note.startswith(prefix)]
+    return "; ".join(found) or None
+
+
+def _not_drop_in(name: str) -> str | None:
+    return _notes(name, NOT_DROP_IN)
 
 
 def load_passages(path: str | Path | None = None, limit: int = 0) -> list[dict[str, Any]]:
@@ -160,7 +142,7 @@ def compare(swapped: torch.Tensor, original: torch.Tensor) -> dict[str, float]:
 
 
 def run(
-    mechanisms: tuple[tuple[str, dict[str, Any]], ...] = DEFAULTS,
+    mechanisms: tuple[tuple[str, dict[str, Any]], ...] | None = None,
     *,
     passages: list[dict[str, Any]] | None = None,
     max_length: int = MAX_LENGTH,
@@ -174,6 +156,7 @@ def run(
 
     import attnzoo.hf
 
+    mechanisms = default_mechanisms() if mechanisms is None else mechanisms
     passages = load_passages() if passages is None else passages
     tokenizer, model = load_model()
     tokenized = batches(tokenizer, [p["text"] for p in passages], max_length=max_length, batch=batch)
@@ -213,7 +196,7 @@ def run(
             "reason": None,
             **compare(swapped, original),
             "seconds": seconds,
-            "note": NOTES.get(name),
+            "note": _notes(name, UNTRAINED),
         }
     if all_names:
         for name in attnzoo.names():
@@ -224,7 +207,7 @@ def run(
 def _reason(name: str) -> str:
     if attnzoo.describe(name).capabilities.kind == "mixer":
         return "token mixer: replaces the whole layer with trained weights (takes x, not q, k, v): needs retraining"
-    return NOT_APPLICABLE.get(name, "no fidelity config for it yet")
+    return _not_drop_in(name) or "no fidelity config for it yet"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME[:key=value,...]",
-        help="repeatable; default: every registered mechanism (configs sized for these passages)",
+        help=f"repeatable; default: every registered mechanism, each with its config for {LENGTH} tokens",
     )
     parser.add_argument(
         "--limit",
@@ -255,7 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, console: Console) -> None:
     from attnzoo.bench.speed import parse_mechanism, write_lines
 
-    mechanisms = tuple(parse_mechanism(m) for m in args.mechanism) or DEFAULTS
+    mechanisms = tuple(parse_mechanism(m) for m in args.mechanism) or default_mechanisms()
     argv = getattr(args, "argv", None)
     command = "attnzoo " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = run(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,9 @@ from torch import Tensor, nn
 from attnzoo.backends.reference import normalize_scores, reference_attention, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
 from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.sparse import ring_with_chords
 from attnzoo.patterns.atomic import Graph
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -49,13 +50,15 @@ class GraphAttentionConfig(Config):
     self_loops: bool = True
     scale: float | None = None
     score: Literal["dot", "gat"] = "dot"
-    heads: int = 8
-    head_dim: int = 64
+    heads: int = bounded(8, ge=1)
+    head_dim: int = bounded(64, ge=1)
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A ring with chords on ``n`` nodes (``ring_with_chords``), as the ``graph`` pattern."""
+        return dict(edges=ring_with_chords(n), n=n)
 
     def validate(self) -> None:
-        for name in ("heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.score == "gat" and self.scale is not None:
             raise ValueError("scale applies to score='dot' only; GAT's additive score is not scaled, drop scale=")
         self.graph()
@@ -179,6 +182,7 @@ def reference_graph_attention(
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(time="O(E D)", memory="O(E D)", subquadratic_memory=True),
     notes=(
+        "not a drop-in for pretrained attention: needs a graph (edge list) as input",
         "edges are (query, key) pairs; causal keeps edges with key <= query",
         "nodes are bucketed by degree so a hub does not pad every neighbour list",
         "score='dot' (default): the scaled dot product q_i.k_j/sqrt(D) along the edges - Transformer "

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -66,14 +66,8 @@ class HierarchicalConfig(Config):
         scale: score scale; default None means ``1 / sqrt(D)``.
     """
 
-    k: int = 4
-    scale: float | None = None
-
-    def validate(self) -> None:
-        if self.k < 1:
-            raise ValueError(f"k must be >= 1, got {self.k}")
-        if self.scale is not None and not self.scale > 0:
-            raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
+    k: int = bounded(4, ge=1)
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
 
 
 def num_levels(n: int) -> int:

@@ -30,7 +30,7 @@ from torch import Tensor
 from attnzoo._checks import check_qkv
 from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 #: ``"rows"``: ``num / (den + eps)`` (non-negative features); ``"signed"``: ``den`` kept at
@@ -422,16 +422,6 @@ class KernelAttention(Attention):
         return self._run(q, k, v, causal=True, key_padding_mask=None, state=state)
 
 
-def _check_ranges(config: Config, minimum: dict[str, int]) -> None:
-    for name, low in minimum.items():
-        value = getattr(config, name)
-        if value is not None and value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
-    eps = getattr(config, "eps", 1.0)
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-
-
 _CAUSAL = Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=True)
 _NOTES = (
     "causal aligns queries to the end of the keys: query i sees keys j <= i + N_kv - N_q",
@@ -453,11 +443,8 @@ class LinearConfig(Config):
     """
 
     feature_map: Literal["elu", "relu"] = "elu"
-    chunk: int = 64
-    eps: float = 1e-6
-
-    def validate(self) -> None:
-        _check_ranges(self, {"chunk": 1})
+    chunk: int = bounded(64, ge=1)
+    eps: float = bounded(1e-6, gt=0)
 
 
 @register(
@@ -468,7 +455,7 @@ class LinearConfig(Config):
     paper="Katharopoulos et al. 2020, Transformers are RNNs, https://arxiv.org/abs/2006.16236",
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D D_v)", memory="O(N D) (+ (N/chunk) D D_v causal)", subquadratic_memory=True),
-    notes=_NOTES,
+    notes=_NOTES + ("swapped in untrained: elu+1 feature map: not an approximation of softmax attention",),
 )
 class LinearAttention(KernelAttention):
     """Linear attention (Katharopoulos et al. 2020, https://arxiv.org/abs/2006.16236):

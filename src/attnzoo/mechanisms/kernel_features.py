@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.mechanisms.kernel import _CAUSAL, _NOTES, KernelAttention, KeyFeatures, Normalizer, _check_ranges
-from attnzoo.registry import Config, register
+from attnzoo.mechanisms.kernel import _CAUSAL, _NOTES, KernelAttention, KeyFeatures, Normalizer
+from attnzoo.registry import Config, bounded, quarter, register
 from attnzoo.spec import Capabilities, Complexity
 
 #: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
@@ -271,15 +271,17 @@ class PerformerConfig(Config):
         eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
     """
 
-    features: int = 256
-    head_dim: int | None = None
-    seed: int | None = None
-    redraw_every: int | None = None
-    chunk: int = 64
-    eps: float = 1e-6
+    features: int = bounded(256, ge=1)
+    head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward")
+    seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
+    redraw_every: int | None = bounded(None, ge=1, none="never redraw")
+    chunk: int = bounded(64, ge=1)
+    eps: float = bounded(1e-6, gt=0)
 
-    def validate(self) -> None:
-        _check_ranges(self, {"features": 1, "head_dim": 1, "seed": 0, "redraw_every": 1, "chunk": 1})
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter as many features as keys."""
+        return dict(features=quarter(n))
 
 
 @register(
@@ -291,6 +293,7 @@ class PerformerConfig(Config):
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
     notes=_NOTES
+    + ("swapped in untrained: random features (seed 0): an unbiased estimate of softmax attention",)
     + _DRAWS
     + (
         "q and k are scaled by D^-1/4, so phi(q).phi(k) estimates exp(q.k / sqrt(D))",
@@ -336,19 +339,19 @@ class RFAConfig(Config):
         eps: the denominator is kept at ``|phi(q)^T z| >= eps`` with its sign. Default 1e-6.
     """
 
-    features: int = 128
-    sigma: float = 1.0
-    heads: int | None = None
-    head_dim: int | None = None
-    seed: int | None = None
-    redraw_every: int | None = None
-    chunk: int = 64
-    eps: float = 1e-6
+    features: int = bounded(128, ge=1)
+    sigma: float = bounded(1.0, gt=0)
+    heads: int | None = bounded(None, ge=1, none="created on the first forward")
+    head_dim: int | None = bounded(None, ge=1, none="created on the first forward")
+    seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
+    redraw_every: int | None = bounded(None, ge=1, none="never redraw")
+    chunk: int = bounded(64, ge=1)
+    eps: float = bounded(1e-6, gt=0)
 
-    def validate(self) -> None:
-        _check_ranges(self, {"features": 1, "heads": 1, "head_dim": 1, "seed": 0, "redraw_every": 1, "chunk": 1})
-        if not self.sigma > 0:
-            raise ValueError(f"sigma must be > 0, got {self.sigma}")
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter as many random frequencies as keys."""
+        return dict(features=quarter(n))
 
 
 @register(
@@ -360,6 +363,7 @@ class RFAConfig(Config):
     capabilities=_CAUSAL,
     complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
     notes=_NOTES
+    + ("swapped in untrained: random Fourier features on unit-normalised q, k: not softmax attention",)
     + _DRAWS
     + (
         "q, k unit-normalised; phi = [sin, cos](w^T x / sigma) / sqrt(m) can be negative: "
@@ -433,6 +437,7 @@ class EfficientConfig(Config):
     capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
     complexity=Complexity(time="O(N D D_v)", memory="O(N D + D D_v)", subquadratic_memory=True),
     notes=(
+        "swapped in untrained: softmax over q's channels and k's positions: not an approximation of softmax attention",
         "not causal: the softmax of K runs over all positions",
         "rows are normalised by construction (no denominator); padded keys get weight 0",
     ),

@@ -10,7 +10,7 @@ mechanism's dense ``reference_*`` reads like its paper and returns the weights i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,14 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import Attention, zero_padding
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
-
-
-def _at_least(config: Config, *lows: tuple[str, int]) -> None:
-    for name, low in lows:
-        if getattr(config, name) < low:
-            raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
 
 
 class _LowRank(Attention):
@@ -114,15 +108,17 @@ class LinformerConfig(Config):
             ``"identity"`` (E = F = the first k rows of I; with k = N it is exact attention).
     """
 
-    k: int = 64
-    max_len: int = 4096
+    k: int = bounded(64, ge=1)
+    max_len: int = bounded(4096, ge=1)
     sharing: Literal["headwise", "kv", "layerwise", "none"] = "headwise"
-    heads: int = 8
+    heads: int = bounded(8, ge=1)
     init: Literal["xavier", "identity"] = "xavier"
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
 
-    def validate(self) -> None:
-        _at_least(self, ("k", 1), ("max_len", 1), ("heads", 1), ("seed", 0))
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter of the keys: k = 64 would project a short sequence to a longer one."""
+        return dict(k=quarter(n))
 
 
 @register(
@@ -134,6 +130,7 @@ class LinformerConfig(Config):
     capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
     complexity=Complexity(time="O(N k D)", memory="O(N k)", subquadratic_memory=True),
     notes=(
+        "swapped in untrained: projections E, F randomly initialised (xavier, seed 0), not trained",
         "representative keys: the k rows of E[:, :N] K, learned mixtures of all keys; values F[:, :N] V",
         "padded keys and values are set to 0 before the projection (their slots still take softmax mass)",
         "not causal: every projected slot mixes future keys",
@@ -354,14 +351,11 @@ class CompressedConfig(Config):
         chunk: query rows scored at once by the causal path. Default 256.
     """
 
-    kernel: int = 4
-    stride: int = 4
+    kernel: int = bounded(4, ge=1)
+    stride: int = bounded(4, ge=1)
     per_head: bool = False
-    heads: int = 8
-    chunk: int = 256
-
-    def validate(self) -> None:
-        _at_least(self, ("kernel", 1), ("stride", 1), ("heads", 1), ("chunk", 1))
+    heads: int = bounded(8, ge=1)
+    chunk: int = bounded(256, ge=1)
 
 
 @register(
@@ -375,6 +369,7 @@ class CompressedConfig(Config):
         time="O(N^2 D / stride)", memory="O(N D) SDPA; causal O(chunk N / stride)", subquadratic_memory=True
     ),
     notes=(
+        "swapped in untrained: convolution taps at their initial value 1/kernel (mean pooling), not trained",
         "representative keys: slot s = sum_t w_t k_(s*stride + t), one per stride; the taps w (per head or "
         "shared, separate for keys and values) are scalars shared by the D channels, initialised to 1/kernel",
         "causal: a query sees the slots made entirely of keys <= its position, plus the raw keys after the "
@@ -560,11 +555,13 @@ class NystromConfig(Config):
         pinv_iters: steps of the pseudo-inverse iteration (0: its initial guess). Default 6.
     """
 
-    landmarks: int = 64
-    pinv_iters: int = 6
+    landmarks: int = bounded(64, ge=1)
+    pinv_iters: int = bounded(6, ge=0)
 
-    def validate(self) -> None:
-        _at_least(self, ("landmarks", 1), ("pinv_iters", 0))
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Landmarks of an eighth of the sequence (segments of 8 tokens)."""
+        return dict(landmarks=eighth(n))
 
 
 @register(

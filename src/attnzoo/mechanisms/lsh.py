@@ -28,7 +28,7 @@ from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, eighth, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -52,18 +52,20 @@ class LSHConfig(Config):
         scale: score scale; default ``1 / sqrt(D)``.
     """
 
-    n_hashes: int = 2
-    n_buckets: int = 8
-    chunk: int = 64
+    n_hashes: int = bounded(2, ge=1)
+    n_buckets: int = bounded(8, ge=1)
+    chunk: int = bounded(64, ge=1)
     seed: int | None = None
     resample: bool = True
     dedupe: bool = True
-    scale: float | None = None
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Four buckets, chunks of an eighth: 8 buckets of 64 would put a short sequence in one chunk."""
+        return dict(n_buckets=4, chunk=eighth(n))
 
     def validate(self) -> None:
-        for name in ("n_hashes", "n_buckets", "chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_buckets % 2 and self.n_buckets != 1:
             raise ValueError(f"n_buckets must be 1 or even (buckets come from argmax([xR; -xR])), got {self.n_buckets}")
 
@@ -342,6 +344,7 @@ class _Rounds(torch.autograd.Function):
     capabilities=Capabilities(causal=True, key_padding=True, backends=("blocked", "reference")),
     complexity=Complexity(time="O(n_hashes N c D)", memory="O(n_hashes N c)", subquadratic_memory=True),
     notes=(
+        "swapped in untrained: shared-QK: keys are the unit-normalised queries, the model's keys are not used",
         "shared QK: keys are the unit-normalised queries; the k argument is not used",
         "chunks are taken within each bucket by position rank (Reformer chunks the whole sorted "
         "sequence, which lets future tokens move chunk boundaries); this makes routing causal",

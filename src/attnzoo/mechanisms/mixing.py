@@ -19,15 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.mechanisms.base import TokenMixer
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
-
-
-def _positive(config: Config, *fields: str) -> None:
-    for name in fields:
-        value = getattr(config, name)
-        if value < 1:
-            raise ValueError(f"{type(config).__name__}: {name} must be >= 1, got {value}")
 
 
 def _zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
@@ -53,10 +46,7 @@ class FNetConfig(Config):
         dim: width of ``x``. Default 64 (``TransformerEncoderLayer`` sets it to its ``dim``).
     """
 
-    dim: int = 64
-
-    def validate(self) -> None:
-        _positive(self, "dim")
+    dim: int = bounded(64, ge=1)
 
 
 @register(
@@ -118,15 +108,10 @@ class GMLPConfig(Config):
             gate is ≈ 1 at initialisation. Default 1e-3.
     """
 
-    dim: int = 64
-    max_len: int = 512
-    ff_mult: int = 2
-    init_eps: float = 1e-3
-
-    def validate(self) -> None:
-        _positive(self, "dim", "max_len", "ff_mult")
-        if not self.init_eps >= 0:
-            raise ValueError(f"GMLPConfig: init_eps must be >= 0, got {self.init_eps}")
+    dim: int = bounded(64, ge=1)
+    max_len: int = bounded(512, ge=1)
+    ff_mult: int = bounded(2, ge=1)
+    init_eps: float = bounded(1e-3, ge=0)
 
 
 @register(
@@ -209,12 +194,9 @@ class MixerConfig(Config):
         token_hidden: hidden width of the token-mixing MLP (the paper's D_S). Default 256.
     """
 
-    dim: int = 64
-    max_len: int = 512
-    token_hidden: int = 256
-
-    def validate(self) -> None:
-        _positive(self, "dim", "max_len", "token_hidden")
+    dim: int = bounded(64, ge=1)
+    max_len: int = bounded(512, ge=1)
+    token_hidden: int = bounded(256, ge=1)
 
 
 @register(

@@ -34,7 +34,7 @@ from attnzoo._checks import check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, gather_rows, real_tokens
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 #: (queries, keys): similarities ``(B, H, C, N)`` or unit vectors ``(B, H, N, D)``.
@@ -67,27 +67,14 @@ class RoutingConfig(Config):
             them) the centroids are drawn at construction, else on the first forward.
     """
 
-    n_clusters: int = 4
-    window: int | None = None
-    decay: float = 0.999
-    scale: float | None = None
+    n_clusters: int = bounded(4, ge=1)
+    window: int | None = bounded(None, ge=1, none="for ceil(N / n_clusters)")
+    decay: float = bounded(0.999, ge=0.0, le=1.0)
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D), or D with share_qk")
     share_qk: bool = False
     seed: int = 0
-    heads: int | None = None
-    head_dim: int | None = None
-
-    def validate(self) -> None:
-        if self.n_clusters < 1:
-            raise ValueError(f"n_clusters must be >= 1, got {self.n_clusters}")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1 or None (for ceil(N / n_clusters)), got {self.window}")
-        if not 0.0 <= self.decay <= 1.0:
-            raise ValueError(f"decay must be in [0, 1], got {self.decay}")
-        if self.scale is not None and not self.scale > 0:
-            raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
-        for name in ("heads", "head_dim"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or None (taken from the first input), got {getattr(self, name)}")
+    heads: int | None = bounded(None, ge=1, none="taken from the first input")
+    head_dim: int | None = bounded(None, ge=1, none="taken from the first input")
 
 
 def attention_inputs(q: Tensor, k: Tensor, config: RoutingConfig) -> tuple[Tensor, Tensor, float | None]:
@@ -397,6 +384,7 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
     capabilities=Capabilities(causal=True, key_padding=True),
     complexity=Complexity(time="O(N (w + C) D), w = N / C", memory="O(N (w + C))", subquadratic_memory=True),
     notes=(
+        "swapped in untrained: k-means centroids at their random initial value (no EMA updates in eval)",
         "centroids (H, C, D): a buffer made at construction when heads and head_dim are set, else on the "
         "first forward; EMA updates in training mode only",
         "non-causal: balanced top-w queries and keys per cluster; an unpicked query uses its nearest cluster's keys",

@@ -15,6 +15,7 @@ reads like the paper) compute the same output from the same ``P``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, eighth, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -47,25 +48,23 @@ class SinkhornConfig(Config):
             Default 0.
     """
 
-    block: int = 64
-    n_iters: int = 8
-    temperature: float = 0.75
-    max_blocks: int = 256
-    head_dim: int = 64
+    block: int = bounded(64, ge=1)
+    n_iters: int = bounded(8, ge=1)
+    temperature: float = bounded(0.75, gt=0)
+    max_blocks: int = bounded(256, ge=1)
+    head_dim: int = bounded(64, ge=1)
     sortcut: int | None = None
-    scale: float | None = None
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
     seed: int = 0
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Blocks of an eighth of the sequence: eight blocks to sort."""
+        return dict(block=eighth(n))
+
     def validate(self) -> None:
-        for name in ("block", "n_iters", "max_blocks", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.sortcut is not None and not 1 <= self.sortcut <= self.max_blocks:
             raise ValueError(f"sortcut must be None or in [1, max_blocks={self.max_blocks}], got {self.sortcut}")
-        if self.scale is not None and not self.scale > 0:
-            raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
 
 
 def real_blocks(key_padding_mask: Tensor | None, batch: int, n: int, block: int, device: torch.device) -> Tensor:
@@ -310,6 +309,7 @@ def implied_matrix(weights: Tensor, P: Tensor, real: Tensor, *, n: int, causal: 
         subquadratic_memory=True,
     ),
     notes=(
+        "not a drop-in for pretrained attention: its sorting network is a trained parameter: needs retraining",
         "N is padded to a multiple of block; padded positions are never attended",
         "block summary: mean of the block's real keys; sort net: one (head_dim, max_blocks) linear map shared by heads",
         "sorted keys sum_j P[i,j] K_j, sorted values sum_j P[i,j] V_j",

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from attnzoo.backends.reference import reference_attention, visible_pairs
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -32,11 +32,7 @@ class SoftmaxConfig(Config):
     """
 
     normalizer: Literal["softmax", "relu"] = "softmax"
-    scale: float | None = None
-
-    def validate(self) -> None:
-        if self.scale is not None and not self.scale > 0:
-            raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {self.scale}")
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,16 @@ pattern from ``attnzoo.patterns``, computed by ``attnzoo.attend`` on the configu
 
 Every mechanism here is one config class whose ``make_pattern()`` builds its pattern; the module is
 shared. ``backend`` picks how to compute it (``"auto"``, ``"blocked"``, ``"flex"``,
-``"reference"``); the reference is dense and exists to test the others.
+``"reference"``); the reference is dense and exists to test the others. Each config's
+``length_values`` says how the pattern is sized for a sequence of ``n`` tokens
+(``Config.for_length``): what the benchmarks, the gallery and the backend tests build.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from torch import Tensor
 
@@ -17,7 +20,7 @@ from attnzoo import patterns as P
 from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 Backend = Literal["auto", "blocked", "flex", "reference"]
@@ -34,16 +37,28 @@ class SparseConfig(Config):
     """
 
     backend: Backend = "auto"
-    block: int = 128
-    scale: float | None = None
+    block: int = bounded(128, ge=1)
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
 
     def make_pattern(self) -> P.Pattern:
         raise NotImplementedError
 
     def validate(self) -> None:
-        if self.block < 1:
-            raise ValueError(f"block must be >= 1, got {self.block}")
         self.make_pattern()  # the pattern factory checks its own arguments
+
+
+def square_grid(n: int) -> tuple[int, int]:
+    """The most square ``h x w = n``: the grid a 2-D pattern is fitted to at length ``n``."""
+    h = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    return h, n // h
+
+
+def ring_with_chords(n: int) -> tuple[tuple[int, int], ...]:
+    """Edges of a graph on ``n`` nodes for graph mechanisms at length ``n``: a ring both ways
+    (each node sees its neighbours) plus a chord from every 8th node to the opposite one (so
+    information also travels across), about 2 edges per node."""
+    ring = tuple((i, (i + s) % n) for i in range(n) for s in (1, -1))
+    return ring + tuple((i, (i + n // 2) % n) for i in range(0, n, 8))
 
 
 class PatternAttention(Attention):
@@ -135,6 +150,12 @@ class LocalConfig(SparseConfig):
     left: int = 64
     right: int = 64
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter of the keys on each side."""
+        q = quarter(n)
+        return dict(left=q, right=q)
+
     def make_pattern(self) -> P.Pattern:
         return P.sliding_window(self.left, self.right)
 
@@ -147,6 +168,12 @@ class DilatedConfig(SparseConfig):
     right: int = 32
     dilation: int = 2
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """An eighth on each side, every 2nd key: a quarter of the keys spread twice as far."""
+        q = quarter(n)
+        return dict(left=q // 2, right=q // 2, dilation=2)
+
     def make_pattern(self) -> P.Pattern:
         return P.dilated(self.left, self.right, self.dilation)
 
@@ -157,6 +184,11 @@ class StridedConfig(SparseConfig):
 
     stride: int = 64
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Every 4th key."""
+        return dict(stride=4)
+
     def make_pattern(self) -> P.Pattern:
         return P.strided(self.stride)
 
@@ -166,6 +198,11 @@ class GlobalConfig(SparseConfig):
     """``global_tokens(indices)``: the tokens' rows and columns."""
 
     indices: tuple[int, ...] = (0,)
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """The first token global."""
+        return dict(indices=(0,))
 
     def make_pattern(self) -> P.Pattern:
         return P.global_tokens(self.indices)
@@ -178,6 +215,11 @@ class RandomConfig(SparseConfig):
     r: int = 64
     seed: int = 0
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter of the keys per query."""
+        return dict(r=quarter(n))
+
     def make_pattern(self) -> P.Pattern:
         return P.random(self.r, self.seed)
 
@@ -187,6 +229,11 @@ class BlockLocalConfig(SparseConfig):
     """``block_local(size)``: ``i // size == j // size``."""
 
     size: int = 128
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Blocks of a quarter of the sequence."""
+        return dict(size=quarter(n))
 
     def make_pattern(self) -> P.Pattern:
         return P.block_local(self.size)
@@ -201,6 +248,11 @@ class LongformerConfig(SparseConfig):
     global_indices: tuple[int, ...] = (0,)
     dilation: int | tuple[int, ...] = 1
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A window of a quarter of the keys and a global first token."""
+        return dict(window=quarter(n), global_indices=(0,))
+
     def make_pattern(self) -> P.Pattern:
         return P.longformer(self.window, self.global_indices, self.dilation)
 
@@ -210,11 +262,16 @@ class BigBirdConfig(SparseConfig):
     """``bigbird(block, window_blocks, global_blocks, random_blocks, seed)``; the kernel tile is
     the BigBird block, so every tile is full."""
 
-    block: int = 64
+    block: int = bounded(64, ge=1)
     window_blocks: int = 3
     global_blocks: int = 2
     random_blocks: int = 3
     seed: int = 0
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Blocks of an eighth: three window blocks, one global, one random."""
+        return dict(block=eighth(n), window_blocks=3, global_blocks=1, random_blocks=1)
 
     def make_pattern(self) -> P.Pattern:
         return P.bigbird(self.block, self.window_blocks, self.global_blocks, self.random_blocks, self.seed)
@@ -237,6 +294,11 @@ class ETCConfig(SparseConfig):
     window: int = 64
     n_global: int = 1
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A window of a quarter of the keys and one global token."""
+        return dict(window=quarter(n), n_global=1)
+
     def make_pattern(self) -> P.Pattern:
         return P.etc(self.window, self.n_global)
 
@@ -246,6 +308,11 @@ class SparseTransformerStridedConfig(SparseConfig):
     """``sparse_transformer_strided(l)``: half the heads local, half strided (causal)."""
 
     l: int = 128  # noqa: E741
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Blocks (and stride) of an eighth of the sequence."""
+        return dict(l=eighth(n))
 
     def make_pattern(self) -> P.Pattern:
         return P.sparse_transformer_strided(self.l)
@@ -257,6 +324,12 @@ class SparseTransformerFixedConfig(SparseConfig):
 
     l: int = 128  # noqa: E741
     c: int = 8
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Blocks of a quarter, up to 4 summary columns each (``c <= l``)."""
+        q = quarter(n)
+        return dict(l=q, c=min(4, q))  # c <= l
 
     def make_pattern(self) -> P.Pattern:
         return P.sparse_transformer_fixed(self.l, self.c)
@@ -271,6 +344,12 @@ class Block2DConfig(SparseConfig):
     query_block: tuple[int, int] = (8, 8)
     memory_margin: tuple[int, int] = (4, 4)
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """The most square grid of ``n`` cells, query blocks of half its sides."""
+        h, w = square_grid(n)
+        return dict(h=h, w=w, query_block=(max(1, h // 2), max(1, w // 2)), memory_margin=(1, 1))
+
     def make_pattern(self) -> P.Pattern:
         return P.block2d(self.h, self.w, self.query_block, self.memory_margin)
 
@@ -282,6 +361,12 @@ class AxialConfig(SparseConfig):
 
     h: int = 32
     w: int = 32
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """The most square grid of ``n`` cells."""
+        h, w = square_grid(n)
+        return dict(h=h, w=w)
 
     def make_pattern(self) -> P.Pattern:
         return P.axial(self.h, self.w)
@@ -295,6 +380,11 @@ class GraphConfig(SparseConfig):
     n: int = 2
     self_loops: bool = True
 
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A ring with chords on ``n`` nodes (``ring_with_chords``)."""
+        return dict(edges=ring_with_chords(n), n=n)
+
     def make_pattern(self) -> P.Pattern:
         import torch
 
@@ -307,6 +397,12 @@ class PatternConfig(SparseConfig):
     """Any ``attnzoo.patterns.Pattern``, e.g. ``per_head([...])`` for different head groups."""
 
     pattern: P.Pattern = P.full()
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Half the heads local, half strided, both at an eighth of the sequence."""
+        e = eighth(n)
+        return dict(pattern=P.per_head([P.local(e), P.strided(e)]))
 
     def make_pattern(self) -> P.Pattern:
         return self.pattern
@@ -398,6 +494,8 @@ _register(
     "Parmar et al. 2018, " + ARXIV + "1802.05751",
     cross=False,
     notes=(
+        "not a drop-in for pretrained attention: needs an h x w image grid (N = h * w); "
+        "text is 1-D and of varying length",
         SELF_ONLY,
         "causal=True is j <= i in raster (row-major) order, not the paper's block-raster "
         "generation order: with 2 x 2 query blocks and a margin, pixel (1, 0) sees (0, 2), "
@@ -411,6 +509,8 @@ _register(
     "Huang et al. 2019 (CCNet criss-cross attention), " + ARXIV + "1811.11721",
     cross=False,
     notes=(
+        "not a drop-in for pretrained attention: needs an h x w image grid (N = h * w); "
+        "text is 1-D and of varying length",
         SELF_ONLY,
         "one softmax over the union of the row and the column (h + w - 1 keys), the criss-cross "
         "pattern; not Ho et al. 2019's axial attention (" + ARXIV + "1912.12180), which is a row pass then "
@@ -424,6 +524,18 @@ _register(
     "Attention along the edges of a graph.",
     "Velickovic et al. 2018 (GAT), " + ARXIV + "1710.10903",
     cross=False,
-    notes=(SELF_ONLY,),
+    notes=(
+        "not a drop-in for pretrained attention: needs a graph (edge list) as input",
+        SELF_ONLY,
+    ),
 )
-_register("pattern", PatternConfig, "Any attnzoo.patterns.Pattern (per_head for mixed heads).", "see attnzoo.patterns")
+_register(
+    "pattern",
+    PatternConfig,
+    "Any attnzoo.patterns.Pattern (per_head for mixed heads).",
+    "see attnzoo.patterns",
+    notes=(
+        "causal=True intersects the pattern with j <= i",
+        "not a drop-in for pretrained attention: needs a Pattern object; the named patterns cover it",
+    ),
+)

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 VARIANTS = ("dense", "random", "factorized_dense", "factorized_random", "mix")
@@ -79,24 +79,19 @@ class SynthesizerConfig(Config):
     """
 
     variant: Literal["dense", "random", "factorized_dense", "factorized_random", "mix"] = "dense"
-    max_len: int = 512
-    head_dim: int = 64
-    heads: int = 8
+    max_len: int = bounded(512, ge=1)
+    head_dim: int = bounded(64, ge=1)
+    heads: int = bounded(8, ge=1)
     fixed: bool = False
-    rank: int = 8
+    rank: int = bounded(8, ge=1)
     factor: int | None = None
-    alpha: float = 0.5
+    alpha: float = bounded(0.5, ge=0.0, le=1.0)
     mix_with: Literal["random", "dense"] = "random"
     learn_alpha: bool = True
 
     def validate(self) -> None:
-        for name in ("max_len", "head_dim", "heads", "rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.factor is not None and (self.factor < 1 or self.max_len % self.factor):
             raise ValueError(f"factor must be a positive divisor of max_len={self.max_len}, got {self.factor}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
 
     @property
     def factors(self) -> tuple[int, int]:
@@ -125,6 +120,8 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
         subquadratic_memory=False,
     ),
     notes=(
+        "not a drop-in for pretrained attention: synthesized attention weights are trained parameters "
+        "(no q.k): needs retraining",
         "self-attention only, N <= max_len; inputs must have `heads` heads (and `head_dim` for "
         "variants that read q) - in MultiHeadAttention pass a built module",
         "dense/factorized_dense synthesize from the per-head query q_i (the paper uses x_i)",

@@ -23,7 +23,7 @@ from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, gather_rows
 from attnzoo.mechanisms.base import Attention
-from attnzoo.registry import Config, register
+from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 
@@ -93,15 +93,6 @@ def _sparse_softmax(
         logits = logits + bias
     weights = normalize_scores(logits, valid, "softmax")
     return torch.einsum("bhmk,bhmkd->bhmd", weights, v_sel)
-
-
-def _check_ranges(config: Config, lows: tuple[tuple[str, int], ...], scale: float | None) -> None:
-    """Raise ValueError naming the first field below its minimum, or a scale that is not > 0."""
-    for name, low in lows:
-        if getattr(config, name) < low:
-            raise ValueError(f"{name} must be >= {low}, got {getattr(config, name)}")
-    if scale is not None and not scale > 0:
-        raise ValueError(f"scale must be > 0 or None (for 1/sqrt(D)), got {scale}")
 
 
 def _dense_inputs(
@@ -228,12 +219,14 @@ class TopKConfig(Config):
         scale: score scale; default None means ``1 / sqrt(D)``.
     """
 
-    topk: int = 32
-    chunk: int = 256
-    scale: float | None = None
+    topk: int = bounded(32, ge=1)
+    chunk: int = bounded(256, ge=1)
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
 
-    def validate(self) -> None:
-        _check_ranges(self, (("topk", 1), ("chunk", 1)), self.scale)
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter of the keys per query."""
+        return dict(topk=quarter(n))
 
 
 @register(
@@ -346,15 +339,17 @@ class SACConfig(Config):
         scale: score scale; default None means ``1 / sqrt(D)``.
     """
 
-    topk: int = 8
-    candidates: int = 32
-    n_random: int = 4
-    seed: int = 0
-    head_dim: int = 64
-    scale: float | None = None
+    topk: int = bounded(8, ge=1)
+    candidates: int = bounded(32, ge=1)
+    n_random: int = bounded(4, ge=0)
+    seed: int = bounded(0, ge=0)
+    head_dim: int = bounded(64, ge=1)
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
 
-    def validate(self) -> None:
-        _check_ranges(self, (("topk", 1), ("candidates", 1), ("n_random", 0), ("seed", 0), ("head_dim", 1)), self.scale)
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """Candidate windows of a quarter of the keys, an eighth of them kept."""
+        return dict(topk=eighth(n), candidates=quarter(n))
 
 
 @register(
@@ -371,6 +366,7 @@ class SACConfig(Config):
         subquadratic_memory=True,
     ),
     notes=(
+        "not a drop-in for pretrained attention: its edge predictor is a trained parameter: needs retraining",
         "candidates: a window of `candidates` positions (centred; causal: i - c + 1 .. i) plus "
         "`n_random` seeded random positions (causal: <= i); padded keys are never candidates",
         "predictor: score_ij = (q_i W) . k_j / sqrt(D), W (D, D) learned, initialised to identity; "
