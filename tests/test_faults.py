@@ -166,13 +166,6 @@ def test_routing_gives_a_non_finite_query_a_nan_row_and_leaves_the_rest(causal, 
     assert torch.isfinite(attn.centroids).all()  # the query moved no centroid
 
 
-#: Mechanisms whose other rows depend on every query by definition, so one non-finite query may
-#: change them: lsh shares Q and K (the query is also a key, NaN in its buckets), nystrom's
-#: landmarks are means of queries (every row NaN), routing's clusters take w queries each (the
-#: bad one is routed last, freeing its slot).
-QUERIES_SHARED = {"lsh", "nystrom", "routing"}
-
-
 @pytest.mark.parametrize("name", ATTENTION)
 def test_a_non_finite_query_touches_only_its_own_row(name):
     # NaN or +-inf in one real query: its row is NaN (never zeros or a finite limit, which would
@@ -189,7 +182,9 @@ def test_a_non_finite_query_touches_only_its_own_row(name):
         assert out[0, 1, row].isnan().all(), f"{what}: its row is {out[0, 1, row]}"
         others = torch.ones(out.shape[:3], dtype=torch.bool)
         others[0, 1, row] = False
-        if name in QUERIES_SHARED:
+        if not attnzoo.describe(name).capabilities.independent_queries:
+            # Other rows depend on every query by definition (lsh shares Q and K, nystrom's
+            # landmarks are means of queries, routing's clusters take w queries each).
             assert not torch.isinf(out[others]).any(), what
         else:
             _same(out[others], clean[others], f"{what}: the other rows")

@@ -42,6 +42,10 @@ class Capabilities:
             computation).
         kind: ``"attention"`` mechanisms take ``(q, k, v)``; ``"mixer"`` token mixers take the
             layer input ``x`` of shape ``(B, N, dim)``.
+        independent_queries: output row i depends on query i alone among the queries (and on
+            the keys and values). False where the definition pools or routes the queries
+            together (shared-QK hashing, landmarks averaged from queries, clusters of a fixed
+            size): one query can then change other rows, and a NaN query can reach them.
     """
 
     causal: bool
@@ -51,6 +55,7 @@ class Capabilities:
     score_mod: bool = False
     backends: tuple[str, ...] = ()
     kind: Kind = "attention"
+    independent_queries: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

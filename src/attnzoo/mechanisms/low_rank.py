@@ -571,7 +571,7 @@ class NystromConfig(Config):
     summary="Nyströmformer: softmax attention rebuilt from segment-mean landmarks and a pseudo-inverse.",
     paper="Xiong et al. 2021, Nyströmformer: A Nyström-Based Algorithm for Approximating Self-Attention, "
     "https://arxiv.org/abs/2102.03902",
-    capabilities=Capabilities(causal=False, key_padding=True, cross_attention=False),
+    capabilities=Capabilities(causal=False, key_padding=True, cross_attention=False, independent_queries=False),
     complexity=Complexity(time="O(N m D + iters m^3)", memory="O(N m + m^2)", subquadratic_memory=True),
     notes=(
         "representative keys: m landmarks, means of m contiguous segments of floor(N/m) or ceil(N/m) keys "

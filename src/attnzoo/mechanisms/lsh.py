@@ -341,7 +341,9 @@ class _Rounds(torch.autograd.Function):
     family="content",
     summary="Reformer LSH attention: hash to buckets, sort, attend within chunks of a bucket.",
     paper="Kitaev et al. 2020, Reformer, https://arxiv.org/abs/2001.04451",
-    capabilities=Capabilities(causal=True, key_padding=True, backends=("blocked", "reference")),
+    capabilities=Capabilities(
+        causal=True, key_padding=True, backends=("blocked", "reference"), independent_queries=False
+    ),
     complexity=Complexity(time="O(n_hashes N c D)", memory="O(n_hashes N c)", subquadratic_memory=True),
     notes=(
         "swapped in untrained: shared-QK: keys are the unit-normalised queries, the model's keys are not used",

@@ -381,7 +381,7 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
     summary="Routing Transformer: online k-means clusters of q and k, attention inside clusters.",
     paper="Roy et al. 2020, Efficient Content-Based Sparse Attention with Routing Transformers, "
     "https://arxiv.org/abs/2003.05997",
-    capabilities=Capabilities(causal=True, key_padding=True),
+    capabilities=Capabilities(causal=True, key_padding=True, independent_queries=False),
     complexity=Complexity(time="O(N (w + C) D), w = N / C", memory="O(N (w + C))", subquadratic_memory=True),
     notes=(
         "swapped in untrained: k-means centroids at their random initial value (no EMA updates in eval)",
