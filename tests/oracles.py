@@ -67,6 +67,7 @@ __all__ = [
     "etc_oracle",
     "sparse_transformer_strided_oracle",
     "sparse_transformer_fixed_oracle",
+    "sinks_oracle",
     "block2d_oracle",
     "axial_oracle",
     "graph_oracle",
@@ -642,6 +643,17 @@ def etc_oracle(n_q: int, n_kv: int, window: int, n_global: int) -> Tensor:
         p = _aligned(i, n_q, n_kv)
         for j in range(n_kv):
             M[i, j] = abs(p - j) <= window or p < n_global or j < n_global
+    return M
+
+
+def sinks_oracle(n_q: int, n_kv: int, n_sinks: int, left: int, right: int) -> Tensor:
+    """Attention sinks (Xiao et al., 2023, StreamingLLM): the first n_sinks keys for every
+    query, plus p - left <= j <= p + right."""
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = j < n_sinks or p - left <= j <= p + right
     return M
 
 

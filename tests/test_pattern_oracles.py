@@ -19,6 +19,7 @@ from oracles import (
     per_head_oracle,
     random_blocks_oracle,
     random_oracle,
+    sinks_oracle,
     sliding_window_oracle,
     sparse_transformer_fixed_oracle,
     sparse_transformer_strided_oracle,
@@ -83,6 +84,8 @@ def test_star_etc():
     assert not s[1, 4] and not s[4, 1]  # first and last satellites: a band, no wrap
     e = etc_oracle(6, 6, 1, 2)
     assert e[4].nonzero().flatten().tolist() == [0, 1, 3, 4, 5] and e[1].all()
+    k = sinks_oracle(8, 8, 2, 1, 0)  # the first 2 keys + self and the previous one; no sink rows
+    assert k[6].nonzero().flatten().tolist() == [0, 1, 5, 6] and k[1].nonzero().flatten().tolist() == [0, 1]
 
 
 def test_sparse_transformer():

@@ -66,6 +66,13 @@ CASES = {
     ),
     "star": (P.star, lambda a, b: O.star_oracle(a, b, 0), SIZES, False),
     "etc": (lambda: P.etc(3, 2), lambda a, b: O.etc_oracle(a, b, 3, 2), SIZES, False),
+    "sinks": (lambda: P.sinks(3, 4, 1), lambda a, b: O.sinks_oracle(a, b, 3, 4, 1), SIZES, True),
+    "causal sinks": (
+        lambda: P.sinks(2, 5, 5) & P.causal(),
+        lambda a, b: O.sinks_oracle(a, b, 2, 5, 0) & O.causal_oracle(a, b),
+        SIZES,
+        True,
+    ),
     "causal local": (lambda: P.local(5) & P.causal(), lambda a, b: O.sliding_window_oracle(a, b, 5, 0), SIZES, True),
 }
 

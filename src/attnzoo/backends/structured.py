@@ -39,7 +39,7 @@ from torch import Tensor
 
 from attnzoo.patterns.algebra import Intersection, Pattern, PerHead
 from attnzoo.patterns.algebra import Union as PatternUnion
-from attnzoo.patterns.atomic import Band, BlockLocal, GlobalTokens, PeriodicColumns
+from attnzoo.patterns.atomic import Band, BlockLocal, GlobalTokens, KeyColumns, PeriodicColumns
 from attnzoo.patterns.compound import Axial, GlobalBlocks
 
 
@@ -144,8 +144,8 @@ def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
     if isinstance(pattern, Intersection):
         return None
     parts = pattern.parts if isinstance(pattern, PatternUnion) else (pattern,)
-    tokens = [p for p in parts if isinstance(p, (GlobalTokens, GlobalBlocks, PeriodicColumns))]
-    others = [p for p in parts if not isinstance(p, (GlobalTokens, GlobalBlocks, PeriodicColumns))]
+    tokens = [p for p in parts if isinstance(p, (GlobalTokens, GlobalBlocks, *_COLUMNS))]
+    others = [p for p in parts if not isinstance(p, (GlobalTokens, GlobalBlocks, *_COLUMNS))]
     if not tokens or len(others) > 1:
         return None
     window = None
@@ -161,18 +161,21 @@ def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
     if others:
         zero = torch.zeros((), dtype=torch.long)
         columns = columns & ~others[0].mask_mod_for(n, n)(zero, zero, rows, cols)
-    rows = any(not isinstance(p, PeriodicColumns) for p in tokens)
-    if rows and any(isinstance(p, PeriodicColumns) for p in tokens):
+    rows = any(not isinstance(p, _COLUMNS) for p in tokens)
+    if rows and any(isinstance(p, _COLUMNS) for p in tokens):
         return None  # rows for some columns only: not this shape
     return WithGlobals(window, index, columns, causal, rows)
+
+
+#: Key-only columns (no rows of their own): Sparse Transformer's summary columns, attention sinks.
+_COLUMNS = (PeriodicColumns, KeyColumns)
 
 
 def _column_keys(pattern: Pattern, n: int) -> Tensor:
     if isinstance(pattern, GlobalBlocks):
         return pattern._tokens(n).indices
-    if isinstance(pattern, PeriodicColumns):
-        j = torch.arange(n)
-        return j[(j % pattern.period >= pattern.first) & (j % pattern.period <= pattern.last)]
+    if isinstance(pattern, _COLUMNS):
+        return pattern.keys(n)
     return pattern.indices
 
 

@@ -304,6 +304,25 @@ class ETCConfig(SparseConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SinksConfig(SparseConfig):
+    """``sinks(sinks, left, right)``: a sliding window plus the first ``sinks`` keys for every
+    query (StreamingLLM keeps 4). Causal use (the paper's) cuts ``right`` to 0."""
+
+    sinks: int = bounded(4, ge=1)
+    left: int = 64
+    right: int = 64
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter of the keys on each side and the first 4 keys (fewer when n is short)."""
+        q = quarter(n)
+        return dict(sinks=min(4, n), left=q, right=q)
+
+    def make_pattern(self) -> P.Pattern:
+        return P.sinks(self.sinks, self.left, self.right)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SparseTransformerStridedConfig(SparseConfig):
     """``sparse_transformer_strided(l)``: half the heads local, half strided (causal)."""
 
@@ -472,6 +491,17 @@ _register(
 )
 _register(
     "etc", ETCConfig, "External global tokens + sliding window.", "Ainslie et al. 2020 (ETC), " + ARXIV + "2004.08483"
+)
+_register(
+    "sinks",
+    SinksConfig,
+    "Attention sinks: the first keys for every query + a sliding window.",
+    "Xiao et al. 2023 (StreamingLLM), " + ARXIV + "2309.17453",
+    notes=(
+        "causal=True intersects the pattern with j <= i (the paper's setting)",
+        "the pattern only: StreamingLLM's rolling KV cache (positions re-indexed inside the cache) and "
+        "gpt-oss's learned per-head sink logits are not implemented",
+    ),
 )
 _register(
     "sparse_transformer_strided",

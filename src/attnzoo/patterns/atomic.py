@@ -211,20 +211,66 @@ class PeriodicColumns(Pattern):
 
         return columns
 
-    def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
+    def keys(self, n_kv: int) -> Tensor:
+        """The column keys below ``n_kv``, ascending."""
         j = torch.arange(n_kv)
         r = j % self.period
-        kb, count = torch.unique(j[(r >= self.first) & (r <= self.last)] // block, return_counts=True)
-        n_qb = -(-n_q // block)
-        full = count == torch.clamp(n_kv - kb * block, max=block)
-        return BlockList.build(
-            n_q,
-            n_kv,
-            block,
-            torch.arange(n_qb).repeat(kb.numel()),
-            kb.repeat_interleave(n_qb),
-            full.repeat_interleave(n_qb),
-        )
+        return j[(r >= self.first) & (r <= self.last)]
+
+    def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
+        return column_tiles(n_q, n_kv, block, self.keys(n_kv))
+
+
+class KeyColumns(Pattern):
+    """``j in G``: keys every query attends, without rows of their own (unlike
+    ``global_tokens``). StreamingLLM's attention sinks are ``key_columns(range(s))``."""
+
+    def __init__(self, indices: Sequence[int]) -> None:
+        index = torch.as_tensor(list(indices), dtype=torch.long).unique()
+        if index.numel() == 0 or int(index.min()) < 0:
+            raise ValueError(f"key_columns needs one or more non-negative indices, got {list(indices)}")
+        self.indices = index
+        self.name = f"key_columns({index.tolist() if index.numel() <= 8 else f'{index.numel()} keys'})"
+
+    def _value(self) -> tuple:
+        return tuple(self.indices.tolist())
+
+    def keys(self, n_kv: int) -> Tensor:
+        """The column keys below ``n_kv``, ascending."""
+        return self.indices[self.indices < n_kv]
+
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+        indices = self.indices
+
+        def key_columns(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            # "| (q_idx < q_idx)" adds nothing but broadcasts the result over the query axis.
+            return torch.isin(kv_idx, indices.to(kv_idx.device)) | (q_idx < q_idx)
+
+        return key_columns
+
+    def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
+        return column_tiles(n_q, n_kv, block, self.keys(n_kv))
+
+
+def key_columns(indices: Sequence[int]) -> KeyColumns:
+    """Keys at ``indices`` are attended by every query (no rows of their own)."""
+    return KeyColumns(indices)
+
+
+def column_tiles(n_q: int, n_kv: int, block: int, keys: Tensor) -> BlockList:
+    """Tiles of a pattern that is columns ``keys`` for every query: every query block against
+    each key block holding a column, full where the key block holds nothing else."""
+    kb, count = torch.unique(keys // block, return_counts=True)
+    n_qb = -(-n_q // block)
+    full = count == torch.clamp(n_kv - kb * block, max=block)
+    return BlockList.build(
+        n_q,
+        n_kv,
+        block,
+        torch.arange(n_qb).repeat(kb.numel()),
+        kb.repeat_interleave(n_qb),
+        full.repeat_interleave(n_qb),
+    )
 
 
 def count_tiles(n_q: int, n_kv: int, block: int, rows: Tensor, cols: Tensor) -> BlockList:

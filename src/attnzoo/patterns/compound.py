@@ -20,6 +20,7 @@ from attnzoo.patterns.atomic import (
     causal,
     dilated,
     global_tokens,
+    key_columns,
     local,
     rectangles_to_tiles,
     sliding_window,
@@ -132,6 +133,15 @@ def etc(window: int, n_global: int) -> Pattern:
     external global tokens that ``attnzoo.nn.GlobalTokens(dim, n_global)`` prepends."""
     check_positive_int(n_global, "n_global")
     return global_tokens(range(n_global)) | local(window)
+
+
+def sinks(n_sinks: int, left: int, right: int) -> Pattern:
+    """Attention sinks (StreamingLLM, Xiao et al. 2023, https://arxiv.org/abs/2309.17453):
+    ``sliding_window(left, right) | key_columns(range(n_sinks))`` — every query keeps the first
+    ``n_sinks`` keys beside its window. The paper's setting is causal (``right`` is then cut to
+    0 by ``& causal()``); the sinks have no rows of their own, unlike ETC's global tokens."""
+    check_positive_int(n_sinks, "n_sinks")
+    return sliding_window(left, right) | key_columns(range(n_sinks))
 
 
 def sparse_transformer_strided(l: int) -> PerHead:  # noqa: E741  (the paper's name)
