@@ -26,7 +26,7 @@ def step_times(
     tokens = torch.randn(3, 1, heads, steps + 1, dim, generator=g)
     times = []
     with torch.no_grad():
-        state = module.init_state(1, heads, dim, dim, dtype=prefill.dtype)
+        state = module.init_state(1, heads, dim, dim, dtype=prefill.dtype, capacity=position + steps + 1)
         _, state = module.step(state, *prefill.unbind(0))
         for t in range(steps + 1):
             q, k, v = (x[:, :, t : t + 1] for x in tokens.unbind(0))

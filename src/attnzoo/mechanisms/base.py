@@ -191,9 +191,19 @@ class Attention(Mechanism):
         raise NotImplementedError(f"{type(self).__name__} must implement _reference")
 
     def init_state(
-        self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        value_dim: int,
+        *,
+        device: Any = None,
+        dtype: Any = None,
+        capacity: int = 0,
     ) -> Any:
-        """Empty decode state for ``step``. Mechanisms with ``decode_step`` override this."""
+        """Empty decode state for ``step``. Mechanisms with ``decode_step`` override this;
+        ``capacity`` (the final length, 0 if unknown) lets a growing cache preallocate, and is
+        ignored by states of fixed size."""
         self._refuse("a decode step", "decode_step")
 
     def step(

@@ -400,9 +400,18 @@ class KernelAttention(Attention):
         )
 
     def init_state(
-        self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        value_dim: int,
+        *,
+        device: Any = None,
+        dtype: Any = None,
+        capacity: int = 0,
     ) -> KernelState:
-        """Empty sums (zeros; ``c`` -inf) for ``step``, in float64 for float64, else float32."""
+        """Empty sums (zeros; ``c`` -inf) for ``step``, in float64 for float64, else float32;
+        ``capacity`` is ignored (the sums do not grow)."""
         if not self.spec.capabilities.decode_step:
             self._refuse("a decode step", "decode_step")
         dtype = torch.float64 if dtype == torch.float64 else torch.float32

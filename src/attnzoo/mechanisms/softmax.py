@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.backends.reference import reference_attention, visible_pairs
 from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.cache import KVCache
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -33,18 +33,6 @@ class SoftmaxConfig(Config):
 
     normalizer: Literal["softmax", "relu"] = "softmax"
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
-
-
-@dataclass(frozen=True)
-class KVCache:
-    """Decode state of exact attention: every key and value seen so far, ``(B, H, T, D)``."""
-
-    k: Tensor
-    v: Tensor
-
-    def append(self, k: Tensor, v: Tensor) -> KVCache:
-        # torch.cat copies the cache each step (O(T) per token); fine for the reference model.
-        return KVCache(torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2))
 
 
 @register(
@@ -133,10 +121,18 @@ class SoftmaxAttention(Attention):
         )
 
     def init_state(
-        self, batch: int, heads: int, head_dim: int, value_dim: int, *, device: Any = None, dtype: Any = None
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        value_dim: int,
+        *,
+        device: Any = None,
+        dtype: Any = None,
+        capacity: int = 0,
     ) -> KVCache:
-        empty = torch.empty(batch, heads, 0, head_dim, device=device, dtype=dtype)
-        return KVCache(empty, torch.empty(batch, heads, 0, value_dim, device=device, dtype=dtype))
+        """An empty ``KVCache`` with room for ``capacity`` tokens (0: grown by doubling)."""
+        return KVCache.empty(batch, heads, head_dim, value_dim, capacity=capacity, device=device, dtype=dtype)
 
     def step(
         self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None

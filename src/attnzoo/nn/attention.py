@@ -133,10 +133,11 @@ class MultiHeadAttention(nn.Module):
         out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self._merge(out)
 
-    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> MHAState:
-        """Empty decode state (self-attention only); see ``step``. One state per head group."""
+    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None, capacity: int = 0) -> MHAState:
+        """Empty decode state (self-attention only); see ``step``. One state per head group.
+        ``capacity``: the length decoding will reach, if known (KV caches preallocate it)."""
         states = tuple(
-            attn.init_state(batch, n, self.head_dim, self.head_dim, device=device, dtype=dtype)
+            attn.init_state(batch, n, self.head_dim, self.head_dim, device=device, dtype=dtype, capacity=capacity)
             for attn, n in zip(self.mechanisms, self.group_heads)
         )
         return MHAState(states[0] if len(states) == 1 else states, 0)

@@ -84,9 +84,9 @@ class TransformerEncoderLayer(nn.Module):
     def _feedforward(self, x: Tensor) -> Tensor:
         return x if self.ff is None else x + self.ff(self.norm2(x))
 
-    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> MHAState:
+    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None, capacity: int = 0) -> MHAState:
         self._no_decode()
-        return self.attn.init_state(batch, device=device, dtype=dtype)
+        return self.attn.init_state(batch, device=device, dtype=dtype, capacity=capacity)
 
     def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
         self._no_decode()
@@ -242,10 +242,13 @@ class CausalLM(nn.Module):
         x = self._embed(tokens, 0)
         return self.head(self.decoder(x, causal=True, key_padding_mask=key_padding_mask))
 
-    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None) -> LMState:
+    def init_state(self, batch: int, *, device: Any = None, dtype: Any = None, capacity: int = 0) -> LMState:
+        """Empty decode state; ``capacity``: the length decoding will reach, if known."""
         dtype = self.embed.weight.dtype if dtype is None else dtype
         device = self.embed.weight.device if device is None else device
-        layers = tuple(layer.init_state(batch, device=device, dtype=dtype) for layer in self.decoder.layers)
+        layers = tuple(
+            layer.init_state(batch, device=device, dtype=dtype, capacity=capacity) for layer in self.decoder.layers
+        )
         return LMState(layers, 0)
 
     def step(self, tokens: Tensor, state: LMState) -> tuple[Tensor, LMState]:
@@ -262,7 +265,7 @@ class CausalLM(nn.Module):
     def generate(self, prompt: Tensor, max_new_tokens: int) -> Tensor:
         """Greedy decoding: ``prompt (B, N)`` -> ``(B, N + max_new_tokens)``."""
         check_positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
-        state = self.init_state(prompt.shape[0])
+        state = self.init_state(prompt.shape[0], capacity=prompt.shape[1] + max_new_tokens)
         logits, state = self.step(prompt, state)
         out = [prompt]
         for _ in range(max_new_tokens):

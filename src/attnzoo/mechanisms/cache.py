@@ -1,0 +1,94 @@
+"""Decode caches of keys and values that never copy themselves per token.
+
+``KVCache`` keeps every key and value seen so far in buffers with spare room: appending writes
+into the room (no ``torch.cat`` of the whole cache per token, which made a step at position
+16384 cost 8x a step over a preallocated cache) and, when the room runs out, the buffers grow
+geometrically (doubling), so a token costs O(1) copies amortised. ``capacity`` preallocates
+the lot when the final length is known.
+
+A cache is a value as far as its user can tell: ``append`` returns a new ``KVCache`` and the
+old one still reads the same keys. The new one shares the old one's buffers; the positions
+past the old length are written only by the first ``append`` from a given state. Appending
+to the same state twice (two continuations of one prefix, as a beam search does) finds its
+room already taken and copies the prefix into new buffers first (copy on write).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+#: Room of a cache grown from empty: enough for short prompts without a reallocation.
+MIN_CAPACITY = 16
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys ``(B, H, T, D)`` and values ``(B, H, T, D_v)`` of the ``T`` tokens seen so far.
+
+    Attributes:
+        k_buffer, v_buffer: ``(B, H, capacity, D)``, ``(B, H, capacity, D_v)``; positions
+            ``>= length`` are spare room.
+        length: T.
+        _written: shared by every cache on these buffers: how far they hold data. A cache whose
+            ``length`` is behind it has been appended to already, so it copies before writing.
+    """
+
+    k_buffer: Tensor
+    v_buffer: Tensor
+    length: int = 0
+    _written: list[int] = field(default_factory=lambda: [0], repr=False, compare=False)
+
+    @classmethod
+    def empty(
+        cls, batch: int, heads: int, head_dim: int, value_dim: int, *, capacity: int = 0, device=None, dtype=None
+    ) -> KVCache:
+        """A cache with room for ``capacity`` tokens (0: grown on demand)."""
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        k = torch.empty(batch, heads, capacity, head_dim, device=device, dtype=dtype)
+        return cls(k, torch.empty(batch, heads, capacity, value_dim, device=device, dtype=dtype))
+
+    @property
+    def k(self) -> Tensor:
+        """``(B, H, T, D)``: a view of the buffer, no copy."""
+        return self.k_buffer[:, :, : self.length]
+
+    @property
+    def v(self) -> Tensor:
+        """``(B, H, T, D_v)``: a view of the buffer, no copy."""
+        return self.v_buffer[:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        return self.k_buffer.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> KVCache:
+        """This cache followed by ``k (B, H, T', D)``, ``v (B, H, T', D_v)``.
+
+        With gradients flowing into ``k`` or ``v`` (training through decode steps) it
+        concatenates instead: writing into shared buffers would modify tensors that earlier
+        steps saved for backward."""
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            kc, vc = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+            return KVCache(kc, vc, kc.shape[2], [kc.shape[2]])
+        end = self.length + k.shape[2]
+        k_buffer, v_buffer, written = self.k_buffer, self.v_buffer, self._written
+        branched = written[0] != self.length  # this state was appended to already
+        if branched or end > self.capacity:
+            room = max(end, self.capacity) if branched else max(end, 2 * self.capacity, MIN_CAPACITY)
+            k_buffer, v_buffer = (_grown(buf, self.length, room) for buf in (k_buffer, v_buffer))
+            written = [self.length]
+        k_buffer[:, :, self.length : end] = k
+        v_buffer[:, :, self.length : end] = v
+        written[0] = end
+        return KVCache(k_buffer, v_buffer, end, written)
+
+
+def _grown(buffer: Tensor, length: int, capacity: int) -> Tensor:
+    """A new buffer of ``capacity`` positions holding ``buffer``'s first ``length``."""
+    new = buffer.new_empty(*buffer.shape[:2], capacity, buffer.shape[3])
+    new[:, :, :length] = buffer[:, :, :length]
+    return new

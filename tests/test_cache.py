@@ -1,0 +1,64 @@
+"""The decode KV cache: appends write into spare room (no per-token copy of the cache), grow by
+doubling, stay values (an old state reads the same keys after a later append), and branch by
+copy on write."""
+
+from __future__ import annotations
+
+import torch
+
+import attnzoo
+from attnzoo.mechanisms.cache import MIN_CAPACITY, KVCache
+
+
+def _token(t: int, d: int = 4) -> torch.Tensor:
+    return torch.full((2, 3, 1, d), float(t))
+
+
+def test_appends_reallocate_only_when_the_room_doubles():
+    cache, buffers = KVCache.empty(2, 3, 4, 4), set()
+    for t in range(100):
+        cache = cache.append(_token(t), _token(-t))
+        buffers.add(cache.k_buffer.data_ptr())
+    # 16, 32, 64, 128: four buffers for 100 tokens, not one per token.
+    assert len(buffers) == 4 and cache.capacity == 8 * MIN_CAPACITY
+    assert torch.equal(cache.k[0, 0, :, 0], torch.arange(100.0)) and torch.equal(
+        cache.v[1, 2, :, 3], -torch.arange(100.0)
+    )
+
+
+def test_a_known_capacity_is_allocated_once():
+    cache = KVCache.empty(2, 3, 4, 4, capacity=100)
+    first = cache.k_buffer.data_ptr()
+    for t in range(100):
+        cache = cache.append(_token(t), _token(t))
+    assert cache.k_buffer.data_ptr() == first and cache.length == 100
+
+
+def test_old_states_keep_their_keys_and_two_continuations_do_not_collide():
+    prefix = KVCache.empty(2, 3, 4, 4).append(_token(1), _token(1))
+    a = prefix.append(_token(2), _token(2))
+    b = prefix.append(_token(3), _token(3))  # the room after prefix is a's: b copies first
+    assert prefix.k[0, 0, :, 0].tolist() == [1.0]
+    assert a.k[0, 0, :, 0].tolist() == [1.0, 2.0] and b.k[0, 0, :, 0].tolist() == [1.0, 3.0]
+    assert b.k_buffer.data_ptr() != a.k_buffer.data_ptr()
+    a2 = a.append(_token(4), _token(4))  # a is still the newest state on its buffers: no copy
+    assert a2.k_buffer.data_ptr() == a.k_buffer.data_ptr() and a2.k[0, 0, :, 0].tolist() == [1.0, 2.0, 4.0]
+
+
+def test_gradients_flow_through_appended_keys():
+    k = torch.randn(1, 1, 3, 2, requires_grad=True)
+    cache = KVCache.empty(1, 1, 2, 2).append(k[:, :, :2], k[:, :, :2]).append(k[:, :, 2:], k[:, :, 2:])
+    (cache.k.sum() + 2 * cache.v.sum()).backward()
+    assert torch.equal(k.grad, torch.full_like(k, 3.0))
+
+
+def test_softmax_steps_write_into_one_preallocated_cache_and_equal_the_forward():
+    attn = attnzoo.build("softmax").double().eval()
+    q, k, v = (torch.randn(2, 3, 40, 8, dtype=torch.float64) for _ in range(3))
+    state = attn.init_state(2, 3, 8, 8, dtype=torch.float64, capacity=40)
+    first, outs = state.k_buffer.data_ptr(), []
+    for t in range(40):
+        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(out)
+        assert state.k_buffer.data_ptr() == first
+    torch.testing.assert_close(torch.cat(outs, 2), attn(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
