@@ -4,6 +4,7 @@ copy on write."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import attnzoo
@@ -62,3 +63,29 @@ def test_softmax_steps_write_into_one_preallocated_cache_and_equal_the_forward()
         outs.append(out)
         assert state.k_buffer.data_ptr() == first
     torch.testing.assert_close(torch.cat(outs, 2), attn(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
+
+
+def test_window_decode_keeps_o_window_state_and_equals_the_causal_forward_with_alibi():
+    # local (left 6) and dilated (3 steps of 2) in a layer with ALiBi: a prefill of 9 tokens,
+    # then single tokens; every step's output equals the causal forward's rows, and the state
+    # holds the last left (x dilation) keys whatever the position.
+    for mechanism, config, kept in (
+        ("local", dict(left=6, right=2), 6),
+        ("dilated", dict(left=3, right=1, dilation=2), 6),
+    ):
+        layer = attnzoo.nn.MultiHeadAttention(24, 3, mechanism, positional="alibi", **config).double().eval()
+        x = torch.randn(2, 41, 24, dtype=torch.float64)
+        full = layer(x, causal=True)
+        state = layer.init_state(2, dtype=torch.float64)
+        out, state = layer.step(x[:, :9], state)
+        outs = [out]
+        for t in range(9, 41):
+            out, state = layer.step(x[:, t : t + 1], state)
+            outs.append(out)
+            assert state.mechanism.k.shape == (2, 3, kept, 8) and state.mechanism.seen == t + 1
+        torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12, msg=mechanism)
+
+
+def test_patterns_without_a_window_decode_step_refuse_naming_those_that_have_one():
+    with pytest.raises(ValueError, match="decode step.*local"):
+        attnzoo.build("strided").init_state(1, 1, 4, 4)

@@ -14,12 +14,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from attnzoo import patterns as P
 from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.cache import WindowCache
 from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -118,12 +120,57 @@ class PatternAttention(Attention):
             return_weights=return_weights,
         )
 
+    def init_state(
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        value_dim: int,
+        *,
+        device: Any = None,
+        dtype: Any = None,
+        capacity: int = 0,
+    ) -> WindowCache:
+        """A ``WindowCache`` for a causal band: a row sees the ``-lo`` keys before it (and
+        itself), so only those are kept, whatever the position. ``capacity`` is ignored."""
+        if not self.spec.capabilities.decode_step:
+            self._refuse("a decode step", "decode_step")
+        band = self.pattern
+        assert isinstance(band, P.Band) and band.lo is not None  # what decode_step promises
+        k = torch.empty(batch, heads, 0, head_dim, device=device, dtype=dtype)
+        v = torch.empty(batch, heads, 0, value_dim, device=device, dtype=dtype)
+        return WindowCache(k, v, 0, max(0, -band.lo))
+
+    def step(
+        self, state: WindowCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
+    ) -> tuple[Tensor, WindowCache]:
+        """The new tokens' rows of the causal forward: the kept keys and the new ones form a
+        contiguous span of positions, and the new queries (end-aligned) attend over it under
+        the band. ``score_mod`` sees absolute positions, as in the full forward."""
+        span_k, span_v = torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2)
+        offset = state.start
+        if score_mod is not None and offset:
+            inner = score_mod
+
+            def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return inner(score, b, h, q_idx + offset, kv_idx + offset)
+
+        out = self(q, span_k, span_v, causal=True, score_mod=score_mod)
+        return out, state.after(span_k, span_v, k.shape[2])
+
 
 SELF_ONLY = "defined on a fixed number of positions: self-attention only"
 
 
 def _register(
-    name: str, config: type, summary: str, paper: str, *, cross: bool = True, notes: tuple[str, ...] = ()
+    name: str,
+    config: type,
+    summary: str,
+    paper: str,
+    *,
+    cross: bool = True,
+    decode: bool = False,
+    notes: tuple[str, ...] = (),
 ) -> None:
     register(
         name,
@@ -134,6 +181,7 @@ def _register(
         capabilities=Capabilities(
             causal=True,
             key_padding=True,
+            decode_step=decode,
             cross_attention=cross,
             score_mod=True,
             backends=("blocked", "flex", "reference"),
@@ -428,14 +476,26 @@ class PatternConfig(SparseConfig):
 
 
 ARXIV = "https://arxiv.org/abs/"
+_WINDOW_DECODE = (
+    "causal=True intersects the pattern with j <= i",
+    "decode step: a window cache of the last left (x dilation) keys, O(window) memory and time per token at "
+    "any position",
+)
 _register(
     "local",
     LocalConfig,
     "Sliding-window (local / truncated) attention.",
     "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150",
+    decode=True,
+    notes=_WINDOW_DECODE,
 )
 _register(
-    "dilated", DilatedConfig, "Dilated sliding window.", "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150"
+    "dilated",
+    DilatedConfig,
+    "Dilated sliding window.",
+    "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150",
+    decode=True,
+    notes=_WINDOW_DECODE,
 )
 _register(
     "strided",
