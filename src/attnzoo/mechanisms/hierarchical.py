@@ -52,9 +52,9 @@ import torch
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,31 +301,18 @@ class HierarchicalAttention(Attention):
 
     config: HierarchicalConfig
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         return hierarchical_attention(
-            q, k, v, k_near=self.config.k, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale
+            q,
+            k,
+            v,
+            k_near=self.config.k,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
+            scale=self.config.scale,
         )
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """The dense oracle with this module's config; its weights spread each node's weight
         evenly over the real tokens the node covers."""
         return reference_hierarchical(
@@ -333,8 +320,8 @@ class HierarchicalAttention(Attention):
             k,
             v,
             k_near=self.config.k,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
             scale=self.config.scale,
             return_weights=return_weights,
         )

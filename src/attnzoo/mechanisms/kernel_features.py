@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo.mechanisms.base import AttendArgs
 from attnzoo.mechanisms.kernel import _CAUSAL, _NOTES, KernelAttention, KeyFeatures, Normalizer
 from attnzoo.registry import Config, bounded, quarter, register
 from attnzoo.spec import Capabilities, Complexity
@@ -233,15 +234,13 @@ class RandomFeatureAttention(KernelAttention):
             # A new tensor, not an in-place copy: a graph not yet backpropagated keeps the old one.
             self.projection = self._draw(self.projection.shape[1]).to(self.projection)
 
-    def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None, score_mod: Any
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         every = self.config.redraw_every
         if self.training and every is not None:
             if int(self.forwards) >= every:
                 self.redraw()
             self.forwards += 1
-        return super()._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+        return super()._attend(q, k, v, args)
 
     def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
         self.projection_for(torch.empty(0, head_dim, device=device, dtype=dtype))
