@@ -219,28 +219,18 @@ class GraphAttention(Attention):
             )
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        self._check(q)
-        return graph_attention(
-            q,
-            k,
-            v,
-            self.graph,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            scale=self.config.scale,
-            attention_vector=self.attention_vector,
-        )
+        return graph_attention(q, k, v, self.graph, **self._settings(q, args))
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
+        return reference_graph_attention(q, k, v, self.graph, **self._settings(q, args), return_weights=return_weights)
+
+    def _settings(self, q: Tensor, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments ``graph_attention`` and its dense twin share, after checking q
+        against the attention vector's shape: written once so the two cannot drift apart."""
         self._check(q)
-        return reference_graph_attention(
-            q,
-            k,
-            v,
-            self.graph,
+        return dict(
             causal=args.causal,
             key_padding_mask=args.key_padding_mask,
             scale=self.config.scale,
             attention_vector=self.attention_vector,
-            return_weights=return_weights,
         )

@@ -373,34 +373,16 @@ class CompressedAttention(_LowRank):
         self.taps = nn.Parameter(torch.full((2, groups, config.kernel), 1.0 / config.kernel))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        cfg = self.config
-        self._check_heads(q, cfg.per_head)
-        return compressed_attention(
-            q,
-            k,
-            v,
-            self.taps,
-            kernel=cfg.kernel,
-            stride=cfg.stride,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            chunk=cfg.chunk,
-        )
+        return compressed_attention(q, k, v, self.taps, **self._settings(q, args), chunk=self.config.chunk)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
+        return reference_compressed(q, k, v, self.taps, **self._settings(q, args), return_weights=return_weights)
+
+    def _settings(self, q: Tensor, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments the fast path and its dense twin share, after the head check."""
         cfg = self.config
         self._check_heads(q, cfg.per_head)
-        return reference_compressed(
-            q,
-            k,
-            v,
-            self.taps,
-            kernel=cfg.kernel,
-            stride=cfg.stride,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            return_weights=return_weights,
-        )
+        return dict(kernel=cfg.kernel, stride=cfg.stride, causal=args.causal, key_padding_mask=args.key_padding_mask)
 
 
 def iterative_pinv(a: Tensor, iters: int) -> Tensor:

@@ -379,19 +379,8 @@ class SinkhornAttention(Attention):
         return sinkhorn(logits / cfg.temperature, sortable(real, causal=causal), cfg.n_iters, causal=causal)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        cfg = self.config
         P = self.permutation(k, args.key_padding_mask, args.causal)
-        return sinkhorn_attention(
-            q,
-            k,
-            v,
-            P,
-            block=cfg.block,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            scale=cfg.scale,
-            sortcut=cfg.sortcut,
-        )
+        return sinkhorn_attention(q, k, v, P, **self._settings(args))
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """``reference_sinkhorn`` (block by block, as the paper reads) under one drawn
@@ -400,10 +389,20 @@ class SinkhornAttention(Attention):
         Gumbel noise: compare with ``forward`` in eval mode."""
         cfg = self.config
         P = self.permutation(k, args.key_padding_mask, args.causal)
-        settings = dict(block=cfg.block, causal=args.causal, key_padding_mask=args.key_padding_mask, scale=cfg.scale)
-        out = reference_sinkhorn(q, k, v, P, **settings, sortcut=cfg.sortcut)
+        out = reference_sinkhorn(q, k, v, P, **self._settings(args))
         if not return_weights:
             return out
-        _, slots = sinkhorn_attention(q, k, v, P, **settings, sortcut=cfg.sortcut, return_weights=True)
+        _, slots = sinkhorn_attention(q, k, v, P, **self._settings(args), return_weights=True)
         real = real_blocks(args.key_padding_mask, q.shape[0], q.shape[2], cfg.block, q.device)
         return out, implied_matrix(slots, P, real, n=q.shape[2], causal=args.causal, sortcut=cfg.sortcut)
+
+    def _settings(self, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments ``sinkhorn_attention`` and ``reference_sinkhorn`` share, written once."""
+        cfg = self.config
+        return dict(
+            block=cfg.block,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
+            scale=cfg.scale,
+            sortcut=cfg.sortcut,
+        )

@@ -253,29 +253,15 @@ class TopKAttention(Attention):
     config: TopKConfig
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        cfg = self.config
-        return topk_attention(
-            q,
-            k,
-            v,
-            topk=cfg.topk,
-            chunk=cfg.chunk,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            scale=cfg.scale,
-        )
+        return topk_attention(q, k, v, **self._settings(args), chunk=self.config.chunk)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
-        return reference_topk(
-            q,
-            k,
-            v,
-            topk=self.config.topk,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            scale=self.config.scale,
-            return_weights=return_weights,
-        )
+        return reference_topk(q, k, v, **self._settings(args), return_weights=return_weights)
+
+    def _settings(self, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments ``topk_attention`` and ``reference_topk`` share, written once."""
+        cfg = self.config
+        return dict(topk=cfg.topk, causal=args.causal, key_padding_mask=args.key_padding_mask, scale=cfg.scale)
 
 
 def sac_candidates(
