@@ -106,7 +106,7 @@ def test_refusals_name_mechanisms_that_can(monkeypatch):
     from attnzoo.mechanisms.base import Attention
 
     class NoCausal(Attention):
-        def _attend(self, q, k, v, *, causal, key_padding_mask, score_mod):
+        def _attend(self, q, k, v, args):
             return v
 
     register(

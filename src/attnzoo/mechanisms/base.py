@@ -3,9 +3,12 @@ attention-free token mixer (``TokenMixer``).
 
 The mechanism protocol. A mechanism implements two methods, both on inputs already checked:
 
-* ``_attend`` — the fast path, what ``forward`` runs;
-* ``_reference`` — the same function computed densely, written to read like the paper, with
-  ``return_weights=True`` also returning the ``(B, H, N_q, N_kv)`` weights it applies.
+* ``_attend(q, k, v, args)`` — the fast path, what ``forward`` runs;
+* ``_reference(q, k, v, args, return_weights)`` — the same function computed densely, written
+  to read like the paper, with ``return_weights=True`` also returning the ``(B, H, N_q, N_kv)``
+  weights it applies.
+
+``args`` is the checked ``AttendArgs(causal, key_padding_mask, score_mod)``.
 
 The base turns them into the public API: ``forward``, ``reference`` and ``implied_attention``
 (defined once, from ``reference``). Decoding (``init_state`` / ``step``) is declared here too
@@ -27,6 +30,7 @@ padded queries of a self-attention-only mechanism) reach ``_attend`` holding zer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -35,6 +39,24 @@ from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv, che
 from attnzoo.mechanisms._ops import compute_dtype, zero_padding
 from attnzoo.registry import names, spec_of_config
 from attnzoo.spec import ScoreMod, Spec
+
+Weighted = Tensor | tuple[Tensor, Tensor]
+"""What a ``reference`` returns: the output, or ``(output, weights)`` with ``return_weights``."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttendArgs:
+    """The checked call options ``Attention.forward`` and ``reference`` hand to ``_attend`` and
+    ``_reference``: one argument instead of three keywords, so the protocol's signatures stay
+    one line in every mechanism and a new option is added here, not in 30 signatures.
+
+    ``causal``: normalised by ``check_causal``; ``key_padding_mask``: ``(B, N_kv)`` bool, True =
+    real, or None when nothing is padded; ``score_mod``: only ever set for mechanisms whose
+    capabilities declare it."""
+
+    causal: bool
+    key_padding_mask: Tensor | None
+    score_mod: ScoreMod | None
 
 
 class Mechanism(nn.Module):
@@ -84,12 +106,12 @@ class Attention(Mechanism):
         key_padding_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
     ) -> Tensor:
-        causal, key_padding_mask = self._checked(q, k, v, causal, key_padding_mask, score_mod)
+        args = self._checked(q, k, v, causal, key_padding_mask, score_mod)
         if q.shape[0] == 0 or q.shape[2] == 0:
             # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
             return (q @ k.transpose(-1, -2)) @ v
-        q, k, v = self.zero_padded(key_padding_mask, q, k, v)
-        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+        q, k, v = self.zero_padded(args.key_padding_mask, q, k, v)
+        out = self._attend(q, k, v, args)
         return nan_rows_of_non_finite_queries(out, q)
 
     def reference(
@@ -102,25 +124,17 @@ class Attention(Mechanism):
         key_padding_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
         return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Weighted:
         """The dense twin of ``forward``: the same function, computed the plain way (the N x N
         weights built explicitly), with the same checks and the same zeroed padding. With
         ``return_weights``: ``(output, weights (B, H, N_q, N_kv))``, ``output == weights @ v``
         up to rounding for every mechanism whose output is linear in v."""
-        causal, key_padding_mask = self._checked(q, k, v, causal, key_padding_mask, score_mod)
+        args = self._checked(q, k, v, causal, key_padding_mask, score_mod)
         if q.shape[0] == 0 or q.shape[2] == 0:
             weights = q @ k.transpose(-1, -2)  # empty, on the graph
             return (weights @ v, weights) if return_weights else weights @ v
-        q, k, v = self.zero_padded(key_padding_mask, q, k, v)
-        return self._reference(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            score_mod=score_mod,
-            return_weights=return_weights,
-        )
+        q, k, v = self.zero_padded(args.key_padding_mask, q, k, v)
+        return self._reference(q, k, v, args, return_weights)
 
     def implied_attention(
         self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
@@ -138,9 +152,10 @@ class Attention(Mechanism):
         causal: bool,
         key_padding_mask: Tensor | None,
         score_mod: ScoreMod | None,
-    ) -> tuple[bool, Tensor | None]:
-        """Validate a call against the declared capabilities; return the normalised ``causal``
-        and ``key_padding_mask`` (None when nothing is padded is kept as given)."""
+    ) -> AttendArgs:
+        """Validate a call against the declared capabilities; return what ``_attend`` and
+        ``_reference`` receive: the normalised ``causal`` and ``key_padding_mask`` (None when
+        nothing is padded is kept as given) and the ``score_mod``."""
         caps = self.spec.capabilities
         check_qkv(q, k, v, cross_attention=caps.cross_attention, allow_empty=True)
         causal = check_causal(causal, q.shape[2], k.shape[2])
@@ -151,7 +166,7 @@ class Attention(Mechanism):
             self._refuse("key_padding_mask", "key_padding")
         if score_mod is not None and not caps.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
-        return causal, key_padding_mask
+        return AttendArgs(causal, key_padding_mask, score_mod)
 
     def zero_padded(self, key_padding_mask: Tensor | None, q: Tensor, *kv: Tensor) -> tuple[Tensor, ...]:
         """``(q, *kv)`` as ``_attend`` receives them: the key-side tensors ``kv`` with padded
@@ -165,29 +180,10 @@ class Attention(Mechanism):
             q = zero_padding(q, key_padding_mask)
         return (q, *(zero_padding(x, key_padding_mask) for x in kv))
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _attend")
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         raise NotImplementedError(f"{type(self).__name__} must implement _reference")
 
     def init_state(

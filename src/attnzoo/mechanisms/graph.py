@@ -24,11 +24,11 @@ from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, reference_attention, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.sparse import ring_with_chords
 from attnzoo.patterns.atomic import Graph
 from attnzoo.registry import Config, bounded, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,48 +218,19 @@ class GraphAttention(Attention):
                 f"H={q.shape[1]}, D={q.shape[3]}; build it with heads={q.shape[1]}, head_dim={q.shape[3]}"
             )
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        self._check(q)
-        return graph_attention(
-            q,
-            k,
-            v,
-            self.graph,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=self.config.scale,
-            attention_vector=self.attention_vector,
-        )
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        return graph_attention(q, k, v, self.graph, **self._settings(q, args))
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
+        return reference_graph_attention(q, k, v, self.graph, **self._settings(q, args), return_weights=return_weights)
+
+    def _settings(self, q: Tensor, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments ``graph_attention`` and its dense twin share, after checking q
+        against the attention vector's shape: written once so the two cannot drift apart."""
         self._check(q)
-        return reference_graph_attention(
-            q,
-            k,
-            v,
-            self.graph,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
+        return dict(
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
             scale=self.config.scale,
             attention_vector=self.attention_vector,
-            return_weights=return_weights,
         )

@@ -47,14 +47,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,40 +302,15 @@ class HierarchicalAttention(Attention):
 
     config: HierarchicalConfig
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        return hierarchical_attention(
-            q, k, v, k_near=self.config.k, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale
-        )
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        return hierarchical_attention(q, k, v, **self._settings(args))
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """The dense oracle with this module's config; its weights spread each node's weight
         evenly over the real tokens the node covers."""
-        return reference_hierarchical(
-            q,
-            k,
-            v,
-            k_near=self.config.k,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=self.config.scale,
-            return_weights=return_weights,
-        )
+        return reference_hierarchical(q, k, v, **self._settings(args), return_weights=return_weights)
+
+    def _settings(self, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments the fast path and its dense twin share, written once."""
+        cfg = self.config
+        return dict(k_near=cfg.k, causal=args.causal, key_padding_mask=args.key_padding_mask, scale=cfg.scale)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from attnzoo._checks import check_qkv
 from attnzoo.mechanisms._ops import compute_dtype
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -359,40 +359,21 @@ class KernelAttention(Attention):
         )
         return out.to(q.dtype), state
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        return self._run(q, k, v, causal=causal, key_padding_mask=key_padding_mask)[0]
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        return self._run(q, k, v, causal=args.causal, key_padding_mask=args.key_padding_mask)[0]
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """The same function through ``reference_kernel_attention`` (same features, dense): the
         normalised ``phi(Q) phi(K)^T`` as an explicit matrix."""
         qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
-        real = None if key_padding_mask is None else key_padding_mask[:, None]
-        f = self.key_features(kc, real, causal=causal)
+        real = None if args.key_padding_mask is None else args.key_padding_mask[:, None]
+        f = self.key_features(kc, real, causal=args.causal)
         return reference_kernel_attention(
             self.query_features(qc),
             f.phi,
             vc,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
             log_decay=f.log_decay,
             eps=getattr(self.config, "eps", 1e-6),
             normalizer=self.normalizer,

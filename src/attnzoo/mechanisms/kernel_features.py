@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo.mechanisms.base import AttendArgs
 from attnzoo.mechanisms.kernel import _CAUSAL, _NOTES, KernelAttention, KeyFeatures, Normalizer
 from attnzoo.registry import Config, bounded, quarter, register
 from attnzoo.spec import Capabilities, Complexity
@@ -233,15 +234,13 @@ class RandomFeatureAttention(KernelAttention):
             # A new tensor, not an in-place copy: a graph not yet backpropagated keeps the old one.
             self.projection = self._draw(self.projection.shape[1]).to(self.projection)
 
-    def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None, score_mod: Any
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         every = self.config.redraw_every
         if self.training and every is not None:
             if int(self.forwards) >= every:
                 self.redraw()
             self.forwards += 1
-        return super()._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+        return super()._attend(q, k, v, args)
 
     def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
         self.projection_for(torch.empty(0, head_dim, device=device, dtype=dtype))
@@ -255,7 +254,26 @@ class RandomFeatureAttention(KernelAttention):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PerformerConfig(Config):
+class _RandomFeatureConfig(Config):
+    """The fields every ``RandomFeatureAttention`` reads (projection size and seed, redrawing,
+    causal chunk, denominator eps), declared once so performer and rfa cannot drift apart;
+    each config documents them and overrides the defaults that differ."""
+
+    features: int = bounded(256, ge=1)
+    head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward")
+    seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
+    redraw_every: int | None = bounded(None, ge=1, none="never redraw")
+    chunk: int = bounded(64, ge=1)
+    eps: float = bounded(1e-6, gt=0)
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A quarter as many features (random frequencies for rfa) as keys."""
+        return dict(features=quarter(n))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerformerConfig(_RandomFeatureConfig):
     """Config of ``performer``.
 
     Args:
@@ -270,18 +288,6 @@ class PerformerConfig(Config):
         chunk: causal chunk length. Default 64.
         eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
     """
-
-    features: int = bounded(256, ge=1)
-    head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward")
-    seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
-    redraw_every: int | None = bounded(None, ge=1, none="never redraw")
-    chunk: int = bounded(64, ge=1)
-    eps: float = bounded(1e-6, gt=0)
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter as many features as keys."""
-        return dict(features=quarter(n))
 
 
 @register(
@@ -322,7 +328,7 @@ class PerformerAttention(RandomFeatureAttention):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RFAConfig(Config):
+class RFAConfig(_RandomFeatureConfig):
     """Config of ``rfa``.
 
     Args:
@@ -340,18 +346,9 @@ class RFAConfig(Config):
     """
 
     features: int = bounded(128, ge=1)
+    head_dim: int | None = bounded(None, ge=1, none="created on the first forward")
     sigma: float = bounded(1.0, gt=0)
     heads: int | None = bounded(None, ge=1, none="created on the first forward")
-    head_dim: int | None = bounded(None, ge=1, none="created on the first forward")
-    seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
-    redraw_every: int | None = bounded(None, ge=1, none="never redraw")
-    chunk: int = bounded(64, ge=1)
-    eps: float = bounded(1e-6, gt=0)
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter as many random frequencies as keys."""
-        return dict(features=quarter(n))
 
 
 @register(

@@ -19,9 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
-from attnzoo.mechanisms.base import Attention, zero_padding
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted, zero_padding
 from attnzoo.registry import Config, bounded, eighth, quarter, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 
 class _LowRank(Attention):
@@ -165,33 +165,14 @@ class LinformerAttention(_LowRank):
             )
         self._check_heads(q, self.config.sharing == "none")
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         self._check(q, k)
-        return linformer_attention(q, k, v, self.proj[0], self.proj[-1], key_padding_mask=key_padding_mask)
+        return linformer_attention(q, k, v, self.proj[0], self.proj[-1], key_padding_mask=args.key_padding_mask)
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         self._check(q, k)
         return reference_linformer(
-            q, k, v, self.proj[0], self.proj[-1], key_padding_mask=key_padding_mask, return_weights=return_weights
+            q, k, v, self.proj[0], self.proj[-1], key_padding_mask=args.key_padding_mask, return_weights=return_weights
         )
 
 
@@ -391,54 +372,17 @@ class CompressedAttention(_LowRank):
         groups = config.heads if config.per_head else 1
         self.taps = nn.Parameter(torch.full((2, groups, config.kernel), 1.0 / config.kernel))
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        cfg = self.config
-        self._check_heads(q, cfg.per_head)
-        return compressed_attention(
-            q,
-            k,
-            v,
-            self.taps,
-            kernel=cfg.kernel,
-            stride=cfg.stride,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            chunk=cfg.chunk,
-        )
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        return compressed_attention(q, k, v, self.taps, **self._settings(q, args), chunk=self.config.chunk)
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
+        return reference_compressed(q, k, v, self.taps, **self._settings(q, args), return_weights=return_weights)
+
+    def _settings(self, q: Tensor, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments the fast path and its dense twin share, after the head check."""
         cfg = self.config
         self._check_heads(q, cfg.per_head)
-        return reference_compressed(
-            q,
-            k,
-            v,
-            self.taps,
-            kernel=cfg.kernel,
-            stride=cfg.stride,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            return_weights=return_weights,
-        )
+        return dict(kernel=cfg.kernel, stride=cfg.stride, causal=args.causal, key_padding_mask=args.key_padding_mask)
 
 
 def iterative_pinv(a: Tensor, iters: int) -> Tensor:
@@ -587,32 +531,13 @@ class NystromAttention(_LowRank):
 
     config: NystromConfig
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         cfg = self.config
         return nystrom_attention(
-            q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=key_padding_mask
+            q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=args.key_padding_mask
         )
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         cfg = self.config
         return reference_nystrom(
             q,
@@ -620,6 +545,6 @@ class NystromAttention(_LowRank):
             v,
             landmarks=cfg.landmarks,
             pinv_iters=cfg.pinv_iters,
-            key_padding_mask=key_padding_mask,
+            key_padding_mask=args.key_padding_mask,
             return_weights=return_weights,
         )

@@ -27,9 +27,9 @@ from torch import Tensor
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, eighth, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,18 +373,9 @@ class LSHAttention(Attention):
         fresh = self.training and self.config.resample
         return rotations(self.config, heads, dim, None if fresh else int(self.rotation_seed), device)
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         cfg, (batch, _, n, dim) = self.config, q.shape
-        real = real_tokens(key_padding_mask, batch, n, q.device)
+        real = real_tokens(args.key_padding_mask, batch, n, q.device)
         compute = compute_dtype(q)
         qc, vc = q.to(compute), v.to(compute)
         keys = F.normalize(qc, dim=-1)
@@ -399,7 +390,7 @@ class LSHAttention(Attention):
                     *slots,
                     [o for o in plain if o is not r],
                     chunk=cfg.chunk,
-                    causal=causal,
+                    causal=args.causal,
                     dedupe=cfg.dedupe,
                     dtype=compute,
                 )
@@ -408,25 +399,21 @@ class LSHAttention(Attention):
         # The flash kernel needs one head size for q, k and v: zero columns change no score.
         width = max(dim, v.shape[-1])
         pad = lambda x: x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))  # noqa: E731
-        out, total = _Rounds.apply(pad(qc), pad(keys), pad(vc), rounds, key_padding_mask, cfg.chunk, scale)
+        out, total = _Rounds.apply(pad(qc), pad(keys), pad(vc), rounds, args.key_padding_mask, cfg.chunk, scale)
         out = out[..., : v.shape[-1]]
         alone = torch.isinf(total)[..., None] & real[:, None, :, None]  # sees nothing in any round
         return torch.where(alone, vc, out).to(q.dtype)
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """``reference_lsh`` under this module's rotations. k is not read: LSH attention shares
         QK, its keys are the unit-normalised queries."""
         rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
         return reference_lsh(
-            q, v, self.config, rotation, causal=causal, key_padding_mask=key_padding_mask, return_weights=return_weights
+            q,
+            v,
+            self.config,
+            rotation,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
+            return_weights=return_weights,
         )

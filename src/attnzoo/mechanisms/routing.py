@@ -33,9 +33,9 @@ from torch import Tensor
 from attnzoo._checks import check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, gather_rows, real_tokens
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 #: (queries, keys): similarities ``(B, H, C, N)`` or unit vectors ``(B, H, N, D)``.
 Pair = tuple[Tensor, Tensor]
@@ -435,25 +435,16 @@ class RoutingAttention(Attention):
             self.centroids = torch.empty_like(state_dict[prefix + "centroids"])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         b, h, n, d = q.shape
         qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
         qc, kc, scale = attention_inputs(qc, kc, self.config)
-        real = real_tokens(key_padding_mask, b, n, q.device)
+        real = real_tokens(args.key_padding_mask, b, n, q.device)
         sims = similarities(qc, kc, self.centroids_for(q), real)
         real = real[:, None, :].expand(-1, h, -1)
         w = min(math.ceil(n / self.config.n_clusters) if self.config.window is None else self.config.window, n)
         scale = default_scale(scale, d)
-        out = (causal_attention if causal else balanced_attention)(qc, kc, vc, sims, w, real, scale)
+        out = (causal_attention if args.causal else balanced_attention)(qc, kc, vc, sims, w, real, scale)
         # A non-finite query is routed last; its row is NaN (a causal one alone would read its own value).
         out = out.masked_fill(~torch.isfinite(qc).all(-1, keepdim=True), math.nan)
         if self.training:
@@ -462,17 +453,7 @@ class RoutingAttention(Attention):
             self.centroids.copy_(ema_centroids(self.centroids, sims, units, real, self.config.decay))
         return out.to(q.dtype)
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """``reference_routing`` under the current centroids (no EMA update)."""
         return reference_routing(
             q,
@@ -480,8 +461,8 @@ class RoutingAttention(Attention):
             v,
             self.centroids_for(q),
             window=self.config.window,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
             scale=self.config.scale,
             share_qk=self.config.share_qk,
             return_weights=return_weights,

@@ -24,9 +24,9 @@ from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, eighth, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -378,51 +378,31 @@ class SinkhornAttention(Attention):
             logits = logits + self._gumbel(logits)
         return sinkhorn(logits / cfg.temperature, sortable(real, causal=causal), cfg.n_iters, causal=causal)
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        cfg = self.config
-        P = self.permutation(k, key_padding_mask, causal)
-        return sinkhorn_attention(
-            q,
-            k,
-            v,
-            P,
-            block=cfg.block,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=cfg.scale,
-            sortcut=cfg.sortcut,
-        )
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        P = self.permutation(k, args.key_padding_mask, args.causal)
+        return sinkhorn_attention(q, k, v, P, **self._settings(args))
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """``reference_sinkhorn`` (block by block, as the paper reads) under one drawn
         permutation; the weights are the fast path's slot weights mapped back to key positions
         (``implied_matrix``), so ``output == weights @ v``. In training mode each call draws new
         Gumbel noise: compare with ``forward`` in eval mode."""
         cfg = self.config
-        P = self.permutation(k, key_padding_mask, causal)
-        settings = dict(block=cfg.block, causal=causal, key_padding_mask=key_padding_mask, scale=cfg.scale)
-        out = reference_sinkhorn(q, k, v, P, **settings, sortcut=cfg.sortcut)
+        P = self.permutation(k, args.key_padding_mask, args.causal)
+        out = reference_sinkhorn(q, k, v, P, **self._settings(args))
         if not return_weights:
             return out
-        _, slots = sinkhorn_attention(q, k, v, P, **settings, sortcut=cfg.sortcut, return_weights=True)
-        real = real_blocks(key_padding_mask, q.shape[0], q.shape[2], cfg.block, q.device)
-        return out, implied_matrix(slots, P, real, n=q.shape[2], causal=causal, sortcut=cfg.sortcut)
+        _, slots = sinkhorn_attention(q, k, v, P, **self._settings(args), return_weights=True)
+        real = real_blocks(args.key_padding_mask, q.shape[0], q.shape[2], cfg.block, q.device)
+        return out, implied_matrix(slots, P, real, n=q.shape[2], causal=args.causal, sortcut=cfg.sortcut)
+
+    def _settings(self, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments ``sinkhorn_attention`` and ``reference_sinkhorn`` share, written once."""
+        cfg = self.config
+        return dict(
+            block=cfg.block,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
+            scale=cfg.scale,
+            sortcut=cfg.sortcut,
+        )

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.backends.reference import reference_attention, visible_pairs
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -65,21 +65,12 @@ class SoftmaxAttention(Attention):
     def uses_fast_path(self, *, score_mod: ScoreMod | None = None) -> bool:
         return self.config.normalizer == "softmax" and score_mod is None
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        if not self.uses_fast_path(score_mod=score_mod):
-            return self._reference(
-                q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod, return_weights=False
-            )
-        return sdpa_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=self.config.scale)
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        if not self.uses_fast_path(score_mod=args.score_mod):
+            return self._reference(q, k, v, args, return_weights=False)
+        return sdpa_attention(
+            q, k, v, causal=args.causal, key_padding_mask=args.key_padding_mask, scale=self.config.scale
+        )
 
     def forward_with_weights(
         self,
@@ -97,24 +88,14 @@ class SoftmaxAttention(Attention):
             q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod, return_weights=True
         )
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         return reference_attention(
             q,
             k,
             v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            score_mod=score_mod,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
+            score_mod=args.score_mod,
             scale=self.config.scale,
             normalizer=self.config.normalizer,
             return_weights=return_weights,

@@ -20,7 +20,7 @@ from torch import Tensor
 from attnzoo import patterns as P
 from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import WindowCache
 from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -70,51 +70,32 @@ class PatternAttention(Attention):
         super().__init__(config)
         self.pattern = config.make_pattern()
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         cfg = self.config
         return attend(
             q,
             k,
             v,
             pattern=self.pattern,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            score_mod=score_mod,
+            causal=args.causal,
+            key_padding_mask=args.key_padding_mask,
+            score_mod=args.score_mod,
             scale=cfg.scale,
             backend=cfg.backend,
             block=cfg.block,
         )
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """Dense softmax over the pattern's mask (the ``reference`` backend, whatever
         ``config.backend`` says)."""
         pattern = self.pattern.resolve_heads(q.shape[1])
-        pattern = pattern & P.causal() if causal else pattern
+        pattern = pattern & P.causal() if args.causal else pattern
         return reference_attention(
             q,
             k,
             v,
-            key_padding_mask=key_padding_mask,
-            score_mod=score_mod,
+            key_padding_mask=args.key_padding_mask,
+            score_mod=args.score_mod,
             scale=self.config.scale,
             mask_mod=pattern.mask_mod_for(q.shape[2], k.shape[2]),
             return_weights=return_weights,

@@ -49,9 +49,9 @@ from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 VARIANTS = ("dense", "random", "factorized_dense", "factorized_random", "mix")
 
@@ -229,34 +229,13 @@ class SynthesizerAttention(Attention):
         )
         return normalize_scores(scores, visible, "softmax")
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         # The synthesizer's weights are an explicit N x N matrix by definition (the paper's
         # point): its fast path is its reference.
-        return self._reference(
-            q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod, return_weights=False
-        )
+        return self._reference(q, k, v, args, return_weights=False)
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        weights = self._weights(q, k, causal, key_padding_mask)
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
+        weights = self._weights(q, k, args.causal, args.key_padding_mask)
         out = torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype)
         return (out, weights) if return_weights else out
 

@@ -22,9 +22,9 @@ from torch import Tensor, nn
 from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, gather_rows
-from attnzoo.mechanisms.base import Attention
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, eighth, quarter, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 
 def topk_mask(scores: Tensor, visible: Tensor | None, k: int) -> Tensor:
@@ -252,42 +252,16 @@ class TopKAttention(Attention):
 
     config: TopKConfig
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        cfg = self.config
-        return topk_attention(
-            q, k, v, topk=cfg.topk, chunk=cfg.chunk, causal=causal, key_padding_mask=key_padding_mask, scale=cfg.scale
-        )
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        return topk_attention(q, k, v, **self._settings(args), chunk=self.config.chunk)
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        return reference_topk(
-            q,
-            k,
-            v,
-            topk=self.config.topk,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=self.config.scale,
-            return_weights=return_weights,
-        )
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
+        return reference_topk(q, k, v, **self._settings(args), return_weights=return_weights)
+
+    def _settings(self, args: AttendArgs) -> dict[str, Any]:
+        """The keyword arguments ``topk_attention`` and ``reference_topk`` share, written once."""
+        cfg = self.config
+        return dict(topk=cfg.topk, causal=args.causal, key_padding_mask=args.key_padding_mask, scale=cfg.scale)
 
 
 def sac_candidates(
@@ -384,30 +358,11 @@ class SACAttention(Attention):
         super().__init__(config)
         self.predictor = nn.Parameter(torch.eye(config.head_dim))
 
-    def _attend(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-    ) -> Tensor:
-        return sac_attention(q, k, v, self.predictor, **self._settings(q, causal, key_padding_mask))
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        return sac_attention(q, k, v, self.predictor, **self._settings(q, args.causal, args.key_padding_mask))
 
-    def _reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        score_mod: ScoreMod | None,
-        return_weights: bool,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        settings = self._settings(q, causal, key_padding_mask)
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
+        settings = self._settings(q, args.causal, args.key_padding_mask)
         return reference_sac(q, k, v, self.predictor, **settings, return_weights=return_weights)
 
     def _settings(self, q: Tensor, causal: bool, key_padding_mask: Tensor | None) -> dict[str, Any]:
