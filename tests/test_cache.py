@@ -4,6 +4,8 @@ copy on write."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -65,25 +67,24 @@ def test_softmax_steps_write_into_one_preallocated_cache_and_equal_the_forward()
     torch.testing.assert_close(torch.cat(outs, 2), attn(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
 
 
-def test_window_decode_keeps_o_window_state_and_equals_the_causal_forward_with_alibi():
-    # local (left 6) and dilated (3 steps of 2) in a layer with ALiBi: a prefill of 9 tokens,
-    # then single tokens; every step's output equals the causal forward's rows, and the state
-    # holds the last left (x dilation) keys whatever the position.
-    for mechanism, config, kept in (
-        ("local", dict(left=6, right=2), 6),
-        ("dilated", dict(left=3, right=1, dilation=2), 6),
-    ):
-        layer = attnzoo.nn.MultiHeadAttention(24, 3, mechanism, positional="alibi", **config).double().eval()
-        x = torch.randn(2, 41, 24, dtype=torch.float64)
+def test_window_decode_keeps_o_window_state_and_equals_the_causal_forward():
+    # local (left 6) and dilated (3 steps of 2) in a layer, with ALiBi (steps through the
+    # mechanism's forward) and without (single tokens through one masked SDPA): a prefill longer
+    # than DIRECT_STEP_TOKENS, then single tokens; every step's output equals the causal
+    # forward's rows, and the state holds the last left (x dilation) keys whatever the position.
+    windows = (("local", dict(left=6, right=2)), ("dilated", dict(left=3, right=1, dilation=2)))
+    for (mechanism, config), positional in itertools.product(windows, ("alibi", None)):
+        layer = attnzoo.nn.MultiHeadAttention(24, 3, mechanism, positional=positional, **config).double().eval()
+        x = torch.randn(2, 100, 24, dtype=torch.float64)
         full = layer(x, causal=True)
         state = layer.init_state(2, dtype=torch.float64)
-        out, state = layer.step(x[:, :9], state)
+        out, state = layer.step(x[:, :70], state)
         outs = [out]
-        for t in range(9, 41):
+        for t in range(70, 100):
             out, state = layer.step(x[:, t : t + 1], state)
             outs.append(out)
-            assert state.mechanism.k.shape == (2, 3, kept, 8) and state.mechanism.seen == t + 1
-        torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12, msg=mechanism)
+            assert state.mechanism.k.shape == (2, 3, 6, 8) and state.mechanism.seen == t + 1
+        torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12, msg=f"{mechanism} {positional}")
 
 
 def test_patterns_without_a_window_decode_step_refuse_naming_those_that_have_one():

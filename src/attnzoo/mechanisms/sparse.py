@@ -15,17 +15,22 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo import patterns as P
 from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import WindowCache
 from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 Backend = Literal["auto", "blocked", "flex", "reference"]
+
+#: Decode steps of up to this many new tokens run as one masked SDPA over the window cache;
+#: longer ones (a prefill) take the mechanism's own fast path.
+DIRECT_STEP_TOKENS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,8 +141,20 @@ class PatternAttention(Attention):
             def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return inner(score, b, h, q_idx + offset, kv_idx + offset)
 
-        out = self(q, span_k, span_v, causal=True, score_mod=score_mod)
+        if score_mod is None and q.shape[2] <= DIRECT_STEP_TOKENS:
+            out = nan_rows_of_non_finite_queries(self._band_sdpa(q, span_k, span_v), q)
+        else:
+            out = self(q, span_k, span_v, causal=True, score_mod=score_mod)
         return out, state.after(span_k, span_v, k.shape[2])
+
+    def _band_sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """A few new queries over the kept span in one SDPA call under the band's boolean mask
+        ``(T, span)``: a decode step costs O(window) work, with none of the backends' plan and
+        tile overhead (which is what a single-token forward pays). Every row sees itself."""
+        band, n_q, n_kv = self.pattern, q.shape[2], k.shape[2]
+        d = torch.arange(n_kv, device=q.device) - torch.arange(n_kv - n_q, n_kv, device=q.device)[:, None]
+        visible = (d <= 0) & (d >= band.lo) & (d % band.modulus == 0)  # [T, span]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.config.scale)
 
 
 SELF_ONLY = "defined on a fixed number of positions: self-attention only"
