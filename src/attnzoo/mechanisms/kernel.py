@@ -132,9 +132,21 @@ def kernel_attention(
     shift = k.shape[2] - q.shape[2]
     phi_q = query_map(q)
     phi_q = F.pad(phi_q, (0, 0, shift, 0)) if shift else phi_q  # queries end-aligned: zero rows first
-    out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, chunk)
+    if k.shape[2] == 1 and s0 is not None:
+        out1, s1 = _one_token(phi_q, phi_k, v1, log_decay, s0)
+    else:
+        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, chunk)
     out = normalise(out1[:, :, shift:, :-1], out1[:, :, shift:, -1], normalizer, eps)
     return out, KernelState(s1[..., :-1], s1[..., -1], f.c if f.c is not None else c0)
+
+
+def _one_token(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """``_causal_sums`` for one new token on a carried state (a decode step): the recurrence
+    ``S = exp(a) S_0 + phi(k)^T [v, 1]`` and ``phi(q) S`` as two small products, without the
+    chunk layout (its padding, cumulative sums and masks cost more than the step itself)."""
+    s0 = s0 if log_decay is None else s0 * log_decay.exp()[..., None]  # log_decay [B, H, 1]
+    s1 = s0 + k.transpose(-1, -2) @ v  # [B, H, m, E + 1]
+    return q @ s1, s1
 
 
 def _blocked(
