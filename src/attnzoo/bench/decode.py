@@ -44,7 +44,9 @@ def run(
     heads: int = 8,
     dim: int = 64,
 ) -> Iterator[dict[str, Any]]:
-    yield {"kind": "meta", **machine(), "command": command}
+    from attnzoo.bench.train import git_revision  # as speed.run: train imports the models
+
+    yield {"kind": "meta", **machine(), "git": git_revision(), "command": command}
     for name, config in mechanisms:
         if not attnzoo.describe(name).capabilities.decode_step:
             yield {"kind": "decode", "mechanism": name, "error": f"{name!r} has no decode step"}
