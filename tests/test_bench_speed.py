@@ -132,7 +132,7 @@ def test_fitted_exponents():
 def test_decode_bench_times_steps_and_refuses_mechanisms_without_one():
     from attnzoo.bench import decode
 
-    rows = list(decode.run((("softmax", {}), ("strided", {})), (16, 64), "test", heads=1, dim=8))
+    rows = list(decode.run((("softmax", {}), ("random", {})), (16, 64), "test", heads=1, dim=8))
     assert rows[0]["kind"] == "meta"
     assert [r["position"] for r in rows[1:3]] == [16, 64] and all(r["steps_per_s"] > 0 for r in rows[1:3])
     assert "no decode step" in rows[3]["error"]

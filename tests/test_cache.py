@@ -87,6 +87,20 @@ def test_window_decode_keeps_o_window_state_and_equals_the_causal_forward():
         torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12, msg=f"{mechanism} {positional}")
 
 
-def test_patterns_without_a_window_decode_step_refuse_naming_those_that_have_one():
+def test_patterns_whose_rows_depend_on_the_final_length_refuse_to_decode_saying_why():
     with pytest.raises(ValueError, match="decode step.*local"):
-        attnzoo.build("strided").init_state(1, 1, 4, 4)
+        attnzoo.build("random").init_state(1, 1, 4, 4)
+    assert any("final length N" in note for note in attnzoo.describe("random").notes)
+    assert any("no decode step" in note for note in attnzoo.describe("axial").notes)
+
+
+def test_strided_and_global_patterns_decode_over_a_kv_cache():
+    attn = attnzoo.build("longformer", window=3, global_indices=(0, 5)).double().eval()
+    q, k, v = (torch.randn(2, 2, 30, 4, dtype=torch.float64) for _ in range(3))
+    state = attn.init_state(2, 2, 4, 4, dtype=torch.float64, capacity=30)
+    assert isinstance(state, KVCache) and state.capacity == 30
+    outs = []
+    for t in range(30):
+        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 2), attn(q, k, v, causal=True), rtol=1e-12, atol=1e-12)

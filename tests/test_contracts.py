@@ -150,3 +150,14 @@ def test_decode_steps_equal_the_causal_forward(name):
         out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
         outs.append(out)
     assert_same(torch.cat(outs, 2), want, what=f"{name}: step by step vs forward")
+    # An odd length, sized for it, decoded after a prefill: a prompt, then one token at a time.
+    attn, n = small_mechanism(name, 77, heads=HEADS, head_dim=HEAD_DIM), 77
+    q, k, v = _qkv(6, batch=2, n=n)
+    want = attn(q, k, v, causal=True)
+    state = attn.init_state(2, HEADS, HEAD_DIM, HEAD_DIM, dtype=q.dtype)
+    out, state = attn.step(state, q[:, :, :9], k[:, :, :9], v[:, :, :9])
+    outs = [out]
+    for t in range(9, n):
+        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(out)
+    assert_same(torch.cat(outs, 2), want, what=f"{name}: prefill of 9, then steps, N = 77")

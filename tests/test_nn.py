@@ -135,7 +135,7 @@ def test_heterogeneous_heads_forward_and_decode_step():
     expected = mha.out_proj(rearrange(torch.cat(parts, dim=1), "b h n d -> b n (h d)"))
     assert_same(out, expected)
     with pytest.raises(ValueError, match="does not support a decode step"):
-        attnzoo.nn.MultiHeadAttention(64, 8, [("strided", {}, 4), ("softmax", {}, 4)]).init_state(2)
+        attnzoo.nn.MultiHeadAttention(64, 8, [("random", {}, 4), ("softmax", {}, 4)]).init_state(2)
     # Each group decodes with its own state: a window cache, running sums, a KV cache.
     state, steps = mha.init_state(2, dtype=torch.float64), []
     for t in range(20):

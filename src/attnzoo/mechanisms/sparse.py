@@ -22,7 +22,7 @@ from attnzoo import patterns as P
 from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted, nan_rows_of_non_finite_queries
-from attnzoo.mechanisms.cache import WindowCache
+from attnzoo.mechanisms.cache import KVCache, WindowCache
 from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -116,23 +116,28 @@ class PatternAttention(Attention):
         device: Any = None,
         dtype: Any = None,
         capacity: int = 0,
-    ) -> WindowCache:
-        """A ``WindowCache`` for a causal band: a row sees the ``-lo`` keys before it (and
-        itself), so only those are kept, whatever the position. ``capacity`` is ignored."""
+    ) -> WindowCache | KVCache:
+        """A ``WindowCache`` for a band with a left end (``local``, ``dilated``: a row sees the
+        ``-lo`` keys before it and itself, so only those are kept, whatever the position);
+        otherwise a ``KVCache`` of every key (preallocated to ``capacity`` when given)."""
         if not self.spec.capabilities.decode_step:
             self._refuse("a decode step", "decode_step")
         band = self.pattern
-        assert isinstance(band, P.Band) and band.lo is not None  # what decode_step promises
+        if not (isinstance(band, P.Band) and band.lo is not None):
+            return KVCache.empty(batch, heads, head_dim, value_dim, capacity=capacity, device=device, dtype=dtype)
         k = torch.empty(batch, heads, 0, head_dim, device=device, dtype=dtype)
         v = torch.empty(batch, heads, 0, value_dim, device=device, dtype=dtype)
         return WindowCache(k, v, 0, max(0, -band.lo))
 
     def step(
-        self, state: WindowCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
-    ) -> tuple[Tensor, WindowCache]:
-        """The new tokens' rows of the causal forward: the kept keys and the new ones form a
-        contiguous span of positions, and the new queries (end-aligned) attend over it under
-        the band. ``score_mod`` sees absolute positions, as in the full forward."""
+        self, state: WindowCache | KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
+    ) -> tuple[Tensor, WindowCache | KVCache]:
+        """The new tokens' rows of the causal forward. ``score_mod`` sees absolute positions,
+        as in the full forward."""
+        if isinstance(state, KVCache):
+            return self._cached_step(state, q, k, v, score_mod)
+        # The kept keys and the new ones form a contiguous span of positions: the new queries
+        # (end-aligned) attend over it under the band.
         span_k, span_v = torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2)
         offset = state.start
         if score_mod is not None and offset:
@@ -146,6 +151,27 @@ class PatternAttention(Attention):
         else:
             out = self(q, span_k, span_v, causal=True, score_mod=score_mod)
         return out, state.after(span_k, span_v, k.shape[2])
+
+    def _cached_step(
+        self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None
+    ) -> tuple[Tensor, KVCache]:
+        """Every key kept; the new rows of the causal pattern (the same at any final length for
+        the mechanisms that decode) masked over the cache: O(t) per token, as a KV cache is. A
+        long prefill takes the fast path instead (queries end-aligned over the whole cache)."""
+        cache = state.append(k, v)
+        if q.shape[2] > DIRECT_STEP_TOKENS:
+            return self(q, cache.k, cache.v, causal=True, score_mod=score_mod), cache
+        pattern = self.pattern.resolve_heads(q.shape[1])
+        out = reference_attention(
+            q,
+            cache.k,
+            cache.v,
+            causal=True,
+            score_mod=score_mod,
+            scale=self.config.scale,
+            mask_mod=pattern.mask_mod_for(q.shape[2], cache.length),
+        )
+        return nan_rows_of_non_finite_queries(out, q), cache
 
     def _band_sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """A few new queries over the kept span in one SDPA call under the band's boolean mask
@@ -167,9 +193,15 @@ def _register(
     paper: str,
     *,
     cross: bool = True,
-    decode: bool = False,
+    no_decode: str | None = None,
     notes: tuple[str, ...] = (),
 ) -> None:
+    """Register a pattern mechanism. It decodes (``init_state`` / ``step``) unless ``no_decode``
+    says why not: the step needs row t of the causal pattern to be the same whatever the final
+    length, which random draws over N, grids of a fixed size and graphs are not."""
+    notes = notes or ("causal=True intersects the pattern with j <= i",)
+    if no_decode:
+        notes = (*notes, f"no decode step: {no_decode}")
     register(
         name,
         config=config,
@@ -179,13 +211,13 @@ def _register(
         capabilities=Capabilities(
             causal=True,
             key_padding=True,
-            decode_step=decode,
+            decode_step=no_decode is None,
             cross_attention=cross,
             score_mod=True,
             backends=("blocked", "flex", "reference"),
         ),
         complexity=Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True),
-        notes=notes or ("causal=True intersects the pattern with j <= i",),
+        notes=notes,
     )(PatternAttention)
 
 
@@ -479,12 +511,13 @@ _WINDOW_DECODE = (
     "decode step: a window cache of the last left (x dilation) keys, O(window) memory and time per token at "
     "any position",
 )
+_RANDOM_OVER_N = "row t's random keys are drawn over the final length N, which a step does not know"
+_GRID = "defined on an h x w grid of a fixed size: a prefix of the sequence is not a grid"
 _register(
     "local",
     LocalConfig,
     "Sliding-window (local / truncated) attention.",
     "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150",
-    decode=True,
     notes=_WINDOW_DECODE,
 )
 _register(
@@ -492,7 +525,6 @@ _register(
     DilatedConfig,
     "Dilated sliding window.",
     "Beltagy et al. 2020 (Longformer), " + ARXIV + "2004.05150",
-    decode=True,
     notes=_WINDOW_DECODE,
 )
 _register(
@@ -512,6 +544,7 @@ _register(
     RandomConfig,
     "Random keys per query (fixed per seed and length).",
     "Zaheer et al. 2020 (BigBird), " + ARXIV + "2007.14062",
+    no_decode=_RANDOM_OVER_N,
 )
 _register(
     "block_local",
@@ -535,6 +568,7 @@ _register(
     BigBirdConfig,
     "Block window + global blocks + random blocks.",
     "Zaheer et al. 2020, " + ARXIV + "2007.14062",
+    no_decode=_RANDOM_OVER_N,
 )
 _register(
     "star",
@@ -589,6 +623,7 @@ _register(
         "generation order: with 2 x 2 query blocks and a margin, pixel (1, 0) sees (0, 2), "
         "which block-raster order generates later",
     ),
+    no_decode=_GRID,
 )
 _register(
     "axial",
@@ -605,6 +640,7 @@ _register(
         "a column pass, each with its own softmax and projections: that is attnzoo.nn.AxialAttention",
         "causal=True intersects the pattern with j <= i",
     ),
+    no_decode=_GRID,
 )
 _register(
     "graph",
@@ -616,6 +652,7 @@ _register(
         "not a drop-in for pretrained attention: needs a graph (edge list) as input",
         SELF_ONLY,
     ),
+    no_decode="the edge list is given for a fixed number of nodes",
 )
 _register(
     "pattern",
@@ -626,4 +663,5 @@ _register(
         "causal=True intersects the pattern with j <= i",
         "not a drop-in for pretrained attention: needs a Pattern object; the named patterns cover it",
     ),
+    no_decode="an arbitrary Pattern may depend on the final length (use a named mechanism to decode)",
 )
