@@ -7,6 +7,7 @@ import torch
 from einops import rearrange
 
 import attnzoo
+from attnzoo.bench.configs import sized
 from oracles import attention_oracle
 from tolerances import assert_same
 
@@ -46,11 +47,14 @@ def test_causal_outputs_ignore_the_future(positional):
     assert not torch.allclose(y[:, 6:], y2[:, 6:])
 
 
-def test_generate_is_greedy_over_the_full_forward():
-    lm = attnzoo.nn.CausalLM(vocab_size=30, dim=32, depth=2, heads=4).eval()
+@pytest.mark.parametrize("mechanism", attnzoo.names(kind="attention", decode_step=True))
+def test_generate_is_greedy_over_the_full_forward(mechanism):
+    # Every mechanism that decodes, sized for the 16 tokens generated, in float64 (argmax ties
+    # between near-equal logits would otherwise make the comparison flaky).
+    lm = attnzoo.nn.CausalLM(30, 16, 2, 2, mechanism, **sized(mechanism, 16)).double().eval()
     prompt = torch.randint(0, 30, (2, 5))
-    out = lm.generate(prompt, max_new_tokens=6)
-    assert out.shape == (2, 11) and torch.equal(out[:, :5], prompt)
+    out = lm.generate(prompt, max_new_tokens=11)
+    assert out.shape == (2, 16) and torch.equal(out[:, :5], prompt)
     with torch.no_grad():
         logits = lm(out[:, :-1])
     assert torch.equal(logits[:, 4:].argmax(-1), out[:, 5:])
