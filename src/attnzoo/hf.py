@@ -18,8 +18,9 @@ Notes:
       ``(B, N, H, D)`` back; the mechanism sees ``(B, H, N, D)``, attnzoo's layout.
     - One mechanism module is built per attention layer, on its first call (the first moment the
       layer's heads and head width are known: ``attnzoo.Shape`` from the inputs, which sizes
-      per-head parameters), and kept on that layer as the submodule ``attnzoo_mechanism`` (so ``.to()``, ``.eval()`` and ``state_dict`` reach
-      parameters such as Linformer's projections). It is rebuilt if the config changes.
+      per-head parameters), and kept on that layer as the submodule ``attnzoo_mechanism`` (so
+      ``.to()``, ``.eval()`` and ``state_dict`` reach parameters such as Linformer's projections).
+      It is rebuilt if the config changes.
     - The model's own softmax scale (``scaling``) is kept: it becomes the mechanism's ``scale``
       config where it has one (so ``scale`` may not be given to ``use``).
     - Masks: a padding mask reaches the mechanism as ``key_padding_mask (B, N_kv)``, True = real

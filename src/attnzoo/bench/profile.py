@@ -44,8 +44,8 @@ def build_layer(name: str, config: dict[str, Any], n: int, dim: int, heads: int)
     runs at its defaults where it can: the layer's ``max_len = max(n, 512)`` (learned per-position
     parameters: Linformer, Synthesizer, gMLP, MLP-Mixer; as ``bench speed``; the layer passes it
     with ``heads``/``head_dim`` in the ``attnzoo.Shape`` it builds the mechanism with), and
-    ``h = w = sqrt(n)`` for 2-D patterns when N is a square. Graph patterns are defined on a fixed node count and report an error row unless
-    given a graph of N nodes."""
+    ``h = w = sqrt(n)`` for 2-D patterns when N is a square. Graph patterns are defined on a
+    fixed node count and report an error row unless given a graph of N nodes."""
     config = {"max_len": max(n, 512), **config}
     side = math.isqrt(n)
     if side * side == n:
