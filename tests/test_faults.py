@@ -43,6 +43,20 @@ def test_state_dict_saves_with_safetensors_and_is_complete_before_the_first_forw
     fresh.load_state_dict(load_file(str(tmp_path / "mha.safetensors")))
 
 
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_a_layer_builds_every_mechanism_with_its_state_dict_complete_before_the_first_forward(name):
+    """Attention and token mixers alike: the layer's ``attnzoo.Shape`` (heads, head width,
+    ``max_len``) creates every per-head and per-position tensor at construction, so nothing is
+    added by the first forward and a checkpoint loads into a layer that has never run."""
+    config = {key: value for key, value in sized(name, N).items() if key != "max_len"}
+    layer = attnzoo.nn.TransformerEncoderLayer(32, 2, name, max_len=N, **config)
+    before = layer.state_dict()
+    layer(torch.randn(2, N, 32))
+    assert list(layer.state_dict()) == list(before)
+    fresh = attnzoo.nn.TransformerEncoderLayer(32, 2, name, max_len=N, **config)
+    fresh.load_state_dict(before)  # strict
+
+
 def test_a_checkpoint_with_the_old_duplicate_keys_still_loads():
     mha = _mha("sinkhorn")
     state = mha.state_dict()

@@ -250,13 +250,16 @@ def test_performer_features_are_seeded_and_redraw_changes_them():
 
 
 @pytest.mark.parametrize("name", ["performer", "rfa"])
-def test_lazy_buffers_and_parameters_survive_a_state_dict_round_trip(name):
+def test_lazy_buffers_and_parameters_load_into_a_module_built_with_the_shape(name):
     q, k, v = make_qkv(1, 2, 6, 6, requires_grad=False)
     first = attnzoo.build(name, seed=3).double()
     expected = first(q, k, v, causal=True)  # makes the projection (and rfa's gate)
-    second = attnzoo.build(name, seed=4).double()
+    shape = attnzoo.Shape(heads=q.shape[1], head_dim=q.shape[-1])
+    second = attnzoo.build(name, seed=4, shape=shape).double()  # complete before any forward
     second.load_state_dict(first.state_dict())
     assert_same(second(q, k, v, causal=True), expected)
+    with pytest.raises(RuntimeError, match="Unexpected key"):  # built without a shape: nothing to load into
+        attnzoo.build(name, seed=4).load_state_dict(first.state_dict())
 
 
 RANDOM = ["performer", "rfa"]

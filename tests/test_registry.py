@@ -190,3 +190,49 @@ def test_no_range_helper_per_config_and_no_name_keyed_tables():
     for name in attnzoo.names(family="sparse"):
         if name not in ("global", "pattern", "local"):  # also ordinary words / the docstring example
             assert f'"{name}"' not in code, name
+
+
+# --- layer geometry: one Shape, filled into the fields a config has ----------------------------
+
+GEOMETRY = attnzoo.Shape(heads=3, head_dim=5, value_dim=7, max_len=11)
+
+
+@pytest.mark.parametrize("name", attnzoo.names())
+def test_build_with_a_shape_fills_exactly_the_geometry_fields_the_config_has(name):
+    spec = attnzoo.describe(name)
+    filled = attnzoo.registry.make_config(name, shape=GEOMETRY)
+    default = spec.config()
+    geometry = dataclasses.asdict(GEOMETRY)
+    for f in dataclasses.fields(spec.config):
+        want = geometry[f.name] if f.name in geometry else getattr(default, f.name)
+        assert getattr(filled, f.name) == want, f.name
+
+
+def test_a_field_the_caller_sets_wins_over_the_shape_and_an_empty_shape_changes_nothing():
+    synth = attnzoo.build("synthesizer", shape=GEOMETRY, heads=2, max_len=16)
+    assert (synth.config.heads, synth.config.head_dim, synth.config.max_len) == (2, 5, 16)
+    assert attnzoo.build("synthesizer", shape=attnzoo.Shape()).config == attnzoo.build("synthesizer").config
+    assert attnzoo.build("softmax", shape=GEOMETRY).config == attnzoo.build("softmax").config
+
+
+def test_a_shape_is_checked_and_must_be_a_shape():
+    with pytest.raises(ValueError, match="heads must be an int >= 1"):
+        attnzoo.Shape(heads=0)
+    with pytest.raises(ValueError, match="max_len"):
+        attnzoo.Shape(max_len=True)
+    with pytest.raises(TypeError, match="attnzoo.Shape"):
+        attnzoo.build("synthesizer", shape={"heads": 2})
+
+
+def test_no_layer_asks_which_geometry_fields_a_mechanism_has():
+    """Geometry reaches configs through ``Shape`` alone: no ``config_fields`` probe for it, no
+    hand-written state-dict hook to create parameters that a Shape creates at construction."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(attnzoo.__file__).parent
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"\"(heads|head_dim|max_len)\" in config_fields", text), path
+        if path.name != "attention.py":  # MultiHeadAttention's old-key alias only (not geometry)
+            assert "def _load_from_state_dict" not in text, path

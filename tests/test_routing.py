@@ -179,8 +179,8 @@ def test_centroids_move_by_ema_in_training_only_and_are_saved():
     assert_same(attn.centroids, expected.float(), dtype=torch.float32)
     state = attn.state_dict()
     assert torch.equal(state["centroids"], attn.centroids)
-    fresh = routing(decay=0.9).eval()
-    fresh.load_state_dict(state)
+    fresh = routing(decay=0.9, shape=attnzoo.Shape(heads=q.shape[1], head_dim=q.shape[-1])).eval()
+    fresh.load_state_dict(state)  # built with its shape: the centroids exist before any forward
     assert torch.equal(fresh(q, k, v), attn.eval()(q, k, v))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attnzoo.bench import checkpoint
-from attnzoo.bench.models import build_model, fill_shape_fields
+from attnzoo.bench.models import build_model
 from attnzoo.bench.train import TrainConfig, batch_indices, lr_at, train
 
 # A tiny MQAR: 1-layer width-32 model, 30 steps; each run takes a few seconds on 2 cores.
@@ -121,26 +121,29 @@ def test_lm_task_refuses_a_mechanism_that_cannot_be_causal():
         )
 
 
-def test_shape_fields_are_filled_from_the_model_unless_set():
-    assert fill_shape_fields("synthesizer", {}, seq_len=100) == dict(max_len=100)
-    assert fill_shape_fields("synthesizer", {"max_len": 7}, seq_len=100)["max_len"] == 7
-    assert fill_shape_fields("softmax", {}, seq_len=100) == {}
-    model = build_model(
-        kind="lm",
+def _model(mechanism: str, config: dict, kind: str = "lm"):
+    return build_model(
+        kind=kind,
         vocab_size=16,
         n_classes=16,
         seq_len=8,
         dim=32,
         depth=2,
         heads=2,
-        mechanism="synthesizer",
-        config={},
-        positional="auto",
+        mechanism=mechanism,
+        config=config,
+        positional="auto" if kind == "lm" else None,
         ff_mult=2,
         dropout=0.0,
     )
-    synth = model.lm.decoder.layers[1].attn.attn.config
+
+
+def test_shape_fields_are_filled_from_the_model_unless_set():
+    synth = _model("synthesizer", {}).lm.decoder.layers[1].attn.attn.config
     assert (synth.heads, synth.head_dim, synth.max_len) == (2, 16, 8)  # from the layer and the task
+    assert _model("synthesizer", {"max_len": 7}).lm.decoder.layers[0].attn.attn.config.max_len == 7
+    assert _model("gmlp", {}, kind="classify").encoder.layers[0].mixer.config.max_len == 8
+    _model("softmax", {})  # a mechanism without geometry fields ignores the shape
 
 
 def test_checkpoint_round_trip_restores_model_optimizer_and_rng(tmp_path):

@@ -11,6 +11,7 @@ from attnzoo import mechanisms as _mechanisms  # noqa: F401  (registers every me
 from attnzoo import nn, patterns, positional
 from attnzoo.backends import attend, last_choice
 from attnzoo.registry import build, describe, names
+from attnzoo.spec import Shape
 
-__all__ = ["attend", "build", "describe", "last_choice", "names", "nn", "patterns", "positional"]
+__all__ = ["Shape", "attend", "build", "describe", "last_choice", "names", "nn", "patterns", "positional"]
 __version__ = "0.1.0"

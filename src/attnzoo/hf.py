@@ -16,9 +16,11 @@ attributes loads with ``from_pretrained(..., attn_implementation="attnzoo")`` af
 Notes:
     - transformers hands the attention function ``query/key/value (B, H, N, D)`` and takes
       ``(B, N, H, D)`` back; the mechanism sees ``(B, H, N, D)``, attnzoo's layout.
-    - One mechanism module is built per attention layer, on its first call, and kept on that layer
-      as the submodule ``attnzoo_mechanism`` (so ``.to()``, ``.eval()`` and ``state_dict`` reach
-      parameters such as Linformer's projections). It is rebuilt if the config changes.
+    - One mechanism module is built per attention layer, on its first call (the first moment the
+      layer's heads and head width are known: ``attnzoo.Shape`` from the inputs, which sizes
+      per-head parameters), and kept on that layer as the submodule ``attnzoo_mechanism`` (so
+      ``.to()``, ``.eval()`` and ``state_dict`` reach parameters such as Linformer's projections).
+      It is rebuilt if the config changes.
     - The model's own softmax scale (``scaling``) is kept: it becomes the mechanism's ``scale``
       config where it has one (so ``scale`` may not be given to ``use``).
     - Masks: a padding mask reaches the mechanism as ``key_padding_mask (B, N_kv)``, True = real
@@ -147,7 +149,10 @@ def attention(
     causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
     head_dim = query.shape[-1]
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
-    mech = _mechanism(module, scaling, causal)
+    # The layer's geometry, from its inputs (a transformers config names it many ways): it sizes
+    # per-head parameters (Synthesizer, Sinkhorn, RFA's gate, ...) when the mechanism is built.
+    shape = attnzoo.Shape(heads=query.shape[1], head_dim=head_dim, value_dim=value.shape[-1])
+    mech = _mechanism(module, scaling, causal, shape)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: (B, H_kv, N, D) -> (B, H, N, D)
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -242,8 +247,9 @@ def key_padding(attention_mask: Tensor | None, n_q: int, n_kv: int, causal: bool
     )
 
 
-def _mechanism(module: nn.Module, scaling: float, causal: bool) -> nn.Module:
-    """The layer's mechanism, built on first use from its config and kept on the layer."""
+def _mechanism(module: nn.Module, scaling: float, causal: bool, shape: attnzoo.Shape) -> nn.Module:
+    """The layer's mechanism, built on first use from its config and the layer's ``shape``, and
+    kept on the layer."""
     cfg = getattr(module, "config", None)
     name = getattr(cfg, "attnzoo_mechanism", None)
     if name is None:
@@ -259,7 +265,7 @@ def _mechanism(module: nn.Module, scaling: float, causal: bool) -> nn.Module:
         takes_scale = "scale" in config_fields(name)
         if takes_scale:
             config["scale"] = scaling
-        mech = attnzoo.build(name, **config)
+        mech = attnzoo.build(name, shape=shape, **config)
         mech._attnzoo_key, mech._attnzoo_takes_scale = cache_key, takes_scale
         param = next(module.parameters(), None)
         if param is not None:

@@ -10,6 +10,12 @@ class's own ``validate()`` for what one field cannot say alone (``a < b``, "even
 A config also carries its own example: ``Config.for_length(n)`` is the config to use on
 sequences of length ``n`` (what benchmarks, the gallery and tests on short sequences build), so
 no table keyed by mechanism name has to grow when a mechanism is added.
+
+Layer geometry reaches a config one way: ``build(name, shape=Shape(heads=..., head_dim=...,
+max_len=...))``. A config field named like a ``Shape`` field (``heads``, ``head_dim``,
+``value_dim``, ``max_len``) is that geometry; ``make_config`` fills it from the shape unless the
+caller set it, and ignores the shape's other fields. So a layer passes what it knows and never
+asks which fields a mechanism has.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any, Literal, Self
 
 from torch import nn
 
-from attnzoo.spec import Capabilities, Complexity, Spec
+from attnzoo.spec import Capabilities, Complexity, Shape, Spec
 
 
 def bounded(
@@ -199,11 +205,27 @@ def spec_of_config(config: object) -> Spec:
     return spec
 
 
-def make_config(name: str, **values: Any) -> Any:
-    """Validate ``values`` against ``name``'s config class and return the config."""
+def make_config(name: str, *, shape: Shape | None = None, **values: Any) -> Any:
+    """Validate ``values`` against ``name``'s config class and return the config.
+
+    ``shape``: the layer's geometry; it fills the config's geometry fields (those named like a
+    ``Shape`` field) that ``values`` leaves out. A value set by the caller wins over the shape.
+    """
     spec = describe(name)
     _check_keys(name, values)
-    return spec.config(**values)
+    return spec.config(**{**geometry(spec.config, shape), **values})
+
+
+def geometry(config: type, shape: Shape | None) -> dict[str, int]:
+    """The values ``shape`` gives ``config``: its known fields that ``config`` also has.
+
+    The one place where layer geometry meets a config (see the module docstring)."""
+    if shape is None:
+        return {}
+    if not isinstance(shape, Shape):
+        raise TypeError(f"shape must be an attnzoo.Shape, got {type(shape).__name__}")
+    fields = {f.name for f in dataclasses.fields(config)}
+    return {key: value for key, value in shape.known().items() if key in fields}
 
 
 def check_values(name: str, values: dict[str, Any]) -> None:
@@ -227,12 +249,18 @@ def _check_keys(name: str, values: dict[str, Any]) -> None:
         )
 
 
-def build(name: str, **config: Any) -> nn.Module:
+def build(name: str, *, shape: Shape | None = None, **config: Any) -> nn.Module:
     """Build the mechanism registered as ``name`` with the given config values.
 
+    ``shape``: the geometry of the layer it goes into (``attnzoo.Shape``); it fills the config's
+    ``heads`` / ``head_dim`` / ``value_dim`` / ``max_len`` fields where ``config`` does not set
+    them, so mechanisms with per-head or per-position parameters create them here, not on the
+    first forward.
+
     >>> attn = build("softmax", normalizer="relu")
+    >>> synth = build("synthesizer", shape=Shape(heads=4, head_dim=16, max_len=128))
     """
-    return describe(name).module(make_config(name, **config))
+    return describe(name).module(make_config(name, shape=shape, **config))
 
 
 def config_fields(name: str) -> dict[str, tuple[str, Any]]:

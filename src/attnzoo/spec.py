@@ -1,5 +1,6 @@
 """What a mechanism declares about itself, as data: capabilities, complexity, and the two
-callable signatures that carry pattern and score semantics.
+callable signatures that carry pattern and score semantics, and the ``Shape`` a layer hands the
+mechanism it builds.
 
 Index convention (used by ``causal``, ``MaskMod`` and ``ScoreMod`` everywhere in attnzoo):
 queries are aligned to the *end* of the key sequence. Query row ``i`` of ``N_q`` sits at
@@ -82,3 +83,48 @@ class Spec:
     capabilities: Capabilities
     complexity: Complexity
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """The geometry a layer knows about the mechanism it builds: ``attnzoo.build(name, shape=...)``.
+
+    A mechanism with per-head or per-position parameters (Synthesizer, Linformer, Sinkhorn,
+    SAC, the random features of Performer/RFA, Routing's centroids, gMLP's spatial weight)
+    needs this geometry to create them at construction, so that a layer's state dict is complete
+    before its first forward. The layer (``MultiHeadAttention``, ``TransformerEncoderLayer``,
+    the benchmark models, ``attnzoo.hf``) says what it knows once, here, instead of asking
+    which config fields a mechanism has; ``build`` fills each config field named like one of
+    these (``heads``, ``head_dim``, ``value_dim``, ``max_len``) that the config has and the
+    caller did not set. None means "not known here": that field keeps its default.
+
+    Attributes:
+        heads: H, the heads the mechanism receives.
+        head_dim: D of the queries and keys.
+        value_dim: D_v of the values (no config reads it today; carried for those that will).
+        max_len: the longest sequence the layer will see.
+    """
+
+    heads: int | None = None
+    head_dim: int | None = None
+    value_dim: int | None = None
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("heads", "head_dim", "value_dim", "max_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Shape: {name} must be an int >= 1 or None, got {value!r}")
+
+    def known(self) -> dict[str, int]:
+        """The fields that are set, by name."""
+        return {
+            name: value
+            for name, value in (
+                ("heads", self.heads),
+                ("head_dim", self.head_dim),
+                ("value_dim", self.value_dim),
+                ("max_len", self.max_len),
+            )
+            if value is not None
+        }

@@ -1,5 +1,6 @@
 """The small models the benchmark trains: an encoder classifier and a causal language model,
-over any registered mechanism, with the mechanism's shape fields filled from the model."""
+over any registered mechanism. The model's sequence length reaches the mechanism as the layers'
+``max_len`` (part of the ``attnzoo.Shape`` they build it with), like ``heads`` and ``head_dim``."""
 
 from __future__ import annotations
 
@@ -10,16 +11,7 @@ from torch import Tensor, nn
 
 from attnzoo.nn.transformer import CausalLM, TransformerEncoder
 from attnzoo.positional import build_positional
-from attnzoo.registry import config_fields, describe
-
-
-def fill_shape_fields(name: str, config: dict[str, Any], *, seq_len: int) -> dict[str, Any]:
-    """``config`` plus ``max_len = seq_len`` for mechanisms that have a length field (Synthesizer,
-    Linformer, gMLP, MLP-Mixer) unless the user set it. (``heads``/``head_dim`` come from the
-    layer: ``MultiHeadAttention`` fills them.)"""
-    if "max_len" in config_fields(name) and "max_len" not in config:
-        return {"max_len": seq_len, **config}
-    return dict(config)
+from attnzoo.registry import describe
 
 
 class SequenceClassifier(nn.Module):
@@ -139,7 +131,6 @@ def build_model(
             f"{mechanism!r} cannot run causally, and this task is a causal language model; "
             f"mechanisms that can: see `attnzoo list` (supports: causal)"
         )
-    config = fill_shape_fields(mechanism, config, seq_len=seq_len)
     positional = resolve_positional(positional, kind, mechanism)
     common = dict(
         vocab_size=vocab_size,
@@ -150,7 +141,9 @@ def build_model(
         positional=positional,
         ff_mult=ff_mult,
         dropout=dropout,
-        **config,
+        # The layers' max_len: it fills the mechanism's own (Synthesizer, Linformer, gMLP, MLP-Mixer)
+        # unless the config sets one, which then is the layers' max_len too.
+        **{"max_len": seq_len, **config},
     )
     if kind == "lm":
         return LanguageModel(**common)

@@ -26,7 +26,6 @@ from rich.console import Console
 from rich.table import Table
 
 import attnzoo
-from attnzoo.bench.models import fill_shape_fields
 from attnzoo.bench.speed import machine, median_time, parse_mechanism, write_lines
 from attnzoo.nn import TransformerEncoderLayer
 from attnzoo.registry import config_fields
@@ -42,12 +41,12 @@ def default_mechanisms() -> tuple[tuple[str, dict[str, Any]], ...]:
 
 def build_layer(name: str, config: dict[str, Any], n: int, dim: int, heads: int) -> TransformerEncoderLayer:
     """The layer under test, with size keys the user left out filled in, so that every mechanism
-    runs at its defaults where it can: ``max_len = max(n, 512)`` (learned per-position parameters:
-    Linformer, Synthesizer, gMLP, MLP-Mixer; as ``bench speed``), ``h = w = sqrt(n)`` for 2-D
-    patterns when N is a square; ``heads``/``head_dim`` come from the layer (MultiHeadAttention
-    fills them). Graph patterns are defined on a fixed node count and report an error row unless
-    given a graph of N nodes."""
-    config = fill_shape_fields(name, config, seq_len=max(n, 512))
+    runs at its defaults where it can: the layer's ``max_len = max(n, 512)`` (learned per-position
+    parameters: Linformer, Synthesizer, gMLP, MLP-Mixer; as ``bench speed``; the layer passes it
+    with ``heads``/``head_dim`` in the ``attnzoo.Shape`` it builds the mechanism with), and
+    ``h = w = sqrt(n)`` for 2-D patterns when N is a square. Graph patterns are defined on a
+    fixed node count and report an error row unless given a graph of N nodes."""
+    config = {"max_len": max(n, 512), **config}
     side = math.isqrt(n)
     if side * side == n:
         config = {**{key: side for key in ("h", "w") if key in config_fields(name)}, **config}

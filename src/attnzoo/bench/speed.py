@@ -281,8 +281,7 @@ def _run_mixer(
     """Token mixers take the layer input ``x (B, N, H * D)``: time that. There is no reference
     to check against, so no speed-up is claimed (``correct`` is None)."""
     width = setting.heads * setting.dim
-    sizes = {key: value for key, value in (("dim", width), ("max_len", max(n, 512))) if key in config_fields(name)}
-    module = attnzoo.build(name, **{**sizes, **config}).eval()
+    module = attnzoo.build(name, shape=attnzoo.Shape(max_len=max(n, 512)), **{"dim": width, **config}).eval()
     x = torch.randn(setting.batch, n, width)
     with torch.no_grad():
         row["forward_s"] = median_time(lambda: module(x, causal=causal), setting.repeats)

@@ -189,9 +189,13 @@ class RandomFeatureAttention(KernelAttention):
         sequences are reproducible. Both buffers travel with the state dict, so a reloaded
         module is the same module, before and after its first forward.
 
-        The projection is drawn at construction when ``config.head_dim`` is set, else on the
-        first forward / ``init_state`` for the D seen then (a later call with another D raises);
-        it is also created by ``load_state_dict``.
+        The projection is drawn at construction when ``config.head_dim`` is set, which a layer
+        does through its ``attnzoo.Shape``: its state dict is then complete before the first
+        forward. Built without it (``attnzoo.build("performer")`` applied to bare ``(B, H, N, D)``
+        tensors, where nothing but the input says D) the projection is drawn on the first forward
+        / ``init_state`` for the D seen then (a later call with another D raises). Such a module
+        has no ``projection`` to load into before it has run: build it with ``head_dim`` (or a
+        ``Shape``) to load a checkpoint.
 
         ``config.redraw_every = n``: in training mode a forward pass that comes after ``n``
         training forward passes on the current projection first calls ``redraw()`` (the buffer
@@ -245,13 +249,6 @@ class RandomFeatureAttention(KernelAttention):
     def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
         self.projection_for(torch.empty(0, head_dim, device=device, dtype=dtype))
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        for name in ("projection", "gate_weight", "gate_bias"):
-            if hasattr(self, name) and getattr(self, name) is None and prefix + name in state_dict:
-                empty = torch.empty_like(state_dict[prefix + name])
-                setattr(self, name, nn.Parameter(empty) if name.startswith("gate") else empty)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
 
 @dataclass(frozen=True, kw_only=True)
 class _RandomFeatureConfig(Config):
@@ -260,7 +257,7 @@ class _RandomFeatureConfig(Config):
     each config documents them and overrides the defaults that differ."""
 
     features: int = bounded(256, ge=1)
-    head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward")
+    head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward; a layer's Shape sets it")
     seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
     redraw_every: int | None = bounded(None, ge=1, none="never redraw")
     chunk: int = bounded(64, ge=1)
@@ -278,8 +275,8 @@ class PerformerConfig(_RandomFeatureConfig):
 
     Args:
         features: m, the number of random features. Default 256.
-        head_dim: D to draw the projection for at construction; default None draws it on the
-            first forward (see ``RandomFeatureAttention``).
+        head_dim: D to draw the projection for at construction (a layer's ``attnzoo.Shape``
+            sets it); default None draws it on the first forward (see ``RandomFeatureAttention``).
         seed: seed of the projection; None (default) draws one per module from torch's global
             RNG at construction, so every layer differs (kept in the state dict as the buffer
             ``projection_seed``). An int gives every module built with it the same projection.
@@ -335,8 +332,9 @@ class RFAConfig(_RandomFeatureConfig):
         features: m, the number of random frequencies (``phi`` has 2m features). Default 128.
         sigma: kernel width: the features estimate ``exp((q^ . k^ - 1) / sigma^2)``. Default 1.
         heads, head_dim: H and D of the gate parameters ``(H, D)``, ``(H,)`` (and D of the
-            projection) to create them at construction; default None creates them on the first
-            forward / ``init_state`` (then make the optimizer after a first forward).
+            projection) to create them at construction (a layer's ``attnzoo.Shape`` sets both);
+            default None creates them on the first causal forward / ``init_state`` (then make
+            the optimizer after a first forward; see ``RandomFeatureAttention``).
         seed: seed of the projection and of the gate's initial weights; None (default) draws one
             per module from torch's global RNG at construction (see ``PerformerConfig``).
         redraw_every: in training mode, redraw the projection after this many training forward
@@ -346,9 +344,9 @@ class RFAConfig(_RandomFeatureConfig):
     """
 
     features: int = bounded(128, ge=1)
-    head_dim: int | None = bounded(None, ge=1, none="created on the first forward")
+    head_dim: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
     sigma: float = bounded(1.0, gt=0)
-    heads: int | None = bounded(None, ge=1, none="created on the first forward")
+    heads: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
 
 
 @register(

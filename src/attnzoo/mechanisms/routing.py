@@ -63,8 +63,8 @@ class RoutingConfig(Config):
             also mean-centres them, which unit normalisation does not). A token's score with
             itself is then the largest of its row: unlike Reformer, neither masks it.
         seed: seed of the random unit centroids. Default 0.
-        heads, head_dim: H and D of the inputs; when both are set (``MultiHeadAttention`` sets
-            them) the centroids are drawn at construction, else on the first forward.
+        heads, head_dim: H and D of the inputs; when both are set (a layer's ``attnzoo.Shape``
+            sets them) the centroids are drawn at construction, else on the first forward.
     """
 
     n_clusters: int = bounded(4, ge=1)
@@ -385,8 +385,8 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
     complexity=Complexity(time="O(N (w + C) D), w = N / C", memory="O(N (w + C))", subquadratic_memory=True),
     notes=(
         "swapped in untrained: k-means centroids at their random initial value (no EMA updates in eval)",
-        "centroids (H, C, D): a buffer made at construction when heads and head_dim are set, else on the "
-        "first forward; EMA updates in training mode only",
+        "centroids (H, C, D): a buffer made at construction when heads and head_dim are set (a layer's Shape), "
+        "else on the first forward; EMA updates in training mode only",
         "non-causal: balanced top-w queries and keys per cluster; an unpicked query uses its nearest cluster's keys",
         "causal: per-token nearest-centroid routing; query i sees the w most recent keys j <= i of its cluster",
         "padded query rows are 0; padded keys are never attended and never move centroids",
@@ -402,8 +402,11 @@ class RoutingAttention(Attention):
 
     Notes:
         The ``centroids`` buffer ``(H, n_clusters, D)`` (random unit vectors from ``seed``) is made
-        at construction when the config sets ``heads`` and ``head_dim``, else on the first forward
-        (H and D are known only then) or by ``load_state_dict``.
+        at construction when the config sets ``heads`` and ``head_dim`` (a layer's
+        ``attnzoo.Shape`` does), so a layer's state dict is complete before its first forward.
+        Built without them, for bare ``(B, H, N, D)`` tensors, only the first input says H and D:
+        the buffer is made then, and such a module has no ``centroids`` to load into before it
+        has run (build it with ``heads`` and ``head_dim`` to load a checkpoint).
     """
 
     config: RoutingConfig
@@ -429,11 +432,6 @@ class RoutingAttention(Attention):
                 f"inputs; q {tuple(q.shape)} needs {shape}: build a new module for another H or D"
             )
         return self.centroids
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        if self.centroids is None and prefix + "centroids" in state_dict:  # made before loading into it
-            self.centroids = torch.empty_like(state_dict[prefix + "centroids"])
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         b, h, n, d = q.shape

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,8 @@ from torch import Tensor, nn
 from attnzoo._checks import check_key_padding_mask, check_module_input, check_positive_int, check_tensor
 from attnzoo.mechanisms.base import Attention
 from attnzoo.positional import PositionalEncoding, build_positional
-from attnzoo.registry import build, config_fields
+from attnzoo.registry import build
+from attnzoo.spec import Shape
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class MultiHeadAttention(nn.Module):
             to the query and key inputs (not the values).
         dropout: dropout on the output projection. Default 0.
         bias: whether the projections have biases. Default True.
+        max_len: the longest sequence the layer will see, if known; default None. With the
+            heads and head width it makes the ``attnzoo.Shape`` the layer builds each mechanism
+            with: it fills the config's ``heads`` / ``head_dim`` / ``value_dim`` / ``max_len``
+            where ``mechanism_config`` leaves them out, so per-head and per-position parameters
+            exist (and are in the state dict) before the first forward.
         **mechanism_config: the mechanism's config (only with a name); unknown keys raise.
 
     Shapes:
@@ -61,6 +68,7 @@ class MultiHeadAttention(nn.Module):
         positional: str | PositionalEncoding | None = None,
         dropout: float = 0.0,
         bias: bool = True,
+        max_len: int | None = None,
         **mechanism_config: Any,
     ) -> None:
         super().__init__()
@@ -73,7 +81,8 @@ class MultiHeadAttention(nn.Module):
         self.kv_dim = dim if kv_dim is None else kv_dim
         check_positive_int(self.head_dim, "head_dim")
         check_positive_int(self.kv_dim, "kv_dim")
-        groups = _resolve_groups(mechanism, mechanism_config, heads, self.head_dim)
+        shape = Shape(heads=heads, head_dim=self.head_dim, value_dim=self.head_dim, max_len=max_len)
+        groups = _resolve_groups(mechanism, mechanism_config, shape)
         self.mechanisms = nn.ModuleList(attn for attn, _ in groups)
         self.group_heads = tuple(n for _, n in groups)
         self.positional = build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim)
@@ -220,32 +229,30 @@ def _shift_heads(score_mod: Any, offset: int) -> Any:
     return lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h + offset, q_idx, kv_idx)
 
 
-def _resolve_groups(mechanism: Any, config: dict[str, Any], heads: int, head_dim: int) -> list[tuple[Attention, int]]:
-    """``[(module, n_heads), ...]`` from one mechanism or a list of ``(mechanism, config, n_heads)``."""
+def _resolve_groups(mechanism: Any, config: dict[str, Any], shape: Shape) -> list[tuple[Attention, int]]:
+    """``[(module, n_heads), ...]`` from one mechanism or a list of ``(mechanism, config, n_heads)``;
+    each group's mechanism is built with the layer's shape narrowed to its own heads."""
+    heads = shape.heads
     if not (isinstance(mechanism, (list, tuple)) and mechanism and isinstance(mechanism[0], (list, tuple))):
-        return [(_resolve_mechanism(mechanism, config, heads, head_dim), heads)]
+        return [(_resolve_mechanism(mechanism, config, shape), heads)]
     if config:
         raise ValueError(f"with head groups, give each group its config; got layer-level keys {sorted(config)}")
     groups = []
     for group in mechanism:
         if len(group) != 3 or not isinstance(group[1], dict) or not isinstance(group[2], int) or group[2] < 1:
             raise ValueError(f"each head group is (mechanism, config dict, n_heads >= 1), got {group!r}")
-        groups.append((_resolve_mechanism(group[0], dict(group[1]), group[2], head_dim), group[2]))
+        group_shape = dataclasses.replace(shape, heads=group[2])
+        groups.append((_resolve_mechanism(group[0], dict(group[1]), group_shape), group[2]))
     if sum(n for _, n in groups) != heads:
         raise ValueError(f"head groups have {sum(n for _, n in groups)} heads in all, but heads={heads}")
     return groups
 
 
-def _resolve_mechanism(mechanism: str | Attention, config: dict[str, Any], heads: int, head_dim: int) -> Attention:
+def _resolve_mechanism(mechanism: str | Attention, config: dict[str, Any], shape: Shape) -> Attention:
     if isinstance(mechanism, str):
         # Mechanisms with per-head parameters (SAC, Sinkhorn, Synthesizer, Linformer, ...) take
-        # their head count and width from the layer unless the config sets them.
-        shape = {
-            key: value
-            for key, value in (("heads", heads), ("head_dim", head_dim))
-            if key in config_fields(mechanism) and key not in config
-        }
-        attn = build(mechanism, **shape, **config)
+        # their geometry from the layer's shape unless the config sets it (``attnzoo.build``).
+        attn = build(mechanism, shape=shape, **config)
     elif isinstance(mechanism, Attention):
         if config:
             raise ValueError(

@@ -14,6 +14,7 @@ from attnzoo.mechanisms.base import Attention, TokenMixer
 from attnzoo.nn.attention import MHAState, MultiHeadAttention
 from attnzoo.positional import PositionalEncoding, build_positional
 from attnzoo.registry import build, describe
+from attnzoo.spec import Shape
 
 
 class TransformerEncoderLayer(nn.Module):
@@ -25,8 +26,10 @@ class TransformerEncoderLayer(nn.Module):
     ``heads`` is unused, and ``self.mixer`` holds it (``self.attn`` is None).
 
     Args:
-        dim, heads, mechanism, positional, **mechanism_config: as ``MultiHeadAttention``;
-            ``mechanism`` may also be a token mixer's name or a built ``TokenMixer``.
+        dim, heads, mechanism, positional, max_len, **mechanism_config: as ``MultiHeadAttention``;
+            ``mechanism`` may also be a token mixer's name or a built ``TokenMixer`` (built with
+            ``dim`` and ``attnzoo.Shape(max_len=max_len)``: gMLP and MLP-Mixer size their
+            per-position weights by it unless their config sets ``max_len``).
         ff_mult: feed-forward hidden width is ``ff_mult * dim``. Default 4.
         dropout: on the attention (or mixer) output and in the feed-forward block. Default 0.
         feedforward: False drops the second half (``norm2`` and ``ff``): the block is
@@ -44,6 +47,7 @@ class TransformerEncoderLayer(nn.Module):
         dropout: float = 0.0,
         positional: str | PositionalEncoding | None = None,
         feedforward: bool = True,
+        max_len: int | None = None,
         **mechanism_config: Any,
     ) -> None:
         super().__init__()
@@ -51,10 +55,10 @@ class TransformerEncoderLayer(nn.Module):
         if not isinstance(feedforward, bool):
             raise TypeError(f"feedforward must be a bool, got {feedforward!r}")
         self.norm1 = nn.LayerNorm(dim)
-        self.mixer = _resolve_mixer(dim, mechanism, positional, mechanism_config)
+        self.mixer = _resolve_mixer(dim, mechanism, positional, mechanism_config, Shape(max_len=max_len))
         if self.mixer is None:
             self.attn = MultiHeadAttention(
-                dim, heads, mechanism, positional=positional, dropout=dropout, **mechanism_config
+                dim, heads, mechanism, positional=positional, dropout=dropout, max_len=max_len, **mechanism_config
             )
         else:
             self.attn = None
@@ -103,8 +107,11 @@ class TransformerEncoderLayer(nn.Module):
             )
 
 
-def _resolve_mixer(dim: int, mechanism: object, positional: object, config: dict[str, Any]) -> TokenMixer | None:
-    """The token mixer ``mechanism`` names (built with ``dim``), or None for attention."""
+def _resolve_mixer(
+    dim: int, mechanism: object, positional: object, config: dict[str, Any], shape: Shape
+) -> TokenMixer | None:
+    """The token mixer ``mechanism`` names (built with ``dim`` and the layer's ``shape``), or
+    None for attention."""
     if isinstance(mechanism, TokenMixer):
         if config:
             raise ValueError(
@@ -122,7 +129,7 @@ def _resolve_mixer(dim: int, mechanism: object, positional: object, config: dict
                 f"token mixer {mechanism!r} takes its dim from the layer (dim={dim}); got a different "
                 f"dim={config['dim']!r} in its config; drop it or make them equal"
             )
-        mixer = build(mechanism, **{**config, "dim": dim})
+        mixer = build(mechanism, shape=shape, **{**config, "dim": dim})
         if not isinstance(mixer, TokenMixer):
             raise TypeError(f"{mechanism!r} is registered as a mixer but is not a TokenMixer")
     else:
