@@ -69,21 +69,30 @@ def test_softmax_steps_write_into_one_preallocated_cache_and_equal_the_forward()
 
 def test_window_decode_keeps_o_window_state_and_equals_the_causal_forward():
     # local (left 6) and dilated (3 steps of 2) in a layer, with ALiBi (steps through the
-    # mechanism's forward) and without (single tokens through one masked SDPA): a prefill longer
-    # than DIRECT_STEP_TOKENS, then single tokens; every step's output equals the causal
+    # mechanism's forward) and without (single tokens through one masked SDPA): a prompt, a chunk
+    # longer than DIRECT_STEP_TOKENS, then single tokens; every step's output equals the causal
     # forward's rows, and the state holds the last left (x dilation) keys whatever the position.
-    windows = (("local", dict(left=6, right=2)), ("dilated", dict(left=3, right=1, dilation=2)))
+    # sinks (the first 3 keys + a window of 6) keeps 9 keys at positions that are not
+    # contiguous: its ALiBi steps go through the dense reference at absolute positions.
+    windows = (
+        ("local", dict(left=6, right=2)),
+        ("dilated", dict(left=3, right=1, dilation=2)),
+        ("sinks", dict(sinks=3, left=6, right=2)),
+    )
     for (mechanism, config), positional in itertools.product(windows, ("alibi", None)):
         layer = attnzoo.nn.MultiHeadAttention(24, 3, mechanism, positional=positional, **config).double().eval()
         x = torch.randn(2, 100, 24, dtype=torch.float64)
         full = layer(x, causal=True)
         state = layer.init_state(2, dtype=torch.float64)
-        out, state = layer.step(x[:, :70], state)
+        out, state = layer.step(x[:, :10], state)  # a short prompt: one masked SDPA
         outs = [out]
-        for t in range(70, 100):
+        out, state = layer.step(x[:, 10:80], state)  # a long chunk: the forward, or the dense path
+        outs.append(out)
+        for t in range(80, 100):
             out, state = layer.step(x[:, t : t + 1], state)
             outs.append(out)
-            assert state.mechanism.k.shape == (2, 3, 6, 8) and state.mechanism.seen == t + 1
+            kept = 9 if mechanism == "sinks" else 6
+            assert state.mechanism.k.shape == (2, 3, kept, 8) and state.mechanism.seen == t + 1
         torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12, msg=f"{mechanism} {positional}")
 
 

@@ -92,27 +92,3 @@ def _grown(buffer: Tensor, length: int, capacity: int) -> Tensor:
     new = buffer.new_empty(*buffer.shape[:2], capacity, buffer.shape[3])
     new[:, :, :length] = buffer[:, :, :length]
     return new
-
-
-@dataclass(frozen=True)
-class WindowCache:
-    """Decode state of a causal band (``local``, ``dilated``): the last ``window`` keys and
-    values, ``(B, H, <= window, D)``, and how many tokens were seen. O(window) memory at any
-    position; each step copies O(window) (dropping the oldest keys), never the whole past."""
-
-    k: Tensor
-    v: Tensor
-    seen: int
-    window: int
-
-    @property
-    def start(self) -> int:
-        """Absolute position of the oldest key kept."""
-        return self.seen - self.k.shape[2]
-
-    def after(self, span_k: Tensor, span_v: Tensor, new: int) -> WindowCache:
-        """The state once ``span_k``/``span_v`` (the kept keys followed by ``new`` tokens) are
-        seen: their last ``window`` keys, copied so the span can be freed."""
-        keep = min(self.window, span_k.shape[2])
-        tail = slice(span_k.shape[2] - keep, span_k.shape[2])
-        return WindowCache(span_k[:, :, tail].clone(), span_v[:, :, tail].clone(), self.seen + new, self.window)

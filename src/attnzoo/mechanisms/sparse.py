@@ -15,22 +15,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo import patterns as P
 from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted, nan_rows_of_non_finite_queries
-from attnzoo.mechanisms.cache import KVCache, WindowCache
+from attnzoo.mechanisms import pattern_decode
+from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 Backend = Literal["auto", "blocked", "flex", "reference"]
-
-#: Decode steps of up to this many new tokens run as one masked SDPA over the window cache;
-#: longer ones (a prefill) take the mechanism's own fast path.
-DIRECT_STEP_TOKENS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,71 +111,21 @@ class PatternAttention(Attention):
         device: Any = None,
         dtype: Any = None,
         capacity: int = 0,
-    ) -> WindowCache | KVCache:
-        """A ``WindowCache`` for a band with a left end (``local``, ``dilated``: a row sees the
-        ``-lo`` keys before it and itself, so only those are kept, whatever the position);
-        otherwise a ``KVCache`` of every key (preallocated to ``capacity`` when given)."""
+    ) -> Any:
+        """The cache the pattern needs (``pattern_decode``): the keys a later row can still see
+        for a band with a left end (with key columns: ``sinks``), else every key."""
         if not self.spec.capabilities.decode_step:
             self._refuse("a decode step", "decode_step")
-        band = self.pattern
-        if not (isinstance(band, P.Band) and band.lo is not None):
-            return KVCache.empty(batch, heads, head_dim, value_dim, capacity=capacity, device=device, dtype=dtype)
-        k = torch.empty(batch, heads, 0, head_dim, device=device, dtype=dtype)
-        v = torch.empty(batch, heads, 0, value_dim, device=device, dtype=dtype)
-        return WindowCache(k, v, 0, max(0, -band.lo))
+        return pattern_decode.init_state(
+            self, batch, heads, head_dim, value_dim, device=device, dtype=dtype, capacity=capacity
+        )
 
     def step(
-        self, state: WindowCache | KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
-    ) -> tuple[Tensor, WindowCache | KVCache]:
-        """The new tokens' rows of the causal forward. ``score_mod`` sees absolute positions,
-        as in the full forward."""
-        if isinstance(state, KVCache):
-            return self._cached_step(state, q, k, v, score_mod)
-        # The kept keys and the new ones form a contiguous span of positions: the new queries
-        # (end-aligned) attend over it under the band.
-        span_k, span_v = torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2)
-        offset = state.start
-        if score_mod is not None and offset:
-            inner = score_mod
-
-            def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return inner(score, b, h, q_idx + offset, kv_idx + offset)
-
-        if score_mod is None and q.shape[2] <= DIRECT_STEP_TOKENS:
-            out = nan_rows_of_non_finite_queries(self._band_sdpa(q, span_k, span_v), q)
-        else:
-            out = self(q, span_k, span_v, causal=True, score_mod=score_mod)
-        return out, state.after(span_k, span_v, k.shape[2])
-
-    def _cached_step(
-        self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None
-    ) -> tuple[Tensor, KVCache]:
-        """Every key kept; the new rows of the causal pattern (the same at any final length for
-        the mechanisms that decode) masked over the cache: O(t) per token, as a KV cache is. A
-        long prefill takes the fast path instead (queries end-aligned over the whole cache)."""
-        cache = state.append(k, v)
-        if q.shape[2] > DIRECT_STEP_TOKENS:
-            return self(q, cache.k, cache.v, causal=True, score_mod=score_mod), cache
-        pattern = self.pattern.resolve_heads(q.shape[1])
-        out = reference_attention(
-            q,
-            cache.k,
-            cache.v,
-            causal=True,
-            score_mod=score_mod,
-            scale=self.config.scale,
-            mask_mod=pattern.mask_mod_for(q.shape[2], cache.length),
-        )
-        return nan_rows_of_non_finite_queries(out, q), cache
-
-    def _band_sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """A few new queries over the kept span in one SDPA call under the band's boolean mask
-        ``(T, span)``: a decode step costs O(window) work, with none of the backends' plan and
-        tile overhead (which is what a single-token forward pays). Every row sees itself."""
-        band, n_q, n_kv = self.pattern, q.shape[2], k.shape[2]
-        d = torch.arange(n_kv, device=q.device) - torch.arange(n_kv - n_q, n_kv, device=q.device)[:, None]
-        visible = (d <= 0) & (d >= band.lo) & (d % band.modulus == 0)  # [T, span]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.config.scale)
+        self, state: Any, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
+    ) -> tuple[Tensor, Any]:
+        """The new tokens' rows of the causal forward (``pattern_decode.step``); ``score_mod``
+        sees absolute positions, as in the full forward."""
+        return pattern_decode.step(self, state, q, k, v, score_mod)
 
 
 SELF_ONLY = "defined on a fixed number of positions: self-attention only"
@@ -483,7 +428,6 @@ class GraphConfig(SparseConfig):
         return dict(edges=ring_with_chords(n), n=n)
 
     def make_pattern(self) -> P.Pattern:
-        import torch
 
         edge_index = torch.tensor(self.edges, dtype=torch.long).reshape(-1, 2).t()
         return P.graph(edge_index, self.n, self.self_loops)
@@ -508,8 +452,7 @@ class PatternConfig(SparseConfig):
 ARXIV = "https://arxiv.org/abs/"
 _WINDOW_DECODE = (
     "causal=True intersects the pattern with j <= i",
-    "decode step: a window cache of the last left (x dilation) keys, O(window) memory and time per token at "
-    "any position",
+    "decode step: only the last left (x dilation) keys are kept, O(window) memory and time per token at any position",
 )
 _RANDOM_OVER_N = "row t's random keys are drawn over the final length N, which a step does not know"
 _GRID = "defined on an h x w grid of a fixed size: a prefix of the sequence is not a grid"
@@ -591,7 +534,9 @@ _register(
     "Xiao et al. 2023 (StreamingLLM), " + ARXIV + "2309.17453",
     notes=(
         "causal=True intersects the pattern with j <= i (the paper's setting)",
-        "the pattern only: StreamingLLM's rolling KV cache (positions re-indexed inside the cache) and "
+        "decode step: only the first sinks keys and the last left keys are kept (O(window + sinks) at any "
+        "position); their positions stay absolute, where StreamingLLM re-indexes positions inside its rolling "
+        "cache (for RoPE), so the step equals the causal forward exactly",
         "gpt-oss's learned per-head sink logits are not implemented",
     ),
 )

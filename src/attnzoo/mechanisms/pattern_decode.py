@@ -1,0 +1,160 @@
+"""Decode steps of the pattern mechanisms (``sparse.PatternAttention``): which cache a pattern
+needs, and one step over it.
+
+A step computes the new tokens' rows of the *causal* forward, so it needs row t of the pattern
+to be the same whatever the final length (the mechanisms that cannot promise it refuse). Two
+caches:
+
+- ``KeptKeys``: for a band with a left end, alone or with key columns (``local``, ``dilated``,
+  ``sinks``), only the keys a later row can still see are kept — the band's reach behind the
+  newest token and the columns (StreamingLLM's attention sinks) — each with its absolute
+  position. O(window + columns) memory and O(window + columns) work per token, at any position.
+- ``KVCache`` (``mechanisms.cache``): every other pattern keeps every key; the new rows are
+  masked over the cache, O(t) per token like exact attention.
+
+Either way a step of up to ``DIRECT_STEP_TOKENS`` tokens without a ``score_mod`` is one masked
+SDPA call; longer steps and steps with a ``score_mod`` go through the mechanism's own forward
+(a contiguous span) or the dense reference, with the ``score_mod`` seeing absolute positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnzoo import patterns as P
+from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms.base import nan_rows_of_non_finite_queries
+from attnzoo.mechanisms.cache import KVCache
+from attnzoo.spec import ScoreMod
+
+if TYPE_CHECKING:
+    from attnzoo.mechanisms.sparse import PatternAttention
+
+#: Decode steps of up to this many new tokens run as one masked SDPA over the cache; longer
+#: ones (a prefill) take the mechanism's own fast path where the keys form a contiguous span.
+DIRECT_STEP_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class KeptKeys:
+    """The keys a later row can still see: ``k (B, H, L, D)``, ``v (B, H, L, D_v)`` at absolute
+    ``positions (L,)`` (ascending), ``seen`` tokens so far; a row reaches ``reach`` keys back
+    and always sees the key ``columns``."""
+
+    k: Tensor
+    v: Tensor
+    positions: Tensor
+    seen: int
+    reach: int
+    columns: Tensor
+
+    def after(self, span_k: Tensor, span_v: Tensor, positions: Tensor) -> KeptKeys:
+        """The state once the span (kept keys + new tokens) is seen: what a row at or after the
+        next position can still see, copied so the span can be freed."""
+        seen = int(positions[-1]) + 1
+        keep = (positions >= seen - self.reach) | torch.isin(positions, self.columns)
+        index = keep.nonzero().flatten()
+        k, v = span_k.index_select(2, index), span_v.index_select(2, index)
+        return KeptKeys(k, v, positions[index], seen, self.reach, self.columns)
+
+
+def _kept_keys_shape(pattern: P.Pattern) -> tuple[int, Tensor] | None:
+    """``(reach, columns)`` when ``pattern`` is a band with a left end, alone or united with
+    key columns; None otherwise."""
+    parts = pattern.parts if isinstance(pattern, P.Union) else (pattern,)
+    bands = [p for p in parts if isinstance(p, P.Band)]
+    columns = [p for p in parts if isinstance(p, P.KeyColumns)]
+    if len(bands) != 1 or bands[0].lo is None or len(bands) + len(columns) != len(parts):
+        return None
+    return max(0, -bands[0].lo), torch.cat([c.indices for c in columns]) if columns else torch.zeros(
+        0, dtype=torch.long
+    )
+
+
+def init_state(
+    attn: PatternAttention,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    value_dim: int,
+    *,
+    device: Any,
+    dtype: Any,
+    capacity: int,
+) -> KeptKeys | KVCache:
+    """``KeptKeys`` where the pattern allows it, else a ``KVCache`` (preallocated to
+    ``capacity`` when given)."""
+    shape = _kept_keys_shape(attn.pattern)
+    if shape is None:
+        return KVCache.empty(batch, heads, head_dim, value_dim, capacity=capacity, device=device, dtype=dtype)
+    k = torch.empty(batch, heads, 0, head_dim, device=device, dtype=dtype)
+    v = torch.empty(batch, heads, 0, value_dim, device=device, dtype=dtype)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return KeptKeys(k, v, empty, 0, shape[0], shape[1].to(device))
+
+
+def step(
+    attn: PatternAttention, state: KeptKeys | KVCache, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None
+) -> tuple[Tensor, KeptKeys | KVCache]:
+    """The new tokens' rows of ``attn``'s causal forward over the keys in ``state``."""
+    if isinstance(state, KVCache):
+        cache = state.append(k, v)
+        span_k, span_v, start = cache.k, cache.v, 0
+        positions = torch.arange(cache.length, device=k.device)
+    else:
+        span_k, span_v = torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2)
+        new = torch.arange(state.seen, state.seen + k.shape[2], device=k.device)
+        positions = torch.cat([state.positions, new])
+        start = int(positions[0])
+    out = _attend_span(attn, q, span_k, span_v, positions, start, score_mod)
+    return out, (cache if isinstance(state, KVCache) else state.after(span_k, span_v, positions))
+
+
+def _attend_span(
+    attn: PatternAttention, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, start: int, score_mod: ScoreMod | None
+) -> Tensor:
+    """The last ``T`` positions' rows over the span ``k, v`` whose keys sit at ``positions``."""
+    n_q, n_kv = q.shape[2], k.shape[2]
+    contiguous = int(positions[-1]) - start + 1 == n_kv
+    if score_mod is None and n_q <= DIRECT_STEP_TOKENS:
+        rows = positions[n_kv - n_q :, None]
+        visible = _visible(attn, q.shape[1], rows, positions[None, :])  # [H | 1, T, L]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.config.scale)
+        return nan_rows_of_non_finite_queries(out, q)
+    if score_mod is not None and not (contiguous and start == 0):  # span index != position
+        inner = score_mod
+
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            # A contiguous span is a shift (backends may pass indices past the end for padded
+            # tiles); otherwise the positions are looked up (clamped alike).
+            if contiguous:
+                return inner(score, b, h, q_idx + start, kv_idx + start)
+            last = positions.shape[0] - 1
+            return inner(score, b, h, positions[q_idx.clamp(max=last)], positions[kv_idx.clamp(max=last)])
+
+    if contiguous:  # the forward's own (end-aligned) pattern is the same over a shifted span
+        return attn(q, k, v, causal=True, score_mod=score_mod)
+    rows = positions[n_kv - n_q :, None]
+    visible = _visible(attn, q.shape[1], rows, positions[None, :])
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return visible[h if visible.shape[0] > 1 else 0, q_idx - (n_kv - n_q), kv_idx]
+
+    out = reference_attention(q, k, v, score_mod=score_mod, scale=attn.config.scale, mask_mod=mask_mod)
+    return nan_rows_of_non_finite_queries(out, q)
+
+
+def _visible(attn: PatternAttention, heads: int, rows: Tensor, keys: Tensor) -> Tensor:
+    """Bool ``(H or 1, T, L)``: the causal pattern at absolute positions ``rows (T, 1)`` and
+    ``keys (1, L)``."""
+    pattern = attn.pattern.resolve_heads(heads)
+    zero = torch.zeros((), dtype=torch.long, device=rows.device)
+    h = torch.arange(heads, device=rows.device)[:, None, None] if pattern.per_head else zero
+    n = int(rows.max()) + 1
+    mask = (keys <= rows) & pattern.mask_mod_for(n, n)(zero, h, rows, keys)
+    return torch.broadcast_to(mask, (heads if pattern.per_head else 1, rows.shape[0], keys.shape[1]))
