@@ -57,6 +57,10 @@ class KeptKeys:
         """The state once the span (kept keys + new tokens) is seen: what a row at or after the
         next position can still see, copied so the span can be freed."""
         seen = int(positions[-1]) + 1
+        if not self.columns.numel():  # a band alone: the kept keys are the span's last `reach`
+            tail = slice(max(0, positions.shape[0] - self.reach), None)
+            k, v = span_k[:, :, tail].clone(), span_v[:, :, tail].clone()
+            return KeptKeys(k, v, positions[tail], seen, self.reach, self.columns)
         keep = (positions >= seen - self.reach) | torch.isin(positions, self.columns)
         index = keep.nonzero().flatten()
         k, v = span_k.index_select(2, index), span_v.index_select(2, index)
