@@ -16,6 +16,7 @@ room already taken and copies the prefix into new buffers first (copy on write).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -92,3 +93,32 @@ def _grown(buffer: Tensor, length: int, capacity: int) -> Tensor:
     new = buffer.new_empty(*buffer.shape[:2], capacity, buffer.shape[3])
     new[:, :, :length] = buffer[:, :, :length]
     return new
+
+
+class KVCacheDecode:
+    """Decoding by keeping every key and value (a ``KVCache``) and running the mechanism's own
+    causal forward for the new queries over them, end-aligned. Exact for a mechanism whose
+    causal row t depends on query t and the keys ``<= t`` alone (exact softmax, a top-k
+    selection, a compressed memory: ``tests/test_contracts.py`` checks step == forward); O(t) per
+    token. Mixed into an ``Attention`` subclass that declares ``decode_step`` and
+    ``cross_attention`` (the step's N_q < N_kv)."""
+
+    def init_state(
+        self,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        value_dim: int,
+        *,
+        device: Any = None,
+        dtype: Any = None,
+        capacity: int = 0,
+    ) -> KVCache:
+        """An empty ``KVCache`` with room for ``capacity`` tokens (0: grown by doubling)."""
+        return KVCache.empty(batch, heads, head_dim, value_dim, capacity=capacity, device=device, dtype=dtype)
+
+    def step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: Any = None) -> tuple[Tensor, KVCache]:
+        """The new queries are the last T positions of the cache: causal (end-aligned) lets each
+        see the whole past and the new tokens up to itself."""
+        state = state.append(k, v)
+        return self(q, state.k, state.v, causal=True, score_mod=score_mod), state  # type: ignore[operator]

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted, zero_padding
+from attnzoo.mechanisms.cache import KVCacheDecode
 from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -345,7 +346,7 @@ class CompressedConfig(Config):
     family="low_rank",
     summary="Memory-compressed attention: a strided convolution shortens keys and values by `stride`.",
     paper="Liu et al. 2018, Generating Wikipedia by Summarizing Long Sequences, https://arxiv.org/abs/1801.10198",
-    capabilities=Capabilities(causal=True, key_padding=True, cross_attention=True),
+    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=True),
     complexity=Complexity(
         time="O(N^2 D / stride)", memory="O(N D) SDPA; causal O(chunk N / stride)", subquadratic_memory=True
     ),
@@ -356,9 +357,10 @@ class CompressedConfig(Config):
         "causal: a query sees the slots made entirely of keys <= its position, plus the raw keys after the "
         "last of those, up to itself, in one softmax (no empty rows; kernel = stride = 1 is exact attention)",
         "padding: padded keys are zeroed before the convolution; a slot of padding only is masked",
+        "decode step: every key kept (a KV cache) and the causal forward run for the new queries, O(t) per token",
     ),
 )
-class CompressedAttention(_LowRank):
+class CompressedAttention(KVCacheDecode, _LowRank):
     """Memory-compressed attention. ``taps`` is ``(2, G, kernel)``: key taps [0], value taps [1].
 
     Notes: the paper's convolution also mixes channels; a tap here is one scalar per head, so the

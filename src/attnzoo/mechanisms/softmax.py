@@ -9,14 +9,14 @@ the double-loop oracle in ``tests/oracles.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.backends.reference import reference_attention, visible_pairs
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
-from attnzoo.mechanisms.cache import KVCache
+from attnzoo.mechanisms.cache import KVCacheDecode
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -56,7 +56,7 @@ class SoftmaxConfig(Config):
         "bf16/fp16 inputs are accumulated in float32",
     ),
 )
-class SoftmaxAttention(Attention):
+class SoftmaxAttention(KVCacheDecode, Attention):
     """Exact attention. The plain case runs SDPA; ``normalizer="relu"`` or a ``score_mod``
     runs the dense reference. ``uses_fast_path(...)`` says which one a call takes."""
 
@@ -100,28 +100,6 @@ class SoftmaxAttention(Attention):
             normalizer=self.config.normalizer,
             return_weights=return_weights,
         )
-
-    def init_state(
-        self,
-        batch: int,
-        heads: int,
-        head_dim: int,
-        value_dim: int,
-        *,
-        device: Any = None,
-        dtype: Any = None,
-        capacity: int = 0,
-    ) -> KVCache:
-        """An empty ``KVCache`` with room for ``capacity`` tokens (0: grown by doubling)."""
-        return KVCache.empty(batch, heads, head_dim, value_dim, capacity=capacity, device=device, dtype=dtype)
-
-    def step(
-        self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
-    ) -> tuple[Tensor, KVCache]:
-        state = state.append(k, v)
-        # The new queries are the last T positions of the cache: causal (end-aligned) lets each
-        # see the whole past and the new tokens up to itself.
-        return self(q, state.k, state.v, causal=True, score_mod=score_mod), state
 
 
 def sdpa_attention(

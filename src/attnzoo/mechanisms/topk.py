@@ -23,6 +23,7 @@ from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, gather_rows
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms.cache import KVCacheDecode
 from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -235,7 +236,7 @@ class TopKConfig(Config):
     family="content",
     summary="Explicit sparse attention: each query keeps its top-k scores, softmax over those only.",
     paper="Zhao et al. 2019, Explicit Sparse Transformer, https://arxiv.org/abs/1912.11637",
-    capabilities=Capabilities(causal=True, key_padding=True, cross_attention=True, score_mod=False),
+    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=True, score_mod=False),
     complexity=Complexity(
         time="O(N^2 D): every pair is still scored",
         memory="O(N chunk) working, O(N k D) kept for backward",
@@ -245,9 +246,10 @@ class TopKConfig(Config):
         "the k kept keys are chosen among visible keys (after causal and padding masks); ties go to "
         "the lower key index; a row with fewer than k visible keys keeps them all",
         "gradients flow through the kept scores; the selection itself is not differentiable",
+        "decode step: every key kept (a KV cache) and the new row's top k chosen over it, O(t) per token",
     ),
 )
-class TopKAttention(Attention):
+class TopKAttention(KVCacheDecode, Attention):
     """Explicit sparse attention; ``_attend`` runs ``topk_attention``, ``reference_topk`` the dense twin."""
 
     config: TopKConfig
