@@ -143,15 +143,21 @@ def _index_table(indices: Tensor, size: int) -> Tensor:
     return table
 
 
+def _positions(indices: Sequence[int], what: str) -> tuple[Tensor, str]:
+    """``indices`` as a sorted unique long tensor (one or more, non-negative) and how a
+    pattern's name shows them; a ValueError names ``what`` otherwise."""
+    index = torch.as_tensor(list(indices), dtype=torch.long).unique()
+    if index.numel() == 0 or int(index.min()) < 0:
+        raise ValueError(f"{what} needs one or more non-negative indices, got {list(indices)}")
+    return index, str(index.tolist()) if index.numel() <= 8 else f"{index.numel()} positions"
+
+
 class GlobalTokens(Pattern):
     """``p in G or j in G``: the global tokens' rows and columns."""
 
     def __init__(self, indices: Sequence[int]) -> None:
-        index = torch.as_tensor(list(indices), dtype=torch.long).unique()
-        if index.numel() == 0 or int(index.min()) < 0:
-            raise ValueError(f"global_tokens needs one or more non-negative indices, got {list(indices)}")
-        self.indices = index
-        self.name = f"global_tokens({index.tolist() if index.numel() <= 8 else f'{index.numel()} tokens'})"
+        self.indices, shown = _positions(indices, "global_tokens")
+        self.name = f"global_tokens({shown})"
 
     def _value(self) -> tuple:
         return tuple(self.indices.tolist())
@@ -226,11 +232,8 @@ class KeyColumns(Pattern):
     ``global_tokens``). StreamingLLM's attention sinks are ``key_columns(range(s))``."""
 
     def __init__(self, indices: Sequence[int]) -> None:
-        index = torch.as_tensor(list(indices), dtype=torch.long).unique()
-        if index.numel() == 0 or int(index.min()) < 0:
-            raise ValueError(f"key_columns needs one or more non-negative indices, got {list(indices)}")
-        self.indices = index
-        self.name = f"key_columns({index.tolist() if index.numel() <= 8 else f'{index.numel()} keys'})"
+        self.indices, shown = _positions(indices, "key_columns")
+        self.name = f"key_columns({shown})"
 
     def _value(self) -> tuple:
         return tuple(self.indices.tolist())
