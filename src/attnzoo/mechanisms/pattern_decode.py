@@ -75,9 +75,8 @@ def _kept_keys_shape(pattern: P.Pattern) -> tuple[int, Tensor] | None:
     columns = [p for p in parts if isinstance(p, P.KeyColumns)]
     if len(bands) != 1 or bands[0].lo is None or len(bands) + len(columns) != len(parts):
         return None
-    return max(0, -bands[0].lo), torch.cat([c.indices for c in columns]) if columns else torch.zeros(
-        0, dtype=torch.long
-    )
+    indices = [c.indices for c in columns] or [torch.zeros(0, dtype=torch.long)]
+    return max(0, -bands[0].lo), torch.cat(indices)
 
 
 def init_state(
