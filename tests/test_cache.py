@@ -113,3 +113,21 @@ def test_strided_and_global_patterns_decode_over_a_kv_cache():
         out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs, 2), attn(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"heads": 0}, "heads must be a positive int"), ({"capacity": -1}, "capacity must be an int >= 0")],
+)
+def test_init_state_names_a_bad_argument(kwargs, match):
+    args = {"batch": 1, "heads": 2, "head_dim": 4, "value_dim": 4} | kwargs
+    capacity = args.pop("capacity", 0)
+    with pytest.raises(ValueError, match=match):
+        attnzoo.build("softmax").init_state(*args.values(), capacity=capacity)
+
+
+def test_step_checks_its_inputs_once_for_every_mechanism():
+    state = attnzoo.build("local", left=2, right=0).init_state(1, 2, 4, 4)
+    q = torch.randn(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="k"):
+        attnzoo.build("local", left=2, right=0).step(state, q, torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))

@@ -11,8 +11,10 @@ The mechanism protocol. A mechanism implements two methods, both on inputs alrea
 ``args`` is the checked ``AttendArgs(causal, key_padding_mask, score_mod)``.
 
 The base turns them into the public API: ``forward``, ``reference`` and ``implied_attention``
-(defined once, from ``reference``). Decoding (``init_state`` / ``step``) is declared here too
-and refused unless the mechanism declares ``decode_step``. ``tests/test_contracts.py`` holds
+(defined once, from ``reference``). Decoding works the same way: the public ``init_state`` /
+``step`` live here, check their inputs and refuse unless the mechanism declares ``decode_step``;
+such a mechanism implements ``_init_state(spec: StateSpec)`` and ``_step(state, q, k, v,
+score_mod)``. ``tests/test_contracts.py`` holds
 every registered mechanism to this protocol by reading its capabilities: fast == reference
 (forward and gradients), causal prefix invariance, padding invariance, no N x N allocation where
 the spec promises sub-quadratic memory, and step == forward.
@@ -58,6 +60,20 @@ class AttendArgs:
     causal: bool
     key_padding_mask: Tensor | None
     score_mod: ScoreMod | None
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """The checked arguments of ``Attention.init_state``, handed to ``_init_state``: the
+    geometry of the state, where it lives, and ``capacity`` (the final length; 0 if unknown)."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    value_dim: int
+    device: Any
+    dtype: Any
+    capacity: int
 
 
 class Mechanism(nn.Module):
@@ -204,17 +220,36 @@ class Attention(Mechanism):
         dtype: Any = None,
         capacity: int = 0,
     ) -> Any:
-        """Empty decode state for ``step``. Mechanisms with ``decode_step`` override this;
+        """Empty decode state for ``step``; refused unless the mechanism declares ``decode_step``.
         ``capacity`` (the final length, 0 if unknown) lets a growing cache preallocate, and is
         ignored by states of fixed size."""
-        self._refuse("a decode step", "decode_step")
+        if not self.spec.capabilities.decode_step:
+            self._refuse("a decode step", "decode_step")
+        for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim), ("value_dim", value_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"init_state: {name} must be a positive int, got {value!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"init_state: capacity must be an int >= 0 (0 = unknown), got {capacity!r}")
+        return self._init_state(StateSpec(batch, heads, head_dim, value_dim, device, dtype, capacity))
 
     def step(
         self, state: Any, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
     ) -> tuple[Tensor, Any]:
         """Attend new queries ``q (B, H, T, D)`` (usually T = 1) to everything seen so far plus
-        the new ``k, v``; return ``(output (B, H, T, D_v), new_state)``."""
-        self._refuse("a decode step", "decode_step")
+        the new ``k, v`` (``(B, H, T, D)``, ``(B, H, T, D_v)``); return ``(output (B, H, T, D_v),
+        new_state)``. Row t equals row t of the causal forward over the whole sequence."""
+        if not self.spec.capabilities.decode_step:
+            self._refuse("a decode step", "decode_step")
+        if score_mod is not None and not self.spec.capabilities.score_mod:
+            self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
+        check_qkv(q, k, v, cross_attention=False)
+        return self._step(state, q, k, v, score_mod)
+
+    def _init_state(self, spec: StateSpec) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} declares decode_step and must implement _init_state")
+
+    def _step(self, state: Any, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None) -> tuple[Tensor, Any]:
+        raise NotImplementedError(f"{type(self).__name__} declares decode_step and must implement _step")
 
     def _refuse(self, what: str, capability: str) -> None:
         # Only (q, k, v) mechanisms can stand in: token mixers take the layer input, not q, k, v.

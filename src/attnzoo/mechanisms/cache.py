@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnzoo.mechanisms.base import StateSpec
+
 #: Room of a cache grown from empty: enough for short prompts without a reallocation.
 MIN_CAPACITY = 16
 
@@ -51,6 +53,19 @@ class KVCache:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         k = torch.empty(batch, heads, capacity, head_dim, device=device, dtype=dtype)
         return cls(k, torch.empty(batch, heads, capacity, value_dim, device=device, dtype=dtype))
+
+    @classmethod
+    def for_state(cls, spec: StateSpec) -> KVCache:
+        """The empty cache ``Attention.init_state`` asked for."""
+        return cls.empty(
+            spec.batch,
+            spec.heads,
+            spec.head_dim,
+            spec.value_dim,
+            capacity=spec.capacity,
+            device=spec.device,
+            dtype=spec.dtype,
+        )
 
     @property
     def k(self) -> Tensor:
@@ -103,21 +118,11 @@ class KVCacheDecode:
     token. Mixed into an ``Attention`` subclass that declares ``decode_step`` and
     ``cross_attention`` (the step's N_q < N_kv)."""
 
-    def init_state(
-        self,
-        batch: int,
-        heads: int,
-        head_dim: int,
-        value_dim: int,
-        *,
-        device: Any = None,
-        dtype: Any = None,
-        capacity: int = 0,
-    ) -> KVCache:
-        """An empty ``KVCache`` with room for ``capacity`` tokens (0: grown by doubling)."""
-        return KVCache.empty(batch, heads, head_dim, value_dim, capacity=capacity, device=device, dtype=dtype)
+    def _init_state(self, spec: StateSpec) -> KVCache:
+        """An empty ``KVCache`` with room for ``spec.capacity`` tokens (0: grown by doubling)."""
+        return KVCache.for_state(spec)
 
-    def step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, *, score_mod: Any = None) -> tuple[Tensor, KVCache]:
+    def _step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, score_mod: Any) -> tuple[Tensor, KVCache]:
         """The new queries are the last T positions of the cache: causal (end-aligned) lets each
         see the whole past and the new tokens up to itself."""
         state = state.append(k, v)

@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from attnzoo._checks import check_qkv
 from attnzoo.mechanisms._ops import compute_dtype
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -392,35 +391,21 @@ class KernelAttention(Attention):
             return_weights=return_weights,
         )
 
-    def init_state(
-        self,
-        batch: int,
-        heads: int,
-        head_dim: int,
-        value_dim: int,
-        *,
-        device: Any = None,
-        dtype: Any = None,
-        capacity: int = 0,
-    ) -> KernelState:
+    def _init_state(self, spec: StateSpec) -> KernelState:
         """Empty sums (zeros; ``c`` -inf) for ``step``, in float64 for float64, else float32;
-        ``capacity`` is ignored (the sums do not grow)."""
-        if not self.spec.capabilities.decode_step:
-            self._refuse("a decode step", "decode_step")
-        dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self.prepare(heads, head_dim, device, dtype)
-        s = torch.zeros(batch, heads, self.num_features(head_dim), value_dim, device=device, dtype=dtype)
-        c = torch.full((batch, heads), -math.inf, device=device, dtype=dtype)
+        ``spec.capacity`` is ignored (the sums do not grow)."""
+        dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
+        self.prepare(spec.heads, spec.head_dim, spec.device, dtype)
+        features = self.num_features(spec.head_dim)
+        s = torch.zeros(spec.batch, spec.heads, features, spec.value_dim, device=spec.device, dtype=dtype)
+        c = torch.full((spec.batch, spec.heads), -math.inf, device=spec.device, dtype=dtype)
         return KernelState(s, s.new_zeros(s.shape[:3]), c)
 
-    def step(
-        self, state: KernelState, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
+    def _step(
+        self, state: KernelState, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None
     ) -> tuple[Tensor, KernelState]:
         """The recurrence for the next ``T`` tokens (O(m D_v) per token): equals the matching
         rows of ``forward(..., causal=True)`` over the whole sequence."""
-        if score_mod is not None:
-            self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
-        check_qkv(q, k, v, cross_attention=False)
         return self._run(q, k, v, causal=True, key_padding_mask=None, state=state)
 
 

@@ -20,7 +20,7 @@ SDPA call; longer steps and steps with a ``score_mod`` go through the mechanism'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from attnzoo import patterns as P
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms.base import nan_rows_of_non_finite_queries
+from attnzoo.mechanisms.base import StateSpec, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.spec import ScoreMod
 
@@ -79,26 +79,16 @@ def _kept_keys_shape(pattern: P.Pattern) -> tuple[int, Tensor] | None:
     return max(0, -bands[0].lo), torch.cat(indices)
 
 
-def init_state(
-    attn: PatternAttention,
-    batch: int,
-    heads: int,
-    head_dim: int,
-    value_dim: int,
-    *,
-    device: Any,
-    dtype: Any,
-    capacity: int,
-) -> KeptKeys | KVCache:
+def init_state(attn: PatternAttention, spec: StateSpec) -> KeptKeys | KVCache:
     """``KeptKeys`` where the pattern allows it, else a ``KVCache`` (preallocated to
-    ``capacity`` when given)."""
+    ``spec.capacity`` when given)."""
     shape = _kept_keys_shape(attn.pattern)
     if shape is None:
-        return KVCache.empty(batch, heads, head_dim, value_dim, capacity=capacity, device=device, dtype=dtype)
-    k = torch.empty(batch, heads, 0, head_dim, device=device, dtype=dtype)
-    v = torch.empty(batch, heads, 0, value_dim, device=device, dtype=dtype)
-    empty = torch.zeros(0, dtype=torch.long, device=device)
-    return KeptKeys(k, v, empty, 0, shape[0], shape[1].to(device))
+        return KVCache.for_state(spec)
+    k = torch.empty(spec.batch, spec.heads, 0, spec.head_dim, device=spec.device, dtype=spec.dtype)
+    v = torch.empty(spec.batch, spec.heads, 0, spec.value_dim, device=spec.device, dtype=spec.dtype)
+    empty = torch.zeros(0, dtype=torch.long, device=spec.device)
+    return KeptKeys(k, v, empty, 0, shape[0], shape[1].to(spec.device))
 
 
 def step(

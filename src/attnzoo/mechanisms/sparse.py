@@ -21,7 +21,7 @@ from attnzoo import patterns as P
 from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import pattern_decode
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.registry import Config, bounded, eighth, quarter, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -101,28 +101,12 @@ class PatternAttention(Attention):
             return_weights=return_weights,
         )
 
-    def init_state(
-        self,
-        batch: int,
-        heads: int,
-        head_dim: int,
-        value_dim: int,
-        *,
-        device: Any = None,
-        dtype: Any = None,
-        capacity: int = 0,
-    ) -> Any:
+    def _init_state(self, spec: StateSpec) -> Any:
         """The cache the pattern needs (``pattern_decode``): the keys a later row can still see
         for a band with a left end (with key columns: ``sinks``), else every key."""
-        if not self.spec.capabilities.decode_step:
-            self._refuse("a decode step", "decode_step")
-        return pattern_decode.init_state(
-            self, batch, heads, head_dim, value_dim, device=device, dtype=dtype, capacity=capacity
-        )
+        return pattern_decode.init_state(self, spec)
 
-    def step(
-        self, state: Any, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
-    ) -> tuple[Tensor, Any]:
+    def _step(self, state: Any, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None) -> tuple[Tensor, Any]:
         """The new tokens' rows of the causal forward (``pattern_decode.step``); ``score_mod``
         sees absolute positions, as in the full forward."""
         return pattern_decode.step(self, state, q, k, v, score_mod)
