@@ -10,7 +10,8 @@ A new mechanism is covered by registering it.
   or ``causal=True`` is refused.
 * padding: changing padded tokens changes no real output; a query that sees no key gets zeros.
 * memory: where ``subquadratic_memory``, no tensor as large as the dense score matrix is made.
-* decode: where ``decode_step``, ``step`` token by token equals the causal ``forward``.
+* decode: where ``decode_step``, ``step`` token by token equals the causal ``forward``, also
+  after a left-padded prefill (``step(..., key_padding_mask=)``), B = 2, H = 6, N = 77.
 
 Tolerances: ``tolerances.assert_same`` (float64 row), the suite's one policy.
 """
@@ -150,14 +151,20 @@ def test_decode_steps_equal_the_causal_forward(name):
         out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
         outs.append(out)
     assert_same(torch.cat(outs, 2), want, what=f"{name}: step by step vs forward")
-    # An odd length, sized for it, decoded after a prefill: a prompt, then one token at a time.
-    attn, n = small_mechanism(name, 77, heads=HEADS, head_dim=HEAD_DIM), 77
-    q, k, v = _qkv(6, batch=2, n=n)
-    want = attn(q, k, v, causal=True)
-    state = attn.init_state(2, HEADS, HEAD_DIM, HEAD_DIM, dtype=q.dtype)
-    out, state = attn.step(state, q[:, :, :9], k[:, :, :9], v[:, :, :9])
-    outs = [out]
-    for t in range(9, n):
-        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+    # An odd length, sized for it, B = 2 and H = 6 (3 per group of a two-pattern per-head
+    # mechanism), batch row 0 left-padded (a batched prompt), decoded after a prefill: a prompt of
+    # 9, then one token at a time.
+    attn, n, heads = small_mechanism(name, 77, heads=6, head_dim=HEAD_DIM), 77, 6
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, heads, n, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[0, :5] = False
+    want = attn(q, k, v, causal=True, key_padding_mask=mask)
+    state = attn.init_state(2, heads, HEAD_DIM, HEAD_DIM, dtype=q.dtype)
+    outs = []
+    for lo, hi in [(0, 9), *((t, t + 1) for t in range(9, n))]:
+        out, state = attn.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_padding_mask=mask[:, lo:hi])
         outs.append(out)
-    assert_same(torch.cat(outs, 2), want, what=f"{name}: prefill of 9, then steps, N = 77")
+    got = torch.cat(outs, 2)
+    assert not got[0, :, :5].any(), f"{name}: the padded prefix sees no real key, its rows must be zero"
+    assert_same(got, want, what=f"{name}: left-padded prefill of 9, then steps, B = 2, H = 6, N = 77")

@@ -14,7 +14,7 @@ The base turns them into the public API: ``forward``, ``reference`` and ``implie
 (defined once, from ``reference``). Decoding works the same way: the public ``init_state`` /
 ``step`` live here, check their inputs and refuse unless the mechanism declares ``decode_step``;
 such a mechanism implements ``_init_state(spec: StateSpec)`` and ``_step(state, q, k, v,
-score_mod)``. ``tests/test_contracts.py`` holds
+args)`` (``args.causal`` is True, ``args.key_padding_mask`` marks the new tokens). ``tests/test_contracts.py`` holds
 every registered mechanism to this protocol by reading its capabilities: fast == reference
 (forward and gradients), causal prefix invariance, padding invariance, no N x N allocation where
 the spec promises sub-quadratic memory, and step == forward.
@@ -233,22 +233,37 @@ class Attention(Mechanism):
         return self._init_state(StateSpec(batch, heads, head_dim, value_dim, device, dtype, capacity))
 
     def step(
-        self, state: Any, q: Tensor, k: Tensor, v: Tensor, *, score_mod: ScoreMod | None = None
+        self,
+        state: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        score_mod: ScoreMod | None = None,
     ) -> tuple[Tensor, Any]:
         """Attend new queries ``q (B, H, T, D)`` (usually T = 1) to everything seen so far plus
         the new ``k, v`` (``(B, H, T, D)``, ``(B, H, T, D_v)``); return ``(output (B, H, T, D_v),
-        new_state)``. Row t equals row t of the causal forward over the whole sequence."""
+        new_state)``. Row t equals row t of the causal forward over the whole sequence.
+
+        ``key_padding_mask (B, T)`` marks which new tokens are real (True), as in ``forward``:
+        a padded token (a left-padded prompt in a batch) is never attended, now or later; its
+        own row is what the forward gives a padded query, zeros where it sees no real key."""
         if not self.spec.capabilities.decode_step:
             self._refuse("a decode step", "decode_step")
         if score_mod is not None and not self.spec.capabilities.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
         check_qkv(q, k, v, cross_attention=False)
-        return self._step(state, q, k, v, score_mod)
+        mask = check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[2], q.device)
+        if mask is not None and bool(mask.all()):
+            mask = None  # nothing padded: the states' fast paths
+        q, k, v = self.zero_padded(mask, q, k, v)
+        return self._step(state, q, k, v, AttendArgs(causal=True, key_padding_mask=mask, score_mod=score_mod))
 
     def _init_state(self, spec: StateSpec) -> Any:
         raise NotImplementedError(f"{type(self).__name__} declares decode_step and must implement _init_state")
 
-    def _step(self, state: Any, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None) -> tuple[Tensor, Any]:
+    def _step(self, state: Any, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, Any]:
         raise NotImplementedError(f"{type(self).__name__} declares decode_step and must implement _step")
 
     def _refuse(self, what: str, capability: str) -> None:

@@ -16,12 +16,11 @@ room already taken and copies the prefix into new buffers first (copy on write).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnzoo.mechanisms.base import StateSpec
+from attnzoo.mechanisms.base import AttendArgs, StateSpec
 
 #: Room of a cache grown from empty: enough for short prompts without a reallocation.
 MIN_CAPACITY = 16
@@ -43,6 +42,7 @@ class KVCache:
     v_buffer: Tensor
     length: int = 0
     _written: list[int] = field(default_factory=lambda: [0], repr=False, compare=False)
+    real_buffer: Tensor | None = None
 
     @classmethod
     def empty(
@@ -57,15 +57,8 @@ class KVCache:
     @classmethod
     def for_state(cls, spec: StateSpec) -> KVCache:
         """The empty cache ``Attention.init_state`` asked for."""
-        return cls.empty(
-            spec.batch,
-            spec.heads,
-            spec.head_dim,
-            spec.value_dim,
-            capacity=spec.capacity,
-            device=spec.device,
-            dtype=spec.dtype,
-        )
+        size = (spec.batch, spec.heads, spec.head_dim, spec.value_dim)
+        return cls.empty(*size, capacity=spec.capacity, device=spec.device, dtype=spec.dtype)
 
     @property
     def k(self) -> Tensor:
@@ -78,29 +71,48 @@ class KVCache:
         return self.v_buffer[:, :, : self.length]
 
     @property
+    def key_padding_mask(self) -> Tensor | None:
+        """``(B, T)`` bool, True = a real token; None while no padded token has been appended."""
+        return None if self.real_buffer is None else self.real_buffer[:, 0, : self.length, 0]
+
+    @property
     def capacity(self) -> int:
         return self.k_buffer.shape[2]
 
-    def append(self, k: Tensor, v: Tensor) -> KVCache:
-        """This cache followed by ``k (B, H, T', D)``, ``v (B, H, T', D_v)``.
+    def append(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> KVCache:
+        """This cache followed by ``k (B, H, T', D)``, ``v (B, H, T', D_v)``, whose real tokens
+        ``key_padding_mask (B, T')`` marks (None: all real).
 
         With gradients flowing into ``k`` or ``v`` (training through decode steps) it
         concatenates instead: writing into shared buffers would modify tensors that earlier
         steps saved for backward."""
+        real_buffer = self.real_buffer
+        if key_padding_mask is not None and real_buffer is None:  # the first padded token: all real before it
+            real_buffer = torch.ones(k.shape[0], 1, self.capacity, 1, dtype=torch.bool, device=k.device)
+        real = None
+        if real_buffer is not None:  # (B, 1, T', 1), like the buffer
+            real = (
+                key_padding_mask
+                if key_padding_mask is not None
+                else k.new_ones(k.shape[0], k.shape[2], dtype=torch.bool)
+            )
+            real = real[:, None, :, None]
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             kc, vc = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-            return KVCache(kc, vc, kc.shape[2], [kc.shape[2]])
+            rc = None if real is None else torch.cat([real_buffer[:, :, : self.length], real], dim=2)  # type: ignore[index]
+            return KVCache(kc, vc, kc.shape[2], [kc.shape[2]], rc)
         end = self.length + k.shape[2]
-        k_buffer, v_buffer, written = self.k_buffer, self.v_buffer, self._written
+        buffers, written = [self.k_buffer, self.v_buffer, real_buffer], self._written
         branched = written[0] != self.length  # this state was appended to already
         if branched or end > self.capacity:
             room = max(end, self.capacity) if branched else max(end, 2 * self.capacity, MIN_CAPACITY)
-            k_buffer, v_buffer = (_grown(buf, self.length, room) for buf in (k_buffer, v_buffer))
+            buffers = [None if b is None else _grown(b, self.length, room) for b in buffers]
             written = [self.length]
-        k_buffer[:, :, self.length : end] = k
-        v_buffer[:, :, self.length : end] = v
+        for buffer, new in zip(buffers, (k, v, real), strict=True):
+            if buffer is not None:
+                buffer[:, :, self.length : end] = new
         written[0] = end
-        return KVCache(k_buffer, v_buffer, end, written)
+        return KVCache(buffers[0], buffers[1], end, written, buffers[2])  # type: ignore[arg-type]
 
 
 def _grown(buffer: Tensor, length: int, capacity: int) -> Tensor:
@@ -122,8 +134,10 @@ class KVCacheDecode:
         """An empty ``KVCache`` with room for ``spec.capacity`` tokens (0: grown by doubling)."""
         return KVCache.for_state(spec)
 
-    def _step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, score_mod: Any) -> tuple[Tensor, KVCache]:
+    def _step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, KVCache]:
         """The new queries are the last T positions of the cache: causal (end-aligned) lets each
-        see the whole past and the new tokens up to itself."""
-        state = state.append(k, v)
-        return self(q, state.k, state.v, causal=True, score_mod=score_mod), state  # type: ignore[operator]
+        see the whole past and the new tokens up to itself; padded tokens are never seen."""
+        state = state.append(k, v, args.key_padding_mask)
+        mask = state.key_padding_mask
+        out = self(q, state.k, state.v, causal=True, key_padding_mask=mask, score_mod=args.score_mod)  # type: ignore[operator]
+        return out, state

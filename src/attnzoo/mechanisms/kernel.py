@@ -30,7 +30,7 @@ from torch import Tensor
 from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.registry import Config, bounded, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 #: ``"rows"``: ``num / (den + eps)`` (non-negative features); ``"signed"``: ``den`` kept at
 #: ``|den| >= eps`` with its sign (RFA); ``"keys"``: each feature's key weights sum to 1
@@ -402,11 +402,11 @@ class KernelAttention(Attention):
         return KernelState(s, s.new_zeros(s.shape[:3]), c)
 
     def _step(
-        self, state: KernelState, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None
+        self, state: KernelState, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs
     ) -> tuple[Tensor, KernelState]:
         """The recurrence for the next ``T`` tokens (O(m D_v) per token): equals the matching
         rows of ``forward(..., causal=True)`` over the whole sequence."""
-        return self._run(q, k, v, causal=True, key_padding_mask=None, state=state)
+        return self._run(q, k, v, causal=True, key_padding_mask=args.key_padding_mask, state=state)
 
 
 _CAUSAL = Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=True)

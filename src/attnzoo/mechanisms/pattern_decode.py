@@ -28,7 +28,7 @@ from torch import Tensor
 
 from attnzoo import patterns as P
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms.base import StateSpec, nan_rows_of_non_finite_queries
+from attnzoo.mechanisms.base import AttendArgs, StateSpec, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.spec import ScoreMod
 
@@ -43,8 +43,9 @@ DIRECT_STEP_TOKENS = 64
 @dataclass(frozen=True)
 class KeptKeys:
     """The keys a later row can still see: ``k (B, H, L, D)``, ``v (B, H, L, D_v)`` at absolute
-    ``positions (L,)`` (ascending), ``seen`` tokens so far; a row reaches ``reach`` keys back
-    and always sees the key ``columns``."""
+    ``positions (L,)`` (ascending), which of them are real tokens (``real (B, L)``, None while
+    all are), ``seen`` tokens so far; a row reaches ``reach`` keys back and always sees the key
+    ``columns``."""
 
     k: Tensor
     v: Tensor
@@ -52,19 +53,31 @@ class KeptKeys:
     seen: int
     reach: int
     columns: Tensor
+    real: Tensor | None = None
 
-    def after(self, span_k: Tensor, span_v: Tensor, positions: Tensor) -> KeptKeys:
+    def after(self, span: _Span) -> KeptKeys:
         """The state once the span (kept keys + new tokens) is seen: what a row at or after the
         next position can still see, copied so the span can be freed."""
+        positions = span.positions
         seen = int(positions[-1]) + 1
         if not self.columns.numel():  # a band alone: the kept keys are the span's last `reach`
-            tail = slice(max(0, positions.shape[0] - self.reach), None)
-            k, v = span_k[:, :, tail].clone(), span_v[:, :, tail].clone()
-            return KeptKeys(k, v, positions[tail], seen, self.reach, self.columns)
-        keep = (positions >= seen - self.reach) | torch.isin(positions, self.columns)
-        index = keep.nonzero().flatten()
-        k, v = span_k.index_select(2, index), span_v.index_select(2, index)
-        return KeptKeys(k, v, positions[index], seen, self.reach, self.columns)
+            index = slice(max(0, positions.shape[0] - self.reach), None)
+            k, v = span.k[:, :, index].clone(), span.v[:, :, index].clone()
+        else:
+            index = ((positions >= seen - self.reach) | torch.isin(positions, self.columns)).nonzero().flatten()
+            k, v = span.k.index_select(2, index), span.v.index_select(2, index)
+        real = None if span.real is None else span.real[:, index].clone()
+        return KeptKeys(k, v, positions[index], seen, self.reach, self.columns, real)
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The keys a step attends over: ``k, v`` at absolute ``positions``, ``real (B, L)`` or None."""
+
+    k: Tensor
+    v: Tensor
+    positions: Tensor
+    real: Tensor | None
 
 
 def _kept_keys_shape(pattern: P.Pattern) -> tuple[int, Tensor] | None:
@@ -92,32 +105,49 @@ def init_state(attn: PatternAttention, spec: StateSpec) -> KeptKeys | KVCache:
 
 
 def step(
-    attn: PatternAttention, state: KeptKeys | KVCache, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None
+    attn: PatternAttention, state: KeptKeys | KVCache, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs
 ) -> tuple[Tensor, KeptKeys | KVCache]:
     """The new tokens' rows of ``attn``'s causal forward over the keys in ``state``."""
+    mask = args.key_padding_mask
     if isinstance(state, KVCache):
-        cache = state.append(k, v)
-        span_k, span_v, start = cache.k, cache.v, 0
-        positions = torch.arange(cache.length, device=k.device)
+        new_state = state.append(k, v, mask)
+        positions = torch.arange(new_state.length, device=k.device)
+        span = _Span(new_state.k, new_state.v, positions, new_state.key_padding_mask)
     else:
-        span_k, span_v = torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2)
         new = torch.arange(state.seen, state.seen + k.shape[2], device=k.device)
-        positions = torch.cat([state.positions, new])
-        start = int(positions[0])
-    out = _attend_span(attn, q, span_k, span_v, positions, start, score_mod)
-    return out, (cache if isinstance(state, KVCache) else state.after(span_k, span_v, positions))
+        real = None
+        if mask is not None or state.real is not None:
+            old = (
+                state.real
+                if state.real is not None
+                else k.new_ones(k.shape[0], state.positions.shape[0], dtype=torch.bool)
+            )
+            real = torch.cat([old, mask if mask is not None else k.new_ones(mask_shape(k), dtype=torch.bool)], dim=1)
+        span = _Span(
+            torch.cat([state.k, k], dim=2), torch.cat([state.v, v], dim=2), torch.cat([state.positions, new]), real
+        )
+        new_state = state.after(span)
+    return _attend_span(attn, q, span, args.score_mod), new_state
 
 
-def _attend_span(
-    attn: PatternAttention, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, start: int, score_mod: ScoreMod | None
-) -> Tensor:
-    """The last ``T`` positions' rows over the span ``k, v`` whose keys sit at ``positions``."""
-    n_q, n_kv = q.shape[2], k.shape[2]
+def mask_shape(k: Tensor) -> tuple[int, int]:
+    """``(B, T)``: the shape of a key padding mask for ``k (B, H, T, D)``."""
+    return k.shape[0], k.shape[2]
+
+
+def _attend_span(attn: PatternAttention, q: Tensor, span: _Span, score_mod: ScoreMod | None) -> Tensor:
+    """The last ``T`` positions' rows over the span's keys."""
+    k, v, positions = span.k, span.v, span.positions
+    n_q, n_kv, start = q.shape[2], k.shape[2], int(positions[0])
     contiguous = int(positions[-1]) - start + 1 == n_kv
     if score_mod is None and n_q <= DIRECT_STEP_TOKENS:
         rows = positions[n_kv - n_q :, None]
         visible = _visible(attn, q.shape[1], rows, positions[None, :])  # [H | 1, T, L]
+        if span.real is not None:
+            visible = visible & span.real[:, None, None, :]  # (B, H | 1, T, L)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.config.scale)
+        if span.real is not None:  # rows that see no real key: zeros (SDPA gives NaN or garbage)
+            out = torch.where(visible.any(-1, keepdim=True), out, 0.0)
         return nan_rows_of_non_finite_queries(out, q)
     if score_mod is not None and not (contiguous and start == 0):  # span index != position
         inner = score_mod
@@ -131,14 +161,16 @@ def _attend_span(
             return inner(score, b, h, positions[q_idx.clamp(max=last)], positions[kv_idx.clamp(max=last)])
 
     if contiguous:  # the forward's own (end-aligned) pattern is the same over a shifted span
-        return attn(q, k, v, causal=True, score_mod=score_mod)
+        return attn(q, k, v, causal=True, key_padding_mask=span.real, score_mod=score_mod)
     rows = positions[n_kv - n_q :, None]
     visible = _visible(attn, q.shape[1], rows, positions[None, :])
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return visible[h if visible.shape[0] > 1 else 0, q_idx - (n_kv - n_q), kv_idx]
 
-    out = reference_attention(q, k, v, score_mod=score_mod, scale=attn.config.scale, mask_mod=mask_mod)
+    out = reference_attention(
+        q, k, v, key_padding_mask=span.real, score_mod=score_mod, scale=attn.config.scale, mask_mod=mask_mod
+    )
     return nan_rows_of_non_finite_queries(out, q)
 
 

@@ -23,7 +23,7 @@ from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import pattern_decode
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.registry import Config, bounded, eighth, quarter, register
-from attnzoo.spec import Capabilities, Complexity, ScoreMod
+from attnzoo.spec import Capabilities, Complexity
 
 Backend = Literal["auto", "blocked", "flex", "reference"]
 
@@ -106,10 +106,10 @@ class PatternAttention(Attention):
         for a band with a left end (with key columns: ``sinks``), else every key."""
         return pattern_decode.init_state(self, spec)
 
-    def _step(self, state: Any, q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None) -> tuple[Tensor, Any]:
+    def _step(self, state: Any, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, Any]:
         """The new tokens' rows of the causal forward (``pattern_decode.step``); ``score_mod``
         sees absolute positions, as in the full forward."""
-        return pattern_decode.step(self, state, q, k, v, score_mod)
+        return pattern_decode.step(self, state, q, k, v, args)
 
 
 SELF_ONLY = "defined on a fixed number of positions: self-attention only"
