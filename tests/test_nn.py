@@ -8,6 +8,7 @@ from einops import rearrange
 
 import attnzoo
 from attnzoo.bench.configs import sized
+from attnzoo.nn.sampling import filtered_probabilities
 from oracles import attention_oracle
 from tolerances import assert_same
 
@@ -48,16 +49,69 @@ def test_causal_outputs_ignore_the_future(positional):
 
 
 @pytest.mark.parametrize("mechanism", attnzoo.names(kind="attention", decode_step=True))
-def test_generate_is_greedy_over_the_full_forward(mechanism):
+def test_generate_is_greedy_over_the_full_forward_with_a_left_padded_prompt(mechanism):
     # Every mechanism that decodes, sized for the 16 tokens generated, in float64 (argmax ties
-    # between near-equal logits would otherwise make the comparison flaky).
+    # between near-equal logits would otherwise make the comparison flaky); row 0's prompt is
+    # left-padded by 2 tokens, whose content must not matter.
     lm = attnzoo.nn.CausalLM(30, 16, 2, 2, mechanism, **sized(mechanism, 16)).double().eval()
     prompt = torch.randint(0, 30, (2, 5))
-    out = lm.generate(prompt, max_new_tokens=11)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, :2] = False
+    out = lm.generate(prompt, max_new_tokens=11, key_padding_mask=mask)
     assert out.shape == (2, 16) and torch.equal(out[:, :5], prompt)
+    full_mask = torch.cat([mask, torch.ones(2, 11, dtype=torch.bool)], 1)
     with torch.no_grad():
-        logits = lm(out[:, :-1])
+        logits = lm(out[:, :-1], key_padding_mask=full_mask[:, :-1])
     assert torch.equal(logits[:, 4:].argmax(-1), out[:, 5:])
+    other = prompt.clone()
+    other[0, :2] = (prompt[0, :2] + 1) % 30
+    assert torch.equal(lm.generate(other, max_new_tokens=11, key_padding_mask=mask)[:, 5:], out[:, 5:])
+
+
+def test_sampling_repeats_with_a_seed_and_its_filters_keep_what_they_say():
+    lm = attnzoo.nn.CausalLM(30, 16, 2, 2, "local", left=4, right=0).eval()
+    prompt = torch.randint(0, 30, (3, 4))
+    sampled = attnzoo.nn.Sampling(temperature=1.5, top_k=10, top_p=0.9, seed=7)
+    first, again = (lm.generate(prompt, 12, sampling=sampled) for _ in range(2))
+    assert torch.equal(first, again)
+    greedy = lm.generate(prompt, 12)
+    assert torch.equal(lm.generate(prompt, 12, sampling=attnzoo.nn.Sampling(top_k=1, seed=1)), greedy)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    probs = filtered_probabilities(logits, attnzoo.nn.Sampling(top_k=3))
+    assert (probs[0, 3:] == 0).all() and torch.allclose(probs[0, :3], logits[0, :3].softmax(-1))
+    # top_p: the most likely token alone holds ~64% of the mass; 0.6 keeps it only, 0.7 two.
+    assert (filtered_probabilities(logits, attnzoo.nn.Sampling(top_p=0.6)) > 0).sum() == 1
+    assert (filtered_probabilities(logits, attnzoo.nn.Sampling(top_p=0.7)) > 0).sum() == 2
+
+
+def test_generate_stops_every_row_at_the_end_token():
+    lm = attnzoo.nn.CausalLM(30, 16, 2, 2, "softmax").eval()
+    prompt = torch.randint(0, 30, (2, 4))
+    greedy = lm.generate(prompt, 20)
+    eos = int(greedy[0, 6])  # row 0 emits it by its third new token at the latest
+    out = lm.generate(prompt, 20, eos_token_id=eos)
+    assert (out[0, 4:7] == eos).any(), "greedy decoding is deterministic: row 0 meets the end token again"
+    for row in out[:, 4:]:
+        hits = (row == eos).nonzero()
+        if len(hits):  # after the first end token, only end tokens
+            assert (row[int(hits[0]) :] == eos).all()
+    assert out.shape[1] <= 24 and (out.shape[1] == 24 or (out[:, -1] == eos).all())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"temperature": 0}, "temperature must be > 0"), ({"top_k": 0}, "top_k"), ({"top_p": 1.5}, "top_p")],
+)
+def test_sampling_names_a_bad_setting(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        attnzoo.nn.Sampling(**kwargs)
+
+
+def test_generate_refuses_a_right_padded_prompt():
+    lm = attnzoo.nn.CausalLM(30, 16, 2, 2, "softmax").eval()
+    mask = torch.tensor([[True, True, False]])
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, key_padding_mask=mask)
 
 
 def test_layer_errors_are_clear():

@@ -5,6 +5,7 @@ from attnzoo.nn.axial import AxialAttention
 from attnzoo.nn.cbam import CBAM
 from attnzoo.nn.global_tokens import GlobalTokens
 from attnzoo.nn.pooling import LAMAPooling
+from attnzoo.nn.sampling import Sampling
 from attnzoo.nn.sharnn import SHARNN
 from attnzoo.nn.transformer import CausalLM, LMState, TransformerEncoder, TransformerEncoderLayer
 
@@ -18,6 +19,7 @@ __all__ = [
     "MHAState",
     "MultiHeadAttention",
     "SHARNN",
+    "Sampling",
     "TransformerEncoder",
     "TransformerEncoderLayer",
 ]

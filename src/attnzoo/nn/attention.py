@@ -151,23 +151,29 @@ class MultiHeadAttention(nn.Module):
         )
         return MHAState(states[0] if len(states) == 1 else states, 0)
 
-    def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
+    def step(self, x: Tensor, state: MHAState, *, key_padding_mask: Tensor | None = None) -> tuple[Tensor, MHAState]:
         """Causal self-attention for the next ``T`` tokens ``x (B, T, dim)`` given everything
-        before them in ``state``; equals the matching rows of ``forward(..., causal=True)``."""
+        before them in ``state``; equals the matching rows of ``forward(..., causal=True,
+        key_padding_mask=...)``. ``key_padding_mask (B, T)``: which new tokens are real (True);
+        padded ones (a left-padded prompt) are never attended, now or later."""
         check_tensor(x, "x", 3, f"(B, T, dim={self.dim})")
         check_module_input(self, x, "x")
+        mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
         pos = torch.arange(x.shape[1], device=x.device) + state.position
         q, k, v = self._project(x, x, pos, pos)
         if self.positional is not None and self.positional.needs_weights:
             # Shaw value embeddings need the weights: keep the KV cache here and attend densely.
-            cache = state.mechanism.append(k, v)
-            out, mech_state = self._attend(q, cache.k, cache.v, causal=True, key_padding_mask=None), cache
+            cache = state.mechanism.append(k, v, mask)
+            out = self._attend(q, cache.k, cache.v, causal=True, key_padding_mask=cache.key_padding_mask)
+            mech_state = cache
         else:
             score_mod = self._score_mod(q, state.position + x.shape[1])
             states = (state.mechanism,) if len(self.mechanisms) == 1 else state.mechanism
             outs, new_states = [], []
             for (attn, heads, group_mod), group_state in zip(self._groups(score_mod), states):
-                out_g, state_g = attn.step(group_state, q[:, heads], k[:, heads], v[:, heads], score_mod=group_mod)
+                out_g, state_g = attn.step(
+                    group_state, q[:, heads], k[:, heads], v[:, heads], key_padding_mask=mask, score_mod=group_mod
+                )
                 outs.append(out_g)
                 new_states.append(state_g)
             out = torch.cat(outs, dim=1)

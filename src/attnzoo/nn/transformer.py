@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_module_input, check_positive_int
+from attnzoo._checks import check_key_padding_mask, check_module_input, check_positive_int
 from attnzoo.mechanisms.base import Attention, TokenMixer
 from attnzoo.nn.attention import MHAState, MultiHeadAttention
+from attnzoo.nn.sampling import Picker, Sampling
 from attnzoo.positional import PositionalEncoding, build_positional
 from attnzoo.registry import build, describe
 from attnzoo.spec import Shape
@@ -92,11 +93,12 @@ class TransformerEncoderLayer(nn.Module):
         self._no_decode()
         return self.attn.init_state(batch, device=device, dtype=dtype, capacity=capacity)
 
-    def step(self, x: Tensor, state: MHAState) -> tuple[Tensor, MHAState]:
+    def step(self, x: Tensor, state: MHAState, *, key_padding_mask: Tensor | None = None) -> tuple[Tensor, MHAState]:
+        """The next ``T`` tokens ``x (B, T, dim)``: the rows of ``forward(..., causal=True)``."""
         self._no_decode()
         if isinstance(x, Tensor):
             check_module_input(self, x, "x")
-        h, state = self.attn.step(self.norm1(x), state)
+        h, state = self.attn.step(self.norm1(x), state, key_padding_mask=key_padding_mask)
         return self._feedforward(x + h), state
 
     def _no_decode(self) -> None:
@@ -258,27 +260,53 @@ class CausalLM(nn.Module):
         )
         return LMState(layers, 0)
 
-    def step(self, tokens: Tensor, state: LMState) -> tuple[Tensor, LMState]:
-        """Next tokens ``(B, T)`` -> their logits ``(B, T, vocab_size)`` and the new state."""
+    def step(self, tokens: Tensor, state: LMState, *, key_padding_mask: Tensor | None = None) -> tuple[Tensor, LMState]:
+        """Next tokens ``(B, T)`` -> their logits ``(B, T, vocab_size)`` and the new state;
+        ``key_padding_mask (B, T)`` marks the real ones (True), as in ``forward``."""
         x = self._embed(tokens, state.position)
         new_states = []
         for layer, layer_state in zip(self.decoder.layers, state.layers):
-            x, layer_state = layer.step(x, layer_state)
+            x, layer_state = layer.step(x, layer_state, key_padding_mask=key_padding_mask)
             new_states.append(layer_state)
         logits = self.head(self.decoder.norm(x))
         return logits, LMState(tuple(new_states), state.position + tokens.shape[1])
 
     @torch.no_grad()
-    def generate(self, prompt: Tensor, max_new_tokens: int) -> Tensor:
-        """Greedy decoding: ``prompt (B, N)`` -> ``(B, N + max_new_tokens)``."""
+    def generate(
+        self,
+        prompt: Tensor,
+        max_new_tokens: int,
+        *,
+        key_padding_mask: Tensor | None = None,
+        sampling: Sampling | None = None,
+        eos_token_id: int | None = None,
+    ) -> Tensor:
+        """Decode ``max_new_tokens`` after ``prompt (B, N)`` -> ``(B, N + generated)``.
+
+        One forward-equivalent step over the prompt (a prefill), then one step per token, over
+        the mechanism's decode state (``init_state`` / ``step``). ``key_padding_mask (B, N)``
+        marks the prompt's real tokens: pad prompts on the left so each row's last token is
+        real. ``sampling``: None is greedy (arg-max); else ``Sampling(temperature, top_k,
+        top_p, seed)``. With ``eos_token_id``, a row that emitted it emits it again from then
+        on, and decoding stops early once every row has (so fewer than ``max_new_tokens``
+        columns may come back)."""
         check_positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
+        mask = check_key_padding_mask(key_padding_mask, *prompt.shape[:2], prompt.device) if prompt.ndim == 2 else None
+        if mask is not None and not bool(mask[:, -1].all()):
+            raise ValueError("key_padding_mask: every prompt's last token must be real - pad prompts on the left")
+        pick = Picker(sampling, prompt.device)
         state = self.init_state(prompt.shape[0], capacity=prompt.shape[1] + max_new_tokens)
-        logits, state = self.step(prompt, state)
-        out = [prompt]
+        logits, state = self.step(prompt, state, key_padding_mask=mask)
+        out, done = [prompt], torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         for _ in range(max_new_tokens):
-            token = logits[:, -1:].argmax(-1)
-            out.append(token)
-            logits, state = self.step(token, state)
+            token = pick(logits[:, -1])
+            if eos_token_id is not None:
+                token = token.masked_fill(done, eos_token_id)
+                done = done | (token == eos_token_id)
+            out.append(token[:, None])
+            if eos_token_id is not None and bool(done.all()):
+                break
+            logits, state = self.step(token[:, None], state)
         return torch.cat(out, dim=1)
 
     def _embed(self, tokens: Tensor, start: int) -> Tensor:
