@@ -221,3 +221,43 @@ def test_model_scale_reaches_mechanisms_with_and_without_a_scale_key():
         for name, cfg in (("softmax", {}), ("compressed", {"kernel": 1, "stride": 1, "heads": 4})):
             attnzoo.hf.use(model, name, **cfg)
             torch.testing.assert_close(model(input_ids=ids).last_hidden_state, want, atol=1e-4, rtol=0)
+
+
+def _tiny_lms():
+    (_, llama), (_, gpt2) = _tiny_causal_models()
+    return [(transformers.LlamaForCausalLM, llama), (transformers.GPT2LMHeadModel, gpt2)]
+
+
+@pytest.fixture(scope="module", params=_tiny_lms(), ids=["llama", "gpt2"])
+def tiny_lm(request):
+    cls, config = request.param
+    torch.manual_seed(0)
+    return cls(copy.deepcopy(config)).double().eval()
+
+
+@pytest.mark.parametrize("name", attnzoo.names(kind="attention", causal=True))
+def test_generate_with_every_causal_mechanism_matches_the_full_forward_or_refuses(tiny_lm, name):
+    """Greedy ``model.generate`` with transformers' cache, a left-padded batch: each new token is
+    the arg-max of the full forward over the sequence so far (the mechanism sized for the 18
+    tokens), or a mechanism without a decode step refuses to decode with a cache."""
+    from attnzoo.bench.configs import sized
+
+    model = copy.deepcopy(tiny_lm)
+    attnzoo.hf.use(model, name, **sized(name, 18))
+    ids = torch.randint(1, 100, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
+    if not attnzoo.describe(name).capabilities.decode_step:  # a prompt of the sized length: the prefill runs
+        long_prompt = torch.randint(1, 100, (2, 18), generator=torch.Generator().manual_seed(1))
+        with pytest.raises(ValueError, match="does not support decoding with a cache"):
+            model.generate(long_prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        return
+    with torch.no_grad():
+        out = model.generate(ids, **settings)
+        full_mask = torch.cat([mask, torch.ones(2, 8, dtype=torch.long)], 1)
+        # generate numbers a left-padded row's positions from its first real token: so does this
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, :-1]
+        logits = model(input_ids=out[:, :-1], attention_mask=full_mask[:, :-1], position_ids=positions).logits
+    assert out.shape == (2, 18)
+    assert torch.equal(logits[:, 9:].argmax(-1), out[:, 10:]), f"{name}: generate vs the full forward"

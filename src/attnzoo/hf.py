@@ -26,6 +26,13 @@ Notes:
     - Masks: a padding mask reaches the mechanism as ``key_padding_mask (B, N_kv)``, True = real
       token; causality comes from the layer (``is_causal``). Any other mask (sliding windows,
       packed sequences, a custom 4-D mask) raises unless it is exactly key padding (+ causal).
+    - Decoding (``model.generate``): a mechanism that attends over keys it has not seen as
+      queries (``cross_attention``) runs its causal forward over transformers' cache, end-aligned,
+      which equals the full forward's rows (``step`` == ``forward`` is a contract); a
+      self-attention-only one that decodes (``lsh``, ``routing``, ...) keeps its own decode
+      state on the mechanism between calls (greedy and sampled generation; beam search, which
+      reorders the cache, is not supported for these); one without a decode step (``random``,
+      ``bigbird``, ...) refuses a call with cached keys.
     - Attention-probability dropout is not implemented by attnzoo mechanisms: a training-mode
       call with ``dropout > 0`` raises. Attention weights are not returned (``None``, as SDPA).
 """
@@ -163,8 +170,48 @@ def attention(
         # Multiplying q by scaling*sqrt(D) turns their q.k/sqrt(D) into the model's q.k*scaling;
         # for the temperature-free kernels it is the same rescaling of the scores.
         query = query * (scaling * head_dim**0.5)
-    out = mech(query, key, value, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, N_q, D_v)
+    caps = mech.spec.capabilities
+    if causal and query.shape[2] < key.shape[2] and not caps.decode_step:
+        # A call with cached keys (generate): the rows of an end-aligned forward over them would
+        # not be the full forward's rows for this mechanism, so it is refused, not approximated.
+        mech._refuse(
+            "decoding with a cache (transformers' generate; use_cache=False recomputes instead)", "decode_step"
+        )
+    if causal and caps.decode_step and not caps.cross_attention:
+        out = _stepped(mech, query, key, value, key_padding_mask)
+    else:
+        out = mech(query, key, value, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, N_q, D_v)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _stepped(mech: nn.Module, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """A causal self-attention-only mechanism that decodes (``lsh``, ``routing``, ...) cannot
+    attend new queries over transformers' cached keys with ``forward`` (it needs the past
+    queries, or its own routing state), so in inference it keeps its own decode state on the
+    mechanism: a call over a whole sequence (the prefill) starts it with ``step``, and each
+    call with cached keys continues it. With gradients enabled a whole-sequence call is the plain
+    forward (training) and keeps nothing."""
+    n_q, n_kv = query.shape[2], key.shape[2]
+    if n_q == n_kv and torch.is_grad_enabled():
+        mech._attnzoo_decode = None
+        return mech(query, key, value, causal=True, key_padding_mask=key_padding_mask)
+    if n_q == n_kv:
+        b, h, _, d = query.shape
+        state = mech.init_state(b, h, d, value.shape[-1], device=query.device, dtype=query.dtype)
+    else:
+        held = getattr(mech, "_attnzoo_decode", None)
+        if held is None or held[1] != n_kv - n_q or held[2] != query.shape[0]:
+            raise ValueError(
+                f"{mech.spec.name!r} decodes with its own state, which does not match transformers' cache "
+                f"({n_kv - n_q} cached tokens): run the prompt through the model first, without gradients, "
+                "and do not edit or reorder the cache (beam search is not supported with this mechanism)"
+            )
+        state = held[0]
+    new = slice(n_kv - n_q, None)
+    mask = None if key_padding_mask is None else key_padding_mask[:, new]
+    out, state = mech.step(state, query, key[:, :, new], value[:, :, new], key_padding_mask=mask)
+    mech._attnzoo_decode = (state, n_kv, query.shape[0])
+    return out
 
 
 def mask(
