@@ -23,7 +23,9 @@ from attnzoo.registry import config_fields
 _FLAGS = ("causal", "key_padding", "decode_step", "cross_attention", "score_mod")
 
 
-def cmd_list(console: Console) -> None:
+def cmd_list(console: Console, decode: bool = False) -> None:
+    if decode:
+        return cmd_list_decode(console)
     table = Table(title=f"attnzoo {attnzoo.__version__}: registered mechanisms")
     for column in ("name", "family", "kind", "time", "memory", "supports"):
         table.add_column(column, no_wrap=column in ("name", "supports"))
@@ -32,6 +34,20 @@ def cmd_list(console: Console) -> None:
         caps = spec.capabilities
         supports = ", ".join(flag for flag in _FLAGS if getattr(caps, flag)) or "-"
         table.add_row(name, spec.family, caps.kind, spec.complexity.time, spec.complexity.memory, supports)
+    console.print(table)
+
+
+def cmd_list_decode(console: Console) -> None:
+    """Every causal mechanism: whether it decodes step by step, with what state and cost, or why not."""
+    table = Table(title="decoding (init_state / step): every causal mechanism")
+    for column in ("name", "decode step", "state and cost per token, or why not"):
+        table.add_column(column, no_wrap=column == "name")
+    for name in attnzoo.names(causal=True):
+        spec = attnzoo.describe(name)
+        if spec.capabilities.kind != "attention":
+            continue  # token mixers decode with forward over the whole sequence
+        note = spec.decoding or "-"
+        table.add_row(name, "yes" if spec.capabilities.decode_step else "no", note.split(": ", 1)[-1])
     console.print(table)
 
 
@@ -281,7 +297,8 @@ def _exit_code(result: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list every registered mechanism with its capabilities")
+    listing = sub.add_parser("list", help="list every registered mechanism with its capabilities")
+    listing.add_argument("--decode", action="store_true", help="how each causal mechanism decodes, or why it cannot")
     describe = sub.add_parser("describe", help="show one mechanism: paper, complexity, capabilities, config")
     describe.add_argument("name")
     sub.add_parser("demo", help="run a small demonstration")
@@ -337,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=200)
     try:
         if args.command == "list":
-            cmd_list(console)
+            cmd_list(console, decode=args.decode)
         elif args.command == "describe":
             cmd_describe(console, args.name)
         elif args.command == "show":

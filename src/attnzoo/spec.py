@@ -84,6 +84,15 @@ class Spec:
     complexity: Complexity
     notes: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def decoding(self) -> str | None:
+        """How a causal mechanism decodes, from its notes: the one starting ``"decode step: "``
+        (the state it keeps, the cost per token) or ``"no decode step: "`` (why a step is not
+        defined); None for a mechanism that cannot be causal."""
+        prefixes = ("decode step: ", "no decode step: ")
+        found = [note for note in self.notes if note.startswith(prefixes)]
+        return found[0] if found else None
+
 
 @dataclass(frozen=True, kw_only=True)
 class Shape:
