@@ -132,10 +132,22 @@ def test_fitted_exponents():
 def test_decode_bench_times_steps_and_refuses_mechanisms_without_one():
     from attnzoo.bench import decode
 
-    rows = list(decode.run((("softmax", {}), ("random", {})), (16, 64), "test", heads=1, dim=8))
+    mechanisms = (("softmax", {}), ("local", {"left": 4, "right": 0}), ("random", {}))
+    rows = list(decode.run(mechanisms, (16, 64), "test", heads=1, dim=8))
     assert rows[0]["kind"] == "meta"
     assert [r["position"] for r in rows[1:3]] == [16, 64] and all(r["steps_per_s"] > 0 for r in rows[1:3])
-    assert "no decode step" in rows[3]["error"]
+    # softmax's cache grows with the position (room preallocated for position + 33 tokens, K and
+    # V in float32); local's window of 4 keys does not.
+    assert [r["state_bytes"] for r in rows[1:3]] == [2 * (n + 33) * 8 * 4 for n in (16, 64)]
+    assert rows[3]["state_bytes"] == rows[4]["state_bytes"] < rows[1]["state_bytes"]
+    assert "no decode step" in rows[5]["error"]
+
+
+def test_state_bytes_counts_a_shared_storage_once():
+    from attnzoo.bench.decode import state_bytes
+
+    base = torch.zeros(10)
+    assert state_bytes((base[:5], base[5:], [base], {"x": torch.zeros(2, dtype=torch.float64)})) == 40 + 16
 
 
 def test_token_mixers_are_timed_without_a_claimed_speedup():

@@ -218,20 +218,22 @@ def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
 def cmd_bench_decode(console: Console, args: argparse.Namespace) -> None:
     from attnzoo.bench import decode, speed
 
-    mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or (("softmax", {}),)
+    mechanisms = tuple(speed.parse_mechanism(m) for m in args.mechanism) or decode.default_mechanisms()
     command = "attnzoo " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
     rows = decode.run(mechanisms, tuple(int(p) for p in args.positions.split(",")), command, args.heads, args.dim)
     table = Table(title="attnzoo bench decode: one token per step (B=1)")
-    for column in ("mechanism", "position", "ms / step", "steps / s", "note"):
+    for column in ("mechanism", "position", "ms / step", "steps / s", "state MiB", "note"):
         table.add_column(column)
 
     def echo(row: dict) -> None:
         if row["kind"] == "decode":
+            size = row.get("state_bytes")
             table.add_row(
                 row["mechanism"],
                 str(row.get("position", "-")),
                 _ms(row.get("step_s")),
                 _num(row.get("steps_per_s")),
+                "-" if size is None else f"{size / 2**20:.2f}",
                 row.get("error", ""),
             )
 
@@ -341,9 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--no-backward", action="store_true", help="time the forward only")
     sp.add_argument("--sdpa-max-n", type=int, default=16384, help="skip the dense SDPA reference above this N")
     sp.add_argument("--out", help="write JSON lines here")
-    dp = bench.add_parser("decode", help="time of one decoding step at given positions")
-    dp.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]")
-    dp.add_argument("--positions", default="1024,16384", help="comma-separated positions (tokens already seen)")
+    dp = bench.add_parser("decode", help="time of one decoding step and the state's size at given positions")
+    dp.add_argument(
+        "--mechanism",
+        action="append",
+        default=[],
+        metavar="NAME[:key=value,...]",
+        help="repeatable; default: every causal attention mechanism with its defaults",
+    )
+    dp.add_argument("--positions", default="1024,4096,16384", help="comma-separated positions (tokens already seen)")
     dp.add_argument("--heads", type=int, default=8)
     dp.add_argument("--dim", type=int, default=64)
     dp.add_argument("--out", help="write JSON lines here")

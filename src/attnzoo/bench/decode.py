@@ -1,10 +1,16 @@
-"""``attnzoo bench decode``: time of one decoding step at given positions. A mechanism with a
-recurrent state (``linear``) should cost the same at every position; a KV cache (``softmax``)
-grows with it. The state is filled by one prefill step of ``position`` tokens, then single-token
-steps are timed (median)."""
+"""``attnzoo bench decode``: time of one decoding step, and the size of the decode state, at
+given positions. A mechanism with a recurrent state (``linear``) or a window (``local``) should
+cost the same at every position; a KV cache (``softmax``) grows with it. The state is filled by
+one prefill step of ``position`` tokens, then single-token steps are timed (median).
+
+By default every causal attention mechanism is run with its default config; one that cannot
+decode gets a row with the reason, and a (mechanism, position) that fails (e.g. past a
+synthesizer's ``max_len``, or out of memory) a row with the error, so one does not stop the run.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterator
@@ -16,10 +22,34 @@ import attnzoo
 from attnzoo.bench.speed import machine
 
 
+def state_bytes(state: Any) -> int:
+    """Bytes held by the tensors of a decode state (dataclasses, tuples, lists, dicts walked;
+    a storage shared by several tensors counted once). A preallocated cache counts its room."""
+    seen: dict[int, int] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+        elif isinstance(x, (tuple, list)):
+            for item in x:
+                walk(item)
+        elif isinstance(x, dict):
+            for item in x.values():
+                walk(item)
+
+    walk(state)
+    return sum(seen.values())
+
+
 def step_times(
     name: str, config: dict[str, Any], position: int, *, heads: int = 8, dim: int = 64, steps: int = 32
-) -> list[float]:
-    """Seconds per single-token step after ``position`` tokens (B = 1)."""
+) -> tuple[list[float], int]:
+    """Seconds per single-token step after ``position`` tokens (B = 1), and the state's bytes
+    after the last step."""
     module = attnzoo.build(name, **config).eval()
     g = torch.Generator().manual_seed(0)
     prefill = torch.randn(3, 1, heads, position, dim, generator=g)
@@ -34,7 +64,7 @@ def step_times(
             _, state = module.step(state, q, k, v)
             if t:  # the first step is a warm-up
                 times.append(time.perf_counter() - start)
-    return times
+    return times, state_bytes(state)
 
 
 def run(
@@ -48,18 +78,28 @@ def run(
 
     yield {"kind": "meta", **machine(), "git": git_revision(), "command": command}
     for name, config in mechanisms:
-        if not attnzoo.describe(name).capabilities.decode_step:
-            yield {"kind": "decode", "mechanism": name, "error": f"{name!r} has no decode step"}
+        spec = attnzoo.describe(name)
+        if not spec.capabilities.decode_step:
+            yield {"kind": "decode", "mechanism": name, "error": spec.decoding or f"{name!r} has no decode step"}
             continue
         for position in positions:
-            median = statistics.median(step_times(name, config, position, heads=heads, dim=dim))
-            yield {
+            row = {
                 "kind": "decode",
                 "mechanism": name,
                 "config": config,
                 "position": position,
                 "heads": heads,
                 "dim": dim,
-                "step_s": median,
-                "steps_per_s": 1 / median,
             }
+            try:
+                times, size = step_times(name, config, position, heads=heads, dim=dim)
+            except (ValueError, RuntimeError, MemoryError) as error:  # e.g. past max_len; out of memory
+                yield {**row, "error": f"{type(error).__name__}: {error}"}
+                continue
+            median = statistics.median(times)
+            yield {**row, "step_s": median, "steps_per_s": 1 / median, "state_bytes": size}
+
+
+def default_mechanisms() -> tuple[tuple[str, dict[str, Any]], ...]:
+    """Every causal attention mechanism, with its default config."""
+    return tuple((name, {}) for name in attnzoo.names(kind="attention", causal=True))
