@@ -170,6 +170,11 @@ def register(
     return decorate
 
 
+#: The exact attention every other mechanism is measured against (benchmarks, reports, the
+#: gallery, the default of layers and training runs): one name, here.
+EXACT = "softmax"
+
+
 def names(*, family: str | None = None, kind: str | None = None, **capabilities: bool) -> list[str]:
     """Registered names, sorted; optionally only a ``family``, a ``kind`` ("attention" or
     "mixer"), or those with the given capability flags, e.g. ``names(causal=True)``."""

@@ -25,7 +25,7 @@ from matplotlib.ticker import MaxNLocator
 
 from attnzoo import patterns as P
 from attnzoo._checks import check_positive_int
-from attnzoo.registry import build, describe, names
+from attnzoo.registry import EXACT, build, describe, names
 
 STRONG, PARTIAL_FILL, PARTIAL_EDGE, FULL_EDGE, GRID = "#1f4e9c", "#fde2c0", "#e07b00", "#9ecae1", "#c8c8c8"
 
@@ -179,7 +179,7 @@ def gallery(out_dir: str | Path, *, n: int = 64, block: int = 8) -> list[Path]:
     out_dir = Path(out_dir)
     sparse = names(family="sparse")
     entries = [
-        ("softmax", P.full(), block, describe("softmax").summary, "full attention"),
+        (EXACT, P.full(), block, describe(EXACT).summary, "full attention"),
         ("causal", P.causal(), block, "Exact attention with causal=True.", "j <= i"),
     ]
     for name in sparse:

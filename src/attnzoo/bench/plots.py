@@ -18,6 +18,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
 from attnzoo.bench.speed import fitted_exponent
+from attnzoo.registry import EXACT
 
 #: One style per line: ten colours times five markers, so ~35 mechanisms stay apart. Dashed
 #: lines are kept for the SDPA reference.
@@ -62,7 +63,7 @@ def train_speed_ratios(rows: list[Row]) -> dict[str, float]:
     for r in rows:
         if usable(r, "steps_per_s"):
             steps.setdefault((label(r), r["task"]), []).append(r["steps_per_s"])
-    reference = {t: statistics.fmean(v) for (m, t), v in steps.items() if m == "softmax"}
+    reference = {t: statistics.fmean(v) for (m, t), v in steps.items() if m == EXACT}
     ratios: dict[str, list[float]] = {}
     for (m, t), v in steps.items():
         if t in reference:
@@ -79,7 +80,7 @@ def speed_ratios(rows: list[Row]) -> dict[str, tuple[float, int | None, int]]:
     forward bytes, N) at the largest N measured for both in the same setting (batch, heads,
     dim, causal); the fastest backend where several ran. Failed or incorrect rows are skipped."""
     good = [r for r in rows if usable(r, "forward_s") and r.get("correct") is not False]
-    reference = {_setting(r): r["forward_s"] for r in good if r["mechanism"] == "softmax"}
+    reference = {_setting(r): r["forward_s"] for r in good if r["mechanism"] == EXACT}
     best: dict[str, Row] = {}
     for r in good:
         if _setting(r) not in reference:

@@ -24,6 +24,7 @@ from rich.console import Console
 
 from attnzoo.bench import plots
 from attnzoo.bench.plots import label, speed_ratios, train_speed_ratios, usable
+from attnzoo.registry import EXACT
 
 Row = dict[str, Any]
 
@@ -176,14 +177,14 @@ def mqar_rows(train: list[Row]) -> list[dict[str, Any]]:
     table = {}
     for size in sorted({str(r.get("size")) for r in train if r["task"] == "mqar"}):
         lra = lra_table([r for r in train if r["task"] == "mqar" and str(r.get("size")) == size])
-        softmax = lra["cells"].get("softmax", {}).get("mqar", {}).get("accuracy")
+        softmax = lra["cells"].get(EXACT, {}).get("mqar", {}).get("accuracy")
         for m in lra["mechanisms"]:
             cell = lra["cells"][m]["mqar"]
             table[(m, size)] = {
                 "mechanism": m,
                 "size": size,
                 "accuracy": cell["accuracy"],
-                "softmax": softmax,
+                "exact": softmax,
                 "error": "; ".join(cell["errors"]) or None,
             }
     return sorted(table.values(), key=lambda r: (r["accuracy"] is None, -(r["accuracy"] or 0), r["mechanism"]))
@@ -333,9 +334,9 @@ def mqar_section(train: list[Row]) -> str:
         if r["accuracy"] is None:
             acc = f'<td class="failed" title="{_e(r["error"])}">failed</td><td>-</td>'
         else:
-            gap = "-" if r["softmax"] is None else f"{r['accuracy'] - r['softmax']:+.1f}"
+            gap = "-" if r["exact"] is None else f"{r['accuracy'] - r['exact']:+.1f}"
             acc = f"<td>{_pct(r['accuracy'])}</td><td>{gap}</td>"
-        body.append(f"<tr><th>{_e(r['mechanism'])}</th><td>{_e(r['size'])}</td>{acc}<td>{_pct(r['softmax'])}</td></tr>")
+        body.append(f"<tr><th>{_e(r['mechanism'])}</th><td>{_e(r['size'])}</td>{acc}<td>{_pct(r['exact'])}</td></tr>")
     note = "<p>Multi-query associative recall (causal): accuracy (%) beside softmax's at the same size, best first.</p>"
     return note + _table(["mechanism", "size", "accuracy %", "vs softmax", "softmax %"], body)
 

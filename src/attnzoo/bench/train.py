@@ -33,6 +33,7 @@ from attnzoo.bench.distributed import Distributed
 from attnzoo.bench.models import build_model, resolve_positional
 from attnzoo.bench.monitor import PeakMemory, Reporter
 from attnzoo.bench.tasks import Split, TaskInfo, load_task
+from attnzoo.registry import EXACT
 
 # Budgets per task and size: what `attnzoo bench train --task T` uses unless told otherwise.
 PRESETS: dict[tuple[str, str], dict[str, Any]] = {
@@ -72,7 +73,7 @@ class TrainConfig:
     """Everything that determines a run's result (and must match when it resumes)."""
 
     task: str
-    mechanism: str = "softmax"
+    mechanism: str = EXACT
     config: dict[str, Any] = field(default_factory=dict)  # the mechanism's config
     size: str = "quick"
     task_overrides: dict[str, Any] = field(default_factory=dict)

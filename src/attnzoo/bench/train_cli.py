@@ -16,6 +16,7 @@ from typing import Any
 from rich.markup import escape
 
 from attnzoo.bench.train import TrainConfig, TrainingDiverged, train
+from attnzoo.registry import EXACT
 
 
 def config_from_args(args: Any) -> TrainConfig:
@@ -106,7 +107,7 @@ def finite_float(text: str) -> float:
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--task", required=True, help="listops, mqar, pathfinder or text")
     parser.add_argument("--size", default="quick", help="task preset: quick, full (mqar also: standard)")
-    parser.add_argument("--mechanism", default="softmax", metavar="NAME[:key=value,...]")
+    parser.add_argument("--mechanism", default=EXACT, metavar="NAME[:key=value,...]")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="mechanism config")
     parser.add_argument(
         "--sized",
