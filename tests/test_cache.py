@@ -73,12 +73,15 @@ def test_window_decode_keeps_o_window_state_and_equals_the_causal_forward():
     # longer than DIRECT_STEP_TOKENS, then single tokens; every step's output equals the causal
     # forward's rows, and the state holds the last left (x dilation) keys whatever the position.
     # sinks (the first 3 keys + a window of 6) keeps 9 keys at positions that are not
-    # contiguous: its ALiBi steps go through the dense reference at absolute positions.
+    # contiguous: its ALiBi steps go through the dense reference at absolute positions; longformer
+    # with global tokens 0 and 5 keeps every key up to 5 (token 5's row saw them) + the window.
     windows = (
         ("local", dict(left=6, right=2)),
         ("dilated", dict(left=3, right=1, dilation=2)),
         ("sinks", dict(sinks=3, left=6, right=2)),
+        ("longformer", dict(window=6, global_indices=(0, 5))),
     )
+    kept_keys = {"local": 6, "dilated": 6, "sinks": 9, "longformer": 12}
     for (mechanism, config), positional in itertools.product(windows, ("alibi", None)):
         layer = attnzoo.nn.MultiHeadAttention(24, 3, mechanism, positional=positional, **config).double().eval()
         x = torch.randn(2, 100, 24, dtype=torch.float64)
@@ -91,8 +94,7 @@ def test_window_decode_keeps_o_window_state_and_equals_the_causal_forward():
         for t in range(80, 100):
             out, state = layer.step(x[:, t : t + 1], state)
             outs.append(out)
-            kept = 9 if mechanism == "sinks" else 6
-            assert state.mechanism.k.shape == (2, 3, kept, 8) and state.mechanism.seen == t + 1
+            assert state.mechanism.k.shape == (2, 3, kept_keys[mechanism], 8) and state.mechanism.seen == t + 1
         torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12, msg=f"{mechanism} {positional}")
 
 
@@ -104,7 +106,7 @@ def test_patterns_whose_rows_depend_on_the_final_length_refuse_to_decode_saying_
 
 
 def test_strided_and_global_patterns_decode_over_a_kv_cache():
-    attn = attnzoo.build("longformer", window=3, global_indices=(0, 5)).double().eval()
+    attn = attnzoo.build("strided", stride=4).double().eval()
     q, k, v = (torch.randn(2, 2, 30, 4, dtype=torch.float64) for _ in range(3))
     state = attn.init_state(2, 2, 4, 4, dtype=torch.float64, capacity=30)
     assert isinstance(state, KVCache) and state.capacity == 30

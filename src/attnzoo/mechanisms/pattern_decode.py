@@ -5,10 +5,11 @@ A step computes the new tokens' rows of the *causal* forward, so it needs row t 
 to be the same whatever the final length (the mechanisms that cannot promise it refuse). Two
 caches:
 
-- ``KeptKeys``: for a band with a left end, alone or with key columns (``local``, ``dilated``,
-  ``sinks``), only the keys a later row can still see are kept — the band's reach behind the
-  newest token and the columns (StreamingLLM's attention sinks) — each with its absolute
-  position. O(window + columns) memory and O(window + columns) work per token, at any position.
+- ``KeptKeys``: for a band with a left end, alone or with key columns or global tokens
+  (``local``, ``dilated``, ``sinks``, ``longformer``, ``etc``, ``star``), only the keys a later
+  row can still see are kept — the band's reach behind the newest token, the columns
+  (StreamingLLM's attention sinks) and everything up to the last global token — each with its
+  absolute position. O(window + columns) memory and work per token, at any position.
 - ``KVCache`` (``mechanisms.cache``): every other pattern keeps every key; the new rows are
   masked over the cache, O(t) per token like exact attention.
 
@@ -81,15 +82,18 @@ class _Span:
 
 
 def _kept_keys_shape(pattern: P.Pattern) -> tuple[int, Tensor] | None:
-    """``(reach, columns)`` when ``pattern`` is a band with a left end, alone or united with
-    key columns; None otherwise."""
+    """``(reach, kept columns)`` when ``pattern`` is a band with a left end, alone or united
+    with key columns (``sinks``) or global tokens (``longformer``, ``etc``, ``star``); None
+    otherwise. A global token's causal row sees every key up to it, so every position up to the
+    last global token is kept (a constant: the global tokens sit at fixed positions), and its
+    column is then kept with them."""
     parts = pattern.parts if isinstance(pattern, P.Union) else (pattern,)
     bands = [p for p in parts if isinstance(p, P.Band)]
-    columns = [p for p in parts if isinstance(p, P.KeyColumns)]
+    columns = [p.indices for p in parts if isinstance(p, P.KeyColumns)]
+    columns += [torch.arange(int(p.indices.max()) + 1) for p in parts if isinstance(p, P.GlobalTokens)]
     if len(bands) != 1 or bands[0].lo is None or len(bands) + len(columns) != len(parts):
         return None
-    indices = [c.indices for c in columns] or [torch.zeros(0, dtype=torch.long)]
-    return max(0, -bands[0].lo), torch.cat(indices)
+    return max(0, -bands[0].lo), torch.cat(columns or [torch.zeros(0, dtype=torch.long)]).unique()
 
 
 def init_state(attn: PatternAttention, spec: StateSpec) -> KeptKeys | KVCache:
