@@ -261,3 +261,109 @@ def test_generate_with_every_causal_mechanism_matches_the_full_forward_or_refuse
         logits = model(input_ids=out[:, :-1], attention_mask=full_mask[:, :-1], position_ids=positions).logits
     assert out.shape == (2, 18)
     assert torch.equal(logits[:, 9:].argmax(-1), out[:, 10:]), f"{name}: generate vs the full forward"
+
+
+def _tiny_bert():
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=24,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    return transformers.BertModel(config)
+
+
+@pytest.mark.parametrize(
+    "mechanism",
+    [("linformer", {"k": 8}), ("performer", {"features": 8}), ("synthesizer", {}), ("sinkhorn", {"block": 4})],
+    ids=lambda m: m[0],
+)
+def test_mechanism_parameters_train_save_and_reload_bit_identically(tmp_path, mechanism):
+    name, config = mechanism
+    model = attnzoo.hf.use(_tiny_bert(), name, **config)
+    mech = [layer.attnzoo_mechanism for layer in attnzoo.hf.attention_layers(model)]
+    assert len(mech) == 2 and all(m.spec.name == name for m in mech)
+    own = {id(p) for m in mech for p in m.parameters()}
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.1)  # made right after use(): it holds them
+    assert own <= {id(p) for group in optimiser.param_groups for p in group["params"]}
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in model.state_dict().items() if "attnzoo_mechanism" in k}
+    model.train()
+    for _ in range(3):
+        optimiser.zero_grad()
+        model(input_ids=ids).last_hidden_state.square().mean().backward()
+        optimiser.step()
+    model.eval()
+    after = {k: v for k, v in model.state_dict().items() if "attnzoo_mechanism" in k}
+    if own:
+        assert any(not torch.equal(before[k], after[k]) for k in before), "the mechanism's parameters trained"
+    model.save_pretrained(tmp_path)
+    again = attnzoo.hf.load(transformers.BertModel, tmp_path).eval()
+    for k, v in after.items():
+        assert torch.equal(again.state_dict()[k], v), k
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+
+
+def test_per_layer_choices_are_saved_and_reloaded(tmp_path):
+    choices = ["local", ("linformer", {"k": 8})]
+    model = attnzoo.hf.use(_tiny_bert(), choices).eval()
+    layers = attnzoo.hf.attention_layers(model)
+    assert [layer.attnzoo_mechanism.spec.name for layer in layers] == ["local", "linformer"]
+    assert model.config.attnzoo_mechanism == ["local", "linformer"]
+    model.save_pretrained(tmp_path)
+    again = attnzoo.hf.load(transformers.BertModel, tmp_path).eval()
+    ids = torch.randint(0, 100, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+    by_function = attnzoo.hf.use(_tiny_bert(), lambda i: "softmax" if i == 0 else ("local", {"left": 2, "right": 2}))
+    assert [m.attnzoo_mechanism.spec.name for m in attnzoo.hf.attention_layers(by_function)] == ["softmax", "local"]
+    with pytest.raises(ValueError, match="2 per-layer choices for layers up to 2|per-layer choices"):
+        attnzoo.hf.use(_tiny_bert(), ["local"])
+    with pytest.raises(ValueError, match="config keywords go with one mechanism"):
+        attnzoo.hf.use(_tiny_bert(), ["local", "local"], left=2)
+
+
+def test_load_says_when_the_checkpoint_lacks_the_mechanism_tensors(tmp_path):
+    _tiny_bert().save_pretrained(tmp_path)  # saved without attnzoo
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    config.attnzoo_mechanism, config.attnzoo_config = "linformer", {"k": 8}
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="lacks .* attnzoo mechanism tensors"):
+        attnzoo.hf.load(transformers.BertModel, tmp_path)
+
+
+def test_sliding_window_model_runs_local_and_equals_eager_attention():
+    config = transformers.MistralConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=5,
+    )
+    eager = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
+    eager.set_attn_implementation("eager")
+    model = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
+    model.load_state_dict(eager.state_dict())
+    attnzoo.hf.use(model)  # softmax, which is local over the model's window here
+    mechs = [layer.attnzoo_mechanism for layer in attnzoo.hf.attention_layers(model)]
+    assert all(m.spec.name == "local" and (m.config.left, m.config.right) == (4, 0) for m in mechs)
+    ids = torch.randint(1, 100, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        got, want = (m(input_ids=ids, attention_mask=mask).logits for m in (model, eager))
+        torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=TOL, rtol=0)
+        settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
+        assert torch.equal(model.generate(ids, **settings), eager.generate(ids, **settings))
+    with pytest.raises(ValueError, match="sliding window of 5 keys"):
+        attnzoo.hf.use(model, "local", left=2, right=0)
+        with torch.no_grad():
+            model(input_ids=ids)

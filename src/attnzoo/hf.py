@@ -8,19 +8,24 @@ model, without retraining, through transformers' ``AttentionInterface``.
 
 ``use`` registers ``"attnzoo"`` with ``AttentionInterface`` (and a mask function with
 ``AttentionMaskInterface``), checks the mechanism against the model (a causal model needs a
-causal mechanism) and stores the choice on the model's config as ``attnzoo_mechanism`` and
-``attnzoo_config``, so it survives ``save_pretrained``. A saved (or hand-edited) config with those
-attributes loads with ``from_pretrained(..., attn_implementation="attnzoo")`` after
-``attnzoo.hf.register()``.
+causal mechanism), stores the choice on the model's config as ``attnzoo_mechanism`` and
+``attnzoo_config`` (one name, or a list indexed by layer for a hybrid model), and builds every
+layer's mechanism at once, so its parameters train with the model and ``save_pretrained`` saves
+them. ``attnzoo.hf.load(ModelClass, path)`` reloads such a model with its mechanisms' tensors
+(``from_pretrained(..., attn_implementation="attnzoo")`` alone rebuilds the mechanisms from the
+config but drops their saved tensors).
 
 Notes:
     - transformers hands the attention function ``query/key/value (B, H, N, D)`` and takes
       ``(B, N, H, D)`` back; the mechanism sees ``(B, H, N, D)``, attnzoo's layout.
-    - One mechanism module is built per attention layer, on its first call (the first moment the
-      layer's heads and head width are known: ``attnzoo.Shape`` from the inputs, which sizes
-      per-head parameters), and kept on that layer as the submodule ``attnzoo_mechanism`` (so
-      ``.to()``, ``.eval()`` and ``state_dict`` reach parameters such as Linformer's projections).
-      It is rebuilt if the config changes.
+    - One mechanism module is built per attention layer by ``use`` (heads, head width and the
+      model's ``max_position_embeddings`` as an ``attnzoo.Shape``, which sizes per-head and
+      per-position parameters) and kept on that layer as the submodule ``attnzoo_mechanism`` (so
+      ``.to()``, ``.eval()``, ``parameters()`` and ``state_dict`` reach parameters such as
+      Linformer's projections). It is rebuilt if the config changes.
+    - Sliding-window models (Mistral; Qwen2/Gemma sliding layers): with the default ``softmax``, a
+      sliding layer of window W runs ``local(left=W-1, right=0)``, exactly the model's attention;
+      another mechanism on such a layer is refused (the model's window would be dropped).
     - The model's own softmax scale (``scaling``) is kept: it becomes the mechanism's ``scale``
       config where it has one (so ``scale`` may not be given to ``use``).
     - Masks: a padding mask reaches the mechanism as ``key_padding_mask (B, N_kv)``, True = real
@@ -39,13 +44,16 @@ Notes:
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 import attnzoo
-from attnzoo.registry import config_fields, make_config
+from attnzoo.registry import EXACT, config_fields, make_config
 
 try:
     from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel, masking_utils
@@ -55,7 +63,7 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
     ) from error
 
 NAME = "attnzoo"
-_UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "position_bias", "sinks")
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "position_bias", "sinks")
 
 
 def register() -> None:
@@ -66,35 +74,165 @@ def register() -> None:
     masking_utils.AttentionMaskInterface.register(NAME, mask)
 
 
-def use(model: PreTrainedModel, mechanism: str = "softmax", **config: Any) -> PreTrainedModel:
-    """Make every attention layer of ``model`` run ``mechanism`` with ``config``.
+Choice = str | tuple[str, dict[str, Any]]
+"""One layer's mechanism: a registered name, or ``(name, config)``."""
+
+
+def use(
+    model: PreTrainedModel,
+    mechanism: Choice | Sequence[Choice] | Callable[[int], Choice] = "softmax",
+    **config: Any,
+) -> PreTrainedModel:
+    """Make every attention layer of ``model`` run ``mechanism`` with ``config``, and build the
+    mechanisms now, so their parameters are in ``model.parameters()`` (an optimiser made next
+    trains them) and in its state dict (``save_pretrained`` saves them; ``attnzoo.hf.load``
+    reads them back).
 
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface``
             (``model._supports_attention_backend``; BERT, GPT-2, Llama and most recent models).
-        mechanism: a registered attention mechanism (``attnzoo.names(kind="attention")``).
-        **config: the mechanism's config keys (``attnzoo describe NAME``), except ``scale``,
-            which is the model's own.
+        mechanism: a registered attention mechanism (``attnzoo.names(kind="attention")``) for
+            every layer; or, for a hybrid model, one choice per layer — a sequence indexed by the
+            layer's ``layer_idx``, or a function of it — each a name or ``(name, config)``.
+        **config: the mechanism's config keys (``attnzoo describe NAME``) when ``mechanism`` is
+            one name, except ``scale``, which is the model's own.
 
     Returns:
-        ``model``, changed in place (config attributes and attention implementation).
+        ``model``, changed in place (config attributes, attention implementation, and one
+        ``attnzoo_mechanism`` submodule per attention layer).
 
     Raises:
-        ValueError: unknown mechanism or config key, a token mixer, ``scale`` given, or a causal
-            model with a mechanism that cannot be causal.
+        ValueError: unknown mechanism or config key, a token mixer, ``scale`` given, a causal
+            model with a mechanism that cannot be causal, or per-layer choices that do not
+            cover the model's layers.
     """
     register()
-    check(mechanism, config, causal=is_causal(model))
+    layers = attention_layers(model)
+    choices = _per_layer(mechanism, config, [m.layer_idx for m in layers])
+    for layer in layers:  # a sliding-window layer's exact attention is `local` over its window
+        window = sliding_window(layer)
+        if window is not None and choices[layer.layer_idx] == (EXACT, {}):
+            choices[layer.layer_idx] = ("local", {"left": window - 1, "right": 0})
+    causal = is_causal(model)
+    for name, cfg in choices.values():
+        check(name, cfg, causal=causal)
+    distinct = {(name, repr(sorted(cfg.items()))) for name, cfg in choices.values()}
+    count = max(choices, default=-1) + 1
     for cfg in _configs(model):
-        cfg.attnzoo_mechanism = mechanism
-        cfg.attnzoo_config = dict(config)
+        if len(distinct) <= 1:  # one mechanism for every layer: stored as one name
+            name, values = next(iter(choices.values()), (mechanism, config))
+            cfg.attnzoo_mechanism, cfg.attnzoo_config = name, dict(values)
+        else:
+            cfg.attnzoo_mechanism = [choices[i][0] for i in range(count)]
+            cfg.attnzoo_config = [dict(choices[i][1]) for i in range(count)]
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
         raise ValueError(
             f"{type(model).__name__} cannot switch attention implementation (it does not go through "
             "transformers' AttentionInterface), so attnzoo cannot run inside it"
         )
+    build_mechanisms(model)
     return model
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of ``model``: those with a transformers ``config``, a
+    ``layer_idx`` and a head width (``head_dim`` or ``attention_head_size``)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "config", None), PretrainedConfig)
+        and isinstance(getattr(m, "layer_idx", None), int)
+        and _head_dim(m) is not None
+    ]
+
+
+def build_mechanisms(model: nn.Module) -> None:
+    """Build every attention layer's mechanism from the model's config, with the layer's
+    geometry (heads, head width, the model's maximum length) and scale."""
+    causal = is_causal(model)
+    for layer in attention_layers(model):
+        heads = getattr(layer, "num_heads", None) or getattr(layer, "num_attention_heads", None)
+        heads = heads or getattr(layer.config, "num_attention_heads", None)
+        head_dim = _head_dim(layer)
+        max_len = getattr(layer.config, "max_position_embeddings", None)
+        shape = attnzoo.Shape(heads=heads, head_dim=head_dim, value_dim=head_dim, max_len=max_len)
+        scaling = getattr(layer, "scaling", None)
+        _mechanism(layer, head_dim**-0.5 if scaling is None else float(scaling), causal, shape)
+
+
+def load(model_class: Any, path: Any, **kwargs: Any) -> PreTrainedModel:
+    """``model_class.from_pretrained(path, attn_implementation="attnzoo", **kwargs)`` with the
+    mechanisms a model saved after ``use`` had, built and holding their saved tensors.
+
+    ``from_pretrained`` alone drops the mechanisms' tensors (the modules holding them do not
+    exist until attnzoo builds them): this builds them from the saved config, then reads their
+    tensors from the checkpoint's safetensors files. Raises ``ValueError`` if a mechanism tensor
+    is missing from the checkpoint."""
+    register()
+    model = model_class.from_pretrained(path, attn_implementation=NAME, **kwargs)
+    build_mechanisms(model)
+    wanted = {k for k in model.state_dict() if ".attnzoo_mechanism." in f".{k}"}
+    saved = {k: v for k, v in _checkpoint_tensors(Path(path)).items() if k in wanted}
+    missing = sorted(wanted - saved.keys())
+    if missing:
+        raise ValueError(
+            f"the checkpoint at {path} lacks {len(missing)} attnzoo mechanism tensors (e.g. {missing[0]}): "
+            "was it saved after attnzoo.hf.use(...) with this mechanism?"
+        )
+    model.load_state_dict(saved, strict=False)
+    return model
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
+    tensors: dict[str, Tensor] = {}
+    for name in files:
+        if not (path / name).exists():
+            raise ValueError(f"no safetensors checkpoint at {path / name}; attnzoo.hf.load reads safetensors only")
+        tensors.update(load_file(str(path / name)))
+    return tensors
+
+
+def sliding_window(layer: nn.Module) -> int | None:
+    """The layer's sliding window W (it sees its last W keys, itself included), or None: the
+    layer's own ``sliding_window`` (Qwen2, Gemma: per layer), else its config's (Mistral)."""
+    if hasattr(layer, "sliding_window"):
+        return layer.sliding_window
+    return getattr(layer.config, "sliding_window", None)
+
+
+def _head_dim(layer: nn.Module) -> int | None:
+    value = getattr(layer, "head_dim", None) or getattr(layer, "attention_head_size", None)
+    return value if isinstance(value, int) else None
+
+
+def _per_layer(mechanism: Any, config: dict[str, Any], indices: list[int]) -> dict[int, tuple[str, dict[str, Any]]]:
+    """``{layer_idx: (name, config)}`` from ``use``'s arguments."""
+    if isinstance(mechanism, str):
+        return {i: (mechanism, dict(config)) for i in indices}
+    if config:
+        raise ValueError("config keywords go with one mechanism name; per-layer choices carry (name, config) each")
+    if callable(mechanism):
+        picked = {i: mechanism(i) for i in indices}
+    elif isinstance(mechanism, Sequence):
+        if indices and max(indices) >= len(mechanism):
+            raise ValueError(f"mechanism: {len(mechanism)} per-layer choices for layers up to {max(indices)}")
+        picked = {i: mechanism[i] for i in indices}
+    else:
+        raise TypeError(f"mechanism must be a name, a sequence of per-layer choices or a function, got {mechanism!r}")
+    out = {}
+    for i, choice in picked.items():
+        name, cfg = (choice, {}) if isinstance(choice, str) else choice
+        if not isinstance(name, str) or not isinstance(cfg, dict):
+            raise TypeError(f"layer {i}: a choice is a name or (name, config dict), got {choice!r}")
+        out[i] = (name, dict(cfg))
+    return out
 
 
 def is_causal(model: nn.Module) -> bool:
@@ -155,11 +293,14 @@ def attention(
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
     head_dim = query.shape[-1]
+    window = kwargs.get("sliding_window")
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
     # The layer's geometry, from its inputs (a transformers config names it many ways): it sizes
     # per-head parameters (Synthesizer, Sinkhorn, RFA's gate, ...) when the mechanism is built.
     shape = attnzoo.Shape(heads=query.shape[1], head_dim=head_dim, value_dim=value.shape[-1])
     mech = _mechanism(module, scaling, causal, shape)
+    if window is not None:
+        _check_window(mech, window)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: (B, H_kv, N, D) -> (B, H, N, D)
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -182,6 +323,18 @@ def attention(
     else:
         out = mech(query, key, value, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, N_q, D_v)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_window(mech: nn.Module, window: int) -> None:
+    """A sliding-window layer (the model passes ``sliding_window=W``) runs ``local`` over that
+    window; anything else would silently drop the model's window, so it is refused."""
+    config = mech.config
+    if mech.spec.name != "local" or (config.left, config.right) != (window - 1, 0):
+        raise ValueError(
+            f"the layer attends a sliding window of {window} keys; attnzoo.hf.use maps its exact attention to "
+            f"local(left={window - 1}, right=0) but this layer runs {mech.spec.name!r} ({config}); to put another "
+            "mechanism there, set the model config's sliding_window to None first"
+        )
 
 
 def _stepped(mech: nn.Module, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None) -> Tensor:
@@ -229,8 +382,14 @@ def mask(
     (None when nothing is padded) -- no N x N tensor. Anything else is built by transformers'
     ``sdpa_mask`` and checked by ``key_padding`` in each layer."""
     plain = mask_function in (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
+    # A plain sliding-window causal mask (no extra or/and/packed masks: allow_is_causal_skip)
+    # comes with local_size = W; the layer's `local` mechanism applies the window itself.
+    windowed = kwargs.get("local_size") is not None and kwargs.get("allow_is_causal_skip", False)
+    if windowed and attention_mask is not None and attention_mask.ndim == 2:
+        attention_mask = attention_mask[:, kv_offset : kv_offset + kv_length]  # a sliding cache keeps the last keys
+        kv_offset = 0
     pad_2d = attention_mask is None or (attention_mask.ndim == 2 and attention_mask.shape[-1] == kv_length)
-    if plain and pad_2d and kv_offset == 0 and not kwargs.get("use_vmap", False):
+    if (plain or windowed) and pad_2d and kv_offset == 0 and not kwargs.get("use_vmap", False):
         if attention_mask is None or bool(attention_mask.all()):
             return None
         return attention_mask.to(torch.bool)
@@ -295,8 +454,36 @@ def key_padding(attention_mask: Tensor | None, n_q: int, n_kv: int, causal: bool
 
 
 def _mechanism(module: nn.Module, scaling: float, causal: bool, shape: attnzoo.Shape) -> nn.Module:
-    """The layer's mechanism, built on first use from its config and the layer's ``shape``, and
-    kept on the layer."""
+    """The layer's mechanism, kept on the layer as the submodule ``attnzoo_mechanism``: built
+    by ``use`` / ``load`` (or, for a model loaded with ``attn_implementation="attnzoo"`` alone,
+    on its first call), rebuilt only when the layer's config changes."""
+    name, config = _layer_choice(module)
+    cache_key = (name, repr(sorted(config.items())), scaling)
+    mech = getattr(module, "attnzoo_mechanism", None)
+    if mech is not None and mech._attnzoo_key == cache_key:
+        if mech._attnzoo_shape.heads != shape.heads or mech._attnzoo_shape.head_dim != shape.head_dim:
+            raise ValueError(
+                f"{type(module).__name__}: attnzoo built {name!r} for {mech._attnzoo_shape.heads} heads of "
+                f"{mech._attnzoo_shape.head_dim}, the layer gives {shape.heads} of {shape.head_dim}"
+            )
+        return mech
+    check(name, config, causal=causal)
+    takes_scale = "scale" in config_fields(name)
+    if takes_scale:
+        config["scale"] = scaling
+    mech = attnzoo.build(name, shape=shape, **config)
+    mech._attnzoo_key, mech._attnzoo_takes_scale, mech._attnzoo_shape = cache_key, takes_scale, shape
+    param = next(module.parameters(), None)
+    if param is not None:
+        mech.to(device=param.device)
+    mech.train(module.training)
+    module.attnzoo_mechanism = mech  # a submodule: follows .to(), .eval(), state_dict
+    return mech
+
+
+def _layer_choice(module: nn.Module) -> tuple[str, dict[str, Any]]:
+    """``(name, config)`` for this layer from its transformers config (one name for all layers,
+    or a list indexed by ``layer_idx``)."""
     cfg = getattr(module, "config", None)
     name = getattr(cfg, "attnzoo_mechanism", None)
     if name is None:
@@ -304,22 +491,13 @@ def _mechanism(module: nn.Module, scaling: float, causal: bool, shape: attnzoo.S
             f"{type(module).__name__} runs attn_implementation='attnzoo' but its config names no mechanism; "
             "call attnzoo.hf.use(model, NAME, **config) or set config.attnzoo_mechanism / config.attnzoo_config"
         )
-    config = _tuples(getattr(cfg, "attnzoo_config", None) or {})
-    cache_key = (name, repr(sorted(config.items())), scaling)
-    mech = getattr(module, "attnzoo_mechanism", None)
-    if mech is None or getattr(mech, "_attnzoo_key", None) != cache_key:
-        check(name, config, causal=causal)
-        takes_scale = "scale" in config_fields(name)
-        if takes_scale:
-            config["scale"] = scaling
-        mech = attnzoo.build(name, shape=shape, **config)
-        mech._attnzoo_key, mech._attnzoo_takes_scale = cache_key, takes_scale
-        param = next(module.parameters(), None)
-        if param is not None:
-            mech.to(device=param.device)
-        mech.train(module.training)
-        module.attnzoo_mechanism = mech  # a submodule: follows .to(), .eval(), state_dict
-    return mech
+    config = getattr(cfg, "attnzoo_config", None) or {}
+    if isinstance(name, (list, tuple)):
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int) or index >= len(name):
+            raise ValueError(f"config.attnzoo_mechanism lists {len(name)} layers, no entry for layer {index}")
+        name, config = name[index], (config[index] if isinstance(config, (list, tuple)) else config)
+    return name, _tuples(config)
 
 
 def _configs(model: nn.Module) -> list[PretrainedConfig]:
@@ -341,4 +519,15 @@ def _tuples(config: dict[str, Any]) -> dict[str, Any]:
     return {k: conv(v) for k, v in dict(config).items()}
 
 
-__all__ = ["attention", "check", "is_causal", "key_padding", "mask", "register", "use"]
+__all__ = [
+    "attention",
+    "attention_layers",
+    "build_mechanisms",
+    "check",
+    "is_causal",
+    "key_padding",
+    "load",
+    "mask",
+    "register",
+    "use",
+]
