@@ -168,3 +168,29 @@ def test_decode_steps_equal_the_causal_forward(name):
     got = torch.cat(outs, 2)
     assert not got[0, :, :5].any(), f"{name}: the padded prefix sees no real key, its rows must be zero"
     assert_same(got, want, what=f"{name}: left-padded prefill of 9, then steps, B = 2, H = 6, N = 77")
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_grouped_kv_heads_equal_repeated_ones_forward_gradients_and_decode(name):
+    """Grouped-query attention: K/V with H_kv = 1 head for H = 2 query heads give what the K/V
+    repeated per query head give, outputs and gradients (the gradient of a shared K/V head is the
+    sum over the query heads it serves), causal where the mechanism can be, and step by step."""
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    q, k, v = _qkv(7)
+    k1, v1 = (x[:, :1].clone().requires_grad_(True) for x in (k, v))
+    q = q.requires_grad_(True)
+    for causal in _causal_modes(name):
+        grouped = attn(q, k1, v1, causal=causal)
+        repeated = attn(q, k1.expand_as(k), v1.expand_as(v), causal=causal)
+        assert_same(grouped, repeated, what=f"{name} causal={causal}: grouped K/V vs repeated")
+        for got, want in zip(grads(grouped, (q, k1, v1)), grads(repeated, (q, k1, v1))):
+            assert_same(got, want, what=f"{name} causal={causal}: gradients, grouped vs repeated")
+    if not _caps(name).decode_step:
+        return
+    state = attn.init_state(B, HEADS, HEAD_DIM, HEAD_DIM, kv_heads=1, dtype=q.dtype)
+    outs = []
+    with torch.no_grad():
+        for t in range(N):
+            out, state = attn.step(state, q[:, :, t : t + 1], k1[:, :, t : t + 1], v1[:, :, t : t + 1])
+            outs.append(out)
+        assert_same(torch.cat(outs, 2), attn(q, k1, v1, causal=True), what=f"{name}: grouped decode vs forward")

@@ -367,3 +367,22 @@ def test_sliding_window_model_runs_local_and_equals_eager_attention():
         attnzoo.hf.use(model, "local", left=2, right=0)
         with torch.no_grad():
             model(input_ids=ids)
+
+
+def test_grouped_query_model_passes_kv_heads_unrepeated():
+    (_, config), _ = _tiny_causal_models()  # Llama: 4 query heads, 2 K/V heads
+    eager = transformers.LlamaModel(copy.deepcopy(config)).eval()
+    eager.set_attn_implementation("eager")
+    model = transformers.LlamaModel(copy.deepcopy(config)).eval()
+    model.load_state_dict(eager.state_dict())
+    attnzoo.hf.use(model, "softmax")
+    seen = []
+    for layer in attnzoo.hf.attention_layers(model):
+        layer.attnzoo_mechanism.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(args[1].shape[1]), with_kwargs=True
+        )
+    ids = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        got, want = model(input_ids=ids).last_hidden_state, eager(input_ids=ids).last_hidden_state
+    assert seen == [2, 2], "softmax receives the 2 K/V heads as they are (no repeat_kv)"
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)

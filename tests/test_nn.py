@@ -204,3 +204,29 @@ def test_heterogeneous_heads_forward_and_decode_step():
         attnzoo.nn.MultiHeadAttention(64, 8, [("softmax", {}, 3)])
     with pytest.raises(ValueError, match="each head group"):
         attnzoo.nn.MultiHeadAttention(64, 8, [("softmax", 8)])
+
+
+@pytest.mark.parametrize("mechanism", attnzoo.names(kind="attention"))
+def test_grouped_query_layer_equals_the_layer_with_repeated_kv_projections(mechanism):
+    # kv_heads=2 for 4 heads: the same layer with 4 K/V heads whose projections repeat each of
+    # the 2 (head 0's rows for heads 0 and 1, head 1's for 2 and 3) must give the same output.
+    config = sized(mechanism, 16)
+    gqa = attnzoo.nn.MultiHeadAttention(32, 4, mechanism, kv_heads=2, max_len=16, **config).double().eval()
+    full = attnzoo.nn.MultiHeadAttention(32, 4, mechanism, max_len=16, **config).double().eval()
+    state = gqa.state_dict()
+    for proj in ("k_proj", "v_proj"):
+        for part in ("weight", "bias"):
+            heads = state[f"{proj}.{part}"].unflatten(0, (2, 8))  # (kv_heads, head_dim, ...)
+            state[f"{proj}.{part}"] = heads.repeat_interleave(2, dim=0).flatten(0, 1)
+    full.load_state_dict(state)
+    assert gqa.k_proj.weight.shape == (16, 32) and full.k_proj.weight.shape == (32, 32)
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    causal = attnzoo.describe(mechanism).capabilities.causal
+    assert_same(gqa(x, causal=causal), full(x, causal=causal), what=f"{mechanism}: kv_heads=2 vs repeated")
+
+
+def test_head_groups_must_cover_whole_kv_groups():
+    with pytest.raises(ValueError, match="whole K/V groups"):
+        attnzoo.nn.MultiHeadAttention(32, 4, [("softmax", {}, 1), ("local", {}, 3)], kv_heads=2)
+    with pytest.raises(ValueError, match="kv_heads .3. must divide heads .4."):
+        attnzoo.nn.MultiHeadAttention(32, 4, kv_heads=3)

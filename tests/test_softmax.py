@@ -90,7 +90,12 @@ BAD_INPUTS = [
     ("int dtype", lambda q, k, v, m: ((q.long(), k.long(), v.long()), {}), TypeError, "floating"),
     ("mixed dtype", lambda q, k, v, m: ((q.float(), k, v), {}), TypeError, "one dtype"),
     ("batch", lambda q, k, v, m: ((q, k[:1], v[:1]), {}), ValueError, "batch size"),
-    ("heads", lambda q, k, v, m: ((q, k[:, :1], v[:, :1]), {}), ValueError, "number of heads"),
+    (
+        "heads",
+        lambda q, k, v, m: ((q, k.repeat(1, 2, 1, 1)[:, :3], v.repeat(1, 2, 1, 1)[:, :3]), {}),
+        ValueError,
+        "H_kv",
+    ),
     ("head dim", lambda q, k, v, m: ((q, k[..., :3], v), {}), ValueError, "head dimension"),
     ("k/v length", lambda q, k, v, m: ((q, k, v[:, :, :2]), {}), ValueError, "same length"),
     ("mask shape", lambda q, k, v, m: ((q, k, v), {"key_padding_mask": m[:, :3]}), ValueError, "(B, N_kv)"),

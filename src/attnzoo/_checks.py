@@ -50,7 +50,8 @@ def _args(values: tuple) -> str:
 
 
 def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True, allow_empty: bool = False) -> None:
-    """Validate ``q (B, H, N_q, D)``, ``k (B, H, N_kv, D)``, ``v (B, H, N_kv, D_v)``. N_kv = 0 is
+    """Validate ``q (B, H, N_q, D)``, ``k (B, H_kv, N_kv, D)``, ``v (B, H_kv, N_kv, D_v)`` with
+    ``H_kv`` dividing ``H`` (grouped-query attention; ``H_kv = H`` is the usual case). N_kv = 0 is
     refused unless ``allow_empty`` and the output is empty anyway (B = 0 or N_q = 0)."""
     check_tensor(q, "q", 4, "(B, H, N_q, D)")
     check_tensor(k, "k", 4, "(B, H, N_kv, D)")
@@ -60,12 +61,17 @@ def check_qkv(q: object, k: object, v: object, *, cross_attention: bool = True, 
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    for dim, what in ((0, "batch size B"), (1, "number of heads H")):
-        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
-            raise ValueError(
-                f"q, k, v must agree on the {what} (dimension {dim}), got "
-                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-            )
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(
+            f"q, k, v must agree on the batch size B (dimension 0), got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"k and v must have the same number of heads H_kv, equal to q's H or dividing it (grouped-query "
+            f"attention: each K/V head serves H / H_kv query heads), got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share the head dimension D, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if k.shape[2] != v.shape[2]:

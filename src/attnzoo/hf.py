@@ -278,8 +278,8 @@ def attention(
     """The ``"attnzoo"`` attention function (``AttentionInterface`` signature).
 
     Shapes:
-        query ``(B, H, N_q, D)``, key/value ``(B, H_kv, N_kv, D)`` (``H_kv`` divides ``H``: grouped
-        keys are repeated), attention_mask ``(B, N_kv)`` bool from ``mask`` or a 4-D bool/additive
+        query ``(B, H, N_q, D)``, key/value ``(B, H_kv, N_kv, D)`` (``H_kv`` divides ``H``: passed
+        un-repeated; see ``Capabilities.gqa``), attention_mask ``(B, N_kv)`` bool from ``mask`` or a 4-D bool/additive
         mask ``(B, 1, N_q, N_kv)`` -> ``((B, N_q, H, D_v), None)``.
     """
     extra = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
@@ -301,9 +301,8 @@ def attention(
     mech = _mechanism(module, scaling, causal, shape)
     if window is not None:
         _check_window(mech, window)
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: (B, H_kv, N, D) -> (B, H, N, D)
-        groups = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    # Grouped-query K/V (B, H_kv, N, D) go in as they are: a mechanism that attends them itself
+    # (softmax: SDPA's enable_gqa) never repeats them; the others repeat them per call.
     key_padding_mask, causal = key_padding(attention_mask, query.shape[2], key.shape[2], causal)
     if not mech._attnzoo_takes_scale and abs(scaling * head_dim**0.5 - 1) > 1e-6:
         # Mechanisms without a scale key use 1/sqrt(D) (Linformer, Nystrom, compressed, and the
@@ -350,7 +349,7 @@ def _stepped(mech: nn.Module, query: Tensor, key: Tensor, value: Tensor, key_pad
         return mech(query, key, value, causal=True, key_padding_mask=key_padding_mask)
     if n_q == n_kv:
         b, h, _, d = query.shape
-        state = mech.init_state(b, h, d, value.shape[-1], device=query.device, dtype=query.dtype)
+        state = mech.init_state(b, h, d, value.shape[-1], kv_heads=key.shape[1], device=query.device, dtype=query.dtype)
     else:
         held = getattr(mech, "_attnzoo_decode", None)
         if held is None or held[1] != n_kv - n_q or held[2] != query.shape[0]:

@@ -39,6 +39,9 @@ class Capabilities:
         decode_step: has ``init_state`` / ``step`` for O(state) autoregressive decoding.
         cross_attention: accepts ``N_q != N_kv`` (keys/values from another sequence).
         score_mod: accepts a ``score_mod`` (position biases such as ALiBi, Shaw relative).
+        gqa: attends K/V with fewer heads than q (``H_kv`` dividing ``H``, grouped-query
+            attention) without repeating them. Every mechanism accepts such K/V; one without
+            this flag gets them repeated to ``H`` heads first (``Attention.forward``).
         backends: the attention backends it can run on (empty for mechanisms with their own
             computation).
         kind: ``"attention"`` mechanisms take ``(q, k, v)``; ``"mixer"`` token mixers take the
@@ -54,6 +57,7 @@ class Capabilities:
     decode_step: bool = False
     cross_attention: bool = False
     score_mod: bool = False
+    gqa: bool = False
     backends: tuple[str, ...] = ()
     kind: Kind = "attention"
     independent_queries: bool = True

@@ -65,10 +65,13 @@ class AttendArgs:
 @dataclass(frozen=True, slots=True)
 class StateSpec:
     """The checked arguments of ``Attention.init_state``, handed to ``_init_state``: the
-    geometry of the state, where it lives, and ``capacity`` (the final length; 0 if unknown)."""
+    geometry of the state (``kv_heads``: the K/V heads ``_step`` gets, H unless the mechanism
+    attends grouped K/V itself), where it lives, and ``capacity`` (the final length; 0 if
+    unknown)."""
 
     batch: int
     heads: int
+    kv_heads: int
     head_dim: int
     value_dim: int
     device: Any
@@ -130,6 +133,7 @@ class Attention(Mechanism):
         score_mod: ScoreMod | None = None,
     ) -> Tensor:
         args = self._checked(q, k, v, causal, key_padding_mask, score_mod)
+        k, v = self._kv_heads(q, k, v, native=self.spec.capabilities.gqa)
         if q.shape[0] == 0 or q.shape[2] == 0:
             # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
             return (q @ k.transpose(-1, -2)) @ v
@@ -153,6 +157,7 @@ class Attention(Mechanism):
         ``return_weights``: ``(output, weights (B, H, N_q, N_kv))``, ``output == weights @ v``
         up to rounding for every mechanism whose output is linear in v."""
         args = self._checked(q, k, v, causal, key_padding_mask, score_mod)
+        k, v = self._kv_heads(q, k, v, native=False)  # the paper's form: one K/V per query head
         if q.shape[0] == 0 or q.shape[2] == 0:
             weights = q @ k.transpose(-1, -2)  # empty, on the graph
             return (weights @ v, weights) if return_weights else weights @ v
@@ -191,6 +196,16 @@ class Attention(Mechanism):
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
         return AttendArgs(causal, key_padding_mask, score_mod)
 
+    @staticmethod
+    def _kv_heads(q: Tensor, k: Tensor, v: Tensor, *, native: bool) -> tuple[Tensor, Tensor]:
+        """``k, v`` as the mechanism takes them: as given where it attends grouped K/V itself
+        (``native``; or when they have H heads already), else each K/V head repeated for the
+        ``H / H_kv`` query heads it serves (grouped-query attention, SDPA's ``enable_gqa``)."""
+        if native or k.shape[1] == q.shape[1]:
+            return k, v
+        groups = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
     def zero_padded(self, key_padding_mask: Tensor | None, q: Tensor, *kv: Tensor) -> tuple[Tensor, ...]:
         """``(q, *kv)`` as ``_attend`` receives them: the key-side tensors ``kv`` with padded
         positions zeroed (``zero_padding``), and ``q`` too if the mechanism is self-attention
@@ -216,21 +231,35 @@ class Attention(Mechanism):
         head_dim: int,
         value_dim: int,
         *,
+        kv_heads: int | None = None,
         device: Any = None,
         dtype: Any = None,
         capacity: int = 0,
     ) -> Any:
         """Empty decode state for ``step``; refused unless the mechanism declares ``decode_step``.
-        ``capacity`` (the final length, 0 if unknown) lets a growing cache preallocate, and is
-        ignored by states of fixed size."""
+        ``kv_heads``: the K/V heads ``step`` will get (grouped-query attention; default
+        ``heads``). ``capacity`` (the final length, 0 if unknown) lets a growing cache
+        preallocate, and is ignored by states of fixed size."""
         if not self.spec.capabilities.decode_step:
             self._refuse("a decode step", "decode_step")
-        for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim), ("value_dim", value_dim)):
+        kv_heads = heads if kv_heads is None else kv_heads
+        sizes = (
+            ("batch", batch),
+            ("heads", heads),
+            ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
+            ("value_dim", value_dim),
+        )
+        for name, value in sizes:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"init_state: {name} must be a positive int, got {value!r}")
+        if heads % kv_heads:
+            raise ValueError(f"init_state: kv_heads ({kv_heads}) must divide heads ({heads})")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"init_state: capacity must be an int >= 0 (0 = unknown), got {capacity!r}")
-        return self._init_state(StateSpec(batch, heads, head_dim, value_dim, device, dtype, capacity))
+        # A mechanism that does not attend grouped K/V itself gets them repeated (step): H heads.
+        kv_heads = kv_heads if self.spec.capabilities.gqa else heads
+        return self._init_state(StateSpec(batch, heads, kv_heads, head_dim, value_dim, device, dtype, capacity))
 
     def step(
         self,
@@ -257,6 +286,7 @@ class Attention(Mechanism):
         mask = check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[2], q.device)
         if mask is not None and bool(mask.all()):
             mask = None  # nothing padded: the states' fast paths
+        k, v = self._kv_heads(q, k, v, native=self.spec.capabilities.gqa)
         q, k, v = self.zero_padded(mask, q, k, v)
         return self._step(state, q, k, v, AttendArgs(causal=True, key_padding_mask=mask, score_mod=score_mod))
 

@@ -57,7 +57,7 @@ class KVCache:
     @classmethod
     def for_state(cls, spec: StateSpec) -> KVCache:
         """The empty cache ``Attention.init_state`` asked for."""
-        size = (spec.batch, spec.heads, spec.head_dim, spec.value_dim)
+        size = (spec.batch, spec.kv_heads, spec.head_dim, spec.value_dim)
         return cls.empty(*size, capacity=spec.capacity, device=spec.device, dtype=spec.dtype)
 
     @property

@@ -47,6 +47,7 @@ class SoftmaxConfig(Config):
         decode_step=True,
         cross_attention=True,
         score_mod=True,
+        gqa=True,
         backends=("sdpa", "reference"),
     ),
     complexity=Complexity(time="O(N^2 D)", memory="O(N D) SDPA, O(N^2) reference"),
@@ -67,6 +68,7 @@ class SoftmaxAttention(KVCacheDecode, Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         if not self.uses_fast_path(score_mod=args.score_mod):
+            k, v = self._kv_heads(q, k, v, native=False)  # the dense reference takes H K/V heads
             return self._reference(q, k, v, args, return_weights=False)
         return sdpa_attention(
             q, k, v, causal=args.causal, key_padding_mask=args.key_padding_mask, scale=self.config.scale
@@ -112,8 +114,9 @@ def sdpa_attention(
     passed explicitly. A row with no visible key comes back as zeros (checked by tests).
     """
     n_q, n_kv = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]  # grouped K/V heads: SDPA indexes them, nothing is repeated
     if key_padding_mask is None and (not causal or n_q == n_kv):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
     mask = visible_pairs(
         q.shape[0],
         q.shape[1],
@@ -124,4 +127,4 @@ def sdpa_attention(
         mask_mod=None,
         device=q.device,
     )
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -39,6 +39,11 @@ class MultiHeadAttention(nn.Module):
             ...]`` whose ``n_heads`` add up to ``heads``: each group runs its own mechanism on its
             slice of the heads ("different heads, different patterns"), outputs concatenated.
         kv_dim: width of ``context`` for cross-attention; default ``dim``.
+        kv_heads: K/V heads for grouped-query (``1 < kv_heads < heads``) or multi-query
+            (``kv_heads=1``) attention: each K/V head serves ``heads / kv_heads`` query heads
+            (Ainslie et al. 2023); default ``heads``. Mechanisms that attend grouped K/V
+            themselves (``Capabilities.gqa``: ``softmax``) never repeat them; the others get
+            them repeated per call. Head groups must each cover whole K/V groups.
         head_dim: width per head; default ``dim // heads`` (then ``dim % heads`` must be 0).
         positional: None, a name (``"sinusoidal"``, ``"rope"``, ``"alibi"``, ``"relative"``) or
             a ``attnzoo.positional.PositionalEncoding``. Absolute encodings given here are added
@@ -64,6 +69,7 @@ class MultiHeadAttention(nn.Module):
         mechanism: str | Attention = "softmax",
         *,
         kv_dim: int | None = None,
+        kv_heads: int | None = None,
         head_dim: int | None = None,
         positional: str | PositionalEncoding | None = None,
         dropout: float = 0.0,
@@ -77,6 +83,10 @@ class MultiHeadAttention(nn.Module):
         if head_dim is None and dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}), or pass head_dim explicitly")
         self.dim, self.heads = dim, heads
+        self.kv_heads = heads if kv_heads is None else kv_heads
+        check_positive_int(self.kv_heads, "kv_heads")
+        if heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({heads})")
         self.head_dim = dim // heads if head_dim is None else head_dim
         self.kv_dim = dim if kv_dim is None else kv_dim
         check_positive_int(self.head_dim, "head_dim")
@@ -85,6 +95,12 @@ class MultiHeadAttention(nn.Module):
         groups = _resolve_groups(mechanism, mechanism_config, shape)
         self.mechanisms = nn.ModuleList(attn for attn, _ in groups)
         self.group_heads = tuple(n for _, n in groups)
+        per_kv = heads // self.kv_heads
+        if any(n % per_kv for n in self.group_heads):
+            raise ValueError(
+                f"head groups of {list(self.group_heads)} heads do not each cover whole K/V groups of {per_kv} query "
+                f"heads (heads={heads}, kv_heads={self.kv_heads})"
+            )
         self.positional = build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim)
         for attn in self.mechanisms:
             _check_positional(self.positional, attn)
@@ -93,10 +109,10 @@ class MultiHeadAttention(nn.Module):
                 "Shaw relative value embeddings need one dense mechanism for all heads; "
                 "use RelativePositionalEncoding(head_dim, values=False) with mixed head groups"
             )
-        inner = heads * self.head_dim
+        inner, kv_inner = heads * self.head_dim, self.kv_heads * self.head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
-        self.k_proj = nn.Linear(self.kv_dim, inner, bias=bias)
-        self.v_proj = nn.Linear(self.kv_dim, inner, bias=bias)
+        self.k_proj = nn.Linear(self.kv_dim, kv_inner, bias=bias)
+        self.v_proj = nn.Linear(self.kv_dim, kv_inner, bias=bias)
         self.out_proj = nn.Linear(inner, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
@@ -145,8 +161,10 @@ class MultiHeadAttention(nn.Module):
     def init_state(self, batch: int, *, device: Any = None, dtype: Any = None, capacity: int = 0) -> MHAState:
         """Empty decode state (self-attention only); see ``step``. One state per head group.
         ``capacity``: the length decoding will reach, if known (KV caches preallocate it)."""
+        per_kv = self.heads // self.kv_heads
+        options = {"device": device, "dtype": dtype, "capacity": capacity}
         states = tuple(
-            attn.init_state(batch, n, self.head_dim, self.head_dim, device=device, dtype=dtype, capacity=capacity)
+            attn.init_state(batch, n, self.head_dim, self.head_dim, kv_heads=n // per_kv, **options)
             for attn, n in zip(self.mechanisms, self.group_heads)
         )
         return MHAState(states[0] if len(states) == 1 else states, 0)
@@ -170,9 +188,9 @@ class MultiHeadAttention(nn.Module):
             score_mod = self._score_mod(q, state.position + x.shape[1])
             states = (state.mechanism,) if len(self.mechanisms) == 1 else state.mechanism
             outs, new_states = [], []
-            for (attn, heads, group_mod), group_state in zip(self._groups(score_mod), states):
+            for (attn, heads, kv, group_mod), group_state in zip(self._groups(score_mod), states):
                 out_g, state_g = attn.step(
-                    group_state, q[:, heads], k[:, heads], v[:, heads], key_padding_mask=mask, score_mod=group_mod
+                    group_state, q[:, heads], k[:, kv], v[:, kv], key_padding_mask=mask, score_mod=group_mod
                 )
                 outs.append(out_g)
                 new_states.append(state_g)
@@ -184,9 +202,10 @@ class MultiHeadAttention(nn.Module):
         pe = self.positional
         q_in = x if pe is None else pe.add_to_input(x, q_pos)
         k_in = kv_in if pe is None else pe.add_to_input(kv_in, k_pos)
-        q, k, v = (
-            rearrange(proj(inp), "b n (h d) -> b h n d", h=self.heads)
-            for proj, inp in ((self.q_proj, q_in), (self.k_proj, k_in), (self.v_proj, kv_in))
+        q = rearrange(self.q_proj(q_in), "b n (h d) -> b h n d", h=self.heads)
+        k, v = (
+            rearrange(proj(inp), "b n (h d) -> b h n d", h=self.kv_heads)
+            for proj, inp in ((self.k_proj, k_in), (self.v_proj, kv_in))
         )
         if pe is not None:
             q, k = pe.rotate(q, q_pos), pe.rotate(k, k_pos)
@@ -207,23 +226,25 @@ class MultiHeadAttention(nn.Module):
         outs = [
             attn(
                 q[:, heads],
-                k[:, heads],
-                v[:, heads],
+                k[:, kv],
+                v[:, kv],
                 causal=causal,
                 key_padding_mask=key_padding_mask,
                 score_mod=group_mod,
             )
-            for attn, heads, group_mod in self._groups(score_mod)
+            for attn, heads, kv, group_mod in self._groups(score_mod)
         ]
         return torch.cat(outs, dim=1)
 
-    def _groups(self, score_mod: Any) -> list[tuple[Attention, slice, Any]]:
-        """Each head group's mechanism, its slice of heads, and the layer's score_mod re-indexed
-        so that the group's local head h is the layer's head ``start + h``."""
-        groups, start = [], 0
+    def _groups(self, score_mod: Any) -> list[tuple[Attention, slice, slice, Any]]:
+        """Each head group's mechanism, its slice of query heads and of K/V heads, and the
+        layer's score_mod re-indexed so that the group's local head h is the layer's head
+        ``start + h``."""
+        groups, start, per_kv = [], 0, self.heads // self.kv_heads
         for attn, n in zip(self.mechanisms, self.group_heads):
             shifted = None if score_mod is None else _shift_heads(score_mod, start)
-            groups.append((attn, slice(start, start + n), shifted))
+            kv = slice(start // per_kv, (start + n) // per_kv)
+            groups.append((attn, slice(start, start + n), kv, shifted))
             start += n
         return groups
 
