@@ -8,13 +8,7 @@ import torch
 
 import attnzoo
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms.low_rank import (
-    iterative_pinv,
-    landmark_segments,
-    reference_compressed,
-    reference_linformer,
-    reference_nystrom,
-)
+from attnzoo.mechanisms.nystrom import iterative_pinv, landmark_segments, nystrom_weights
 from attnzoo.nn import LAMAPooling
 from conftest import LargestTensor as Largest
 from conftest import grads, make_qkv, padding_mask
@@ -51,18 +45,8 @@ def _build(name: str, config: dict) -> torch.nn.Module:
 
 
 def _reference(module: torch.nn.Module, causal: bool, mask: torch.Tensor | None):
-    cfg = module.config
-
     def reference(q, k, v):
-        # The inputs the forward attends over: padding zeroed (q too for self-attention-only nystrom).
-        q, k, v = module.zero_padded(mask, q, k, v)
-        if module.spec.name == "linformer":
-            return reference_linformer(q, k, v, module.proj[0], module.proj[-1], key_padding_mask=mask)
-        if module.spec.name == "compressed":
-            return reference_compressed(
-                q, k, v, module.taps, kernel=cfg.kernel, stride=cfg.stride, causal=causal, key_padding_mask=mask
-            )
-        return reference_nystrom(q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=mask)
+        return module.reference(q, k, v, causal=causal, key_padding_mask=mask)
 
     return reference
 
@@ -144,9 +128,9 @@ def test_nystrom_with_one_token_per_landmark_is_full_attention_within_the_pinv_t
     q, k, v = make_qkv(B, H, N, N, D)
     mask = _mask(True)
     nystrom = attnzoo.build("nystrom", landmarks=N, pinv_iters=30)
-    zeroed = nystrom.zero_padded(mask, q, k, v)  # what the forward attends over: padding zeroed
-    full = reference_attention(*zeroed, key_padding_mask=mask)
-    exact = reference_nystrom(*zeroed, landmarks=N, pinv_iters=None, key_padding_mask=mask)
+    q0, k0, v0 = nystrom.zero_padded(mask, q, k, v)  # what the forward attends over: padding zeroed
+    full = reference_attention(q0, k0, v0, key_padding_mask=mask)
+    exact = nystrom_weights(q0, k0, landmarks=N, pinv_iters=None, key_padding_mask=mask) @ v0
     assert_same(exact, full)
     # 30 steps of the iteration reach the exact pseudo-inverse here (measured error ~1e-13).
     out = nystrom(q, k, v, key_padding_mask=mask)
@@ -165,7 +149,7 @@ def test_iterative_pinv_converges_to_the_exact_pseudo_inverse():
     assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-9, errors
     assert torch.equal(iterative_pinv(torch.zeros(2, 3, 3), 4), torch.zeros(2, 3, 3))
     # The whole mechanism approaches its exact-pinv reference as the iterations grow.
-    exact_out = reference_nystrom(q, k, v, landmarks=9, pinv_iters=None)
+    exact_out = nystrom_weights(q, k, landmarks=9, pinv_iters=None) @ v
     gaps = [
         float((attnzoo.build("nystrom", landmarks=9, pinv_iters=it)(q, k, v) - exact_out).abs().max())
         for it in (0, 12, 18, 30)
