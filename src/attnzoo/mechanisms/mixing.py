@@ -35,18 +35,24 @@ def _check_length(name: str, n: int, max_len: int) -> None:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class _MixerConfig(Config):
+    """The field every token mixer's config has: ``dim``, the width of ``x`` (default 64;
+    ``TransformerEncoderLayer`` sets it to its own ``dim``)."""
+
+    dim: int = bounded(64, ge=1)
+
+
+#: fnet and mixer: every output depends on every token.
+_NOT_CAUSAL = Capabilities(causal=False, key_padding=True, kind="mixer")
+
+
 # --------------------------------------------------------------------------------------- FNet
 
 
 @dataclass(frozen=True, kw_only=True)
-class FNetConfig(Config):
-    """Config of ``fnet``.
-
-    Args:
-        dim: width of ``x``. Default 64 (``TransformerEncoderLayer`` sets it to its ``dim``).
-    """
-
-    dim: int = bounded(64, ge=1)
+class FNetConfig(_MixerConfig):
+    """Config of ``fnet``: ``dim`` only (``_MixerConfig``); the mixer has no parameters."""
 
 
 @register(
@@ -55,7 +61,7 @@ class FNetConfig(Config):
     family="mixing",
     summary="FNet: Re(FFT over the sequence of FFT over the hidden dim); no parameters.",
     paper="Lee-Thorp et al. 2021, FNet: Mixing Tokens with Fourier Transforms, https://arxiv.org/abs/2105.03824",
-    capabilities=Capabilities(causal=False, key_padding=True, kind="mixer"),
+    capabilities=_NOT_CAUSAL,
     complexity=Complexity(time="O(N dim (log N + log dim))", memory="O(N dim)", subquadratic_memory=True),
     notes=(
         "not causal: every output depends on every token",
@@ -96,11 +102,11 @@ class FNet(TokenMixer):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GMLPConfig(Config):
+class GMLPConfig(_MixerConfig):
     """Config of ``gmlp``.
 
     Args:
-        dim: width of ``x``. Default 64 (``TransformerEncoderLayer`` sets it to its ``dim``).
+        dim: width of ``x`` (``_MixerConfig``).
         max_len: longest sequence; the spatial weight is ``(max_len, max_len)``. Default 512.
         ff_mult: the channel projection goes to ``2 * ff_mult * dim`` (split into u and v).
             Default 2.
@@ -108,7 +114,6 @@ class GMLPConfig(Config):
             gate is ≈ 1 at initialisation. Default 1e-3.
     """
 
-    dim: int = bounded(64, ge=1)
     max_len: int = bounded(512, ge=1)
     ff_mult: int = bounded(2, ge=1)
     init_eps: float = bounded(1e-3, ge=0)
@@ -184,17 +189,16 @@ class GMLP(TokenMixer):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MixerConfig(Config):
+class MixerConfig(_MixerConfig):
     """Config of ``mixer``.
 
     Args:
-        dim: width of ``x``. Default 64 (``TransformerEncoderLayer`` sets it to its ``dim``).
+        dim: width of ``x`` (``_MixerConfig``).
         max_len: longest sequence; the token MLP maps ``max_len -> token_hidden -> max_len``.
             Default 512.
         token_hidden: hidden width of the token-mixing MLP (the paper's D_S). Default 256.
     """
 
-    dim: int = bounded(64, ge=1)
     max_len: int = bounded(512, ge=1)
     token_hidden: int = bounded(256, ge=1)
 
@@ -205,7 +209,7 @@ class MixerConfig(Config):
     family="mixing",
     summary="MLP-Mixer token-mixing MLP across the sequence (max_len -> hidden -> max_len, per channel).",
     paper="Tolstikhin et al. 2021, MLP-Mixer: An all-MLP Architecture for Vision, https://arxiv.org/abs/2105.01601",
-    capabilities=Capabilities(causal=False, key_padding=True, kind="mixer"),
+    capabilities=_NOT_CAUSAL,
     complexity=Complexity(
         time="O(N token_hidden dim)",
         memory="O(max_len token_hidden) parameters, O(token_hidden dim) activations",
