@@ -176,6 +176,26 @@ def test_gradients_reach_every_parameter_and_v(variant, mix_with):
         assert q.grad is not None and q.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize(("variant", "mix_with"), ALL)
+def test_decode_steps_equal_the_causal_forward_up_to_max_len(variant, mix_with):
+    # The contract test decodes the default variant; here every one, in uneven chunks (steps of
+    # several tokens over a non-empty cache), up to max_len and no further.
+    module = _build(variant, mix_with).eval()
+    q, k, v = _qkv(b=2, n=MAX)
+    mask = torch.ones(2, MAX, dtype=torch.bool)
+    mask[0, :3] = False
+    mask[1, 7] = False
+    state = module.init_state(2, H, D, D, dtype=torch.float64, capacity=4 * MAX)
+    outs = []
+    for lo, hi in ((0, 5), (5, 6), (6, 11), (11, MAX)):
+        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_padding_mask=mask[:, lo:hi])
+        outs.append(out)
+    assert_same(torch.cat(outs, 2), module(q, k, v, causal=True, key_padding_mask=mask))
+    assert state.k.shape[-1] == (D if variant == "mix" else 0)  # only mix reads a key
+    with pytest.raises(ValueError, match="position 16, past max_len=16"):
+        module.step(state, q[:, :, :1], k[:, :, :1], v[:, :, :1])
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_longer_than_max_len_raises(variant):
     module = _build(variant)

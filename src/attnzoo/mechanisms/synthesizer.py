@@ -30,6 +30,10 @@ and the dot-product part of ``mix`` is masked as usual. Padded keys are masked; 
 visible key returns zeros. The scores are an explicit ``N x N`` matrix: time ``O(N^2 D)``
 (dense also ``O(N D max_len)`` for the synthesis), memory ``O(N^2)``.
 
+Decoding: row t of the causal synthesized matrix involves positions ``<= t`` only (the synthesized
+row of query t, restricted to keys ``0..t``), so ``step`` keeps the values (and the keys, for
+``mix``) in a ``KVCache`` and computes row t directly; it refuses positions past ``max_len``.
+
 Limits: ``N <= max_len`` (longer inputs raise); self-attention only (``N_q == N_kv``), since
 synthesized scores index keys by position; the input must have ``heads`` heads and, for the
 variants that read ``q`` (dense, factorized_dense, mix), head dimension ``head_dim``. Inside
@@ -49,7 +53,8 @@ from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
+from attnzoo.mechanisms.cache import KVCache
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -112,12 +117,12 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
     config=SynthesizerConfig,
     family="synthesizer",
     summary="Synthesizer: softmax of synthesized (dense, random, factorized or mixed) scores times V.",
-    paper="Tay et al. 2020, Synthesizer: Rethinking Self-Attention in Transformer Models, https://arxiv.org/abs/2005.00743",
-    capabilities=Capabilities(causal=True, key_padding=True, cross_attention=False, score_mod=False),
+    paper="Tay et al. 2020, Synthesizer: Rethinking Self-Attention in Transformer Models, "
+    "https://arxiv.org/abs/2005.00743",
+    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True),
     complexity=Complexity(
         time="O(N^2 D) (dense also O(N D max_len) to synthesize)",
         memory="O(N^2) scores; parameters O(H max_len^2) for random",
-        subquadratic_memory=False,
     ),
     notes=(
         "not a drop-in for pretrained attention: synthesized attention weights are trained parameters "
@@ -129,6 +134,9 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
         "(the paper learns the mixture weights; per head is this library's choice) from config.alpha, "
         "unconstrained (no sigmoid); learn_alpha=False fixes it",
         "a query with no visible key returns zeros",
+        "decode step: the values kept in a KV cache (the keys too for mix only), row t synthesized over "
+        "keys 0..t directly: O(t D_v) per token (+ O(D^2 + t D) dense, O(t rank) factorized_random, "
+        "O(t D) mix), O(t D_v) memory; positions past max_len are refused",
     ),
 )
 class SynthesizerAttention(Attention):
@@ -190,17 +198,20 @@ class SynthesizerAttention(Attention):
                 f"head_dim={c.head_dim}; build it with head_dim={q.shape[-1]}"
             )
 
-    def synthesized_scores(self, q: Tensor) -> Tensor:
-        """The synthesized scores (before mixing and masking), ``(B, H, N, N)`` for dense
-        variants, ``(1, H, N, N)`` for random ones, in float32 (float64 for float64 ``q``)."""
-        n = q.shape[2]
+    def synthesized_scores(self, q: Tensor, n_kv: int | None = None) -> Tensor:
+        """The synthesized scores (before mixing and masking) of the queries ``q (B, H, T, D)``
+        over ``n_kv`` keys (default T), the queries standing at the last T positions (aligned to
+        the end of the keys, as ``causal`` is): ``(B, H, T, n_kv)`` for dense variants,
+        ``(1, H, T, n_kv)`` for random ones, in float32 (float64 for float64 ``q``)."""
+        t = q.shape[2]
+        n = t if n_kv is None else n_kv
         self._check(q, n)
         compute = compute_dtype(q)
-        p = lambda t: t.to(compute)  # noqa: E731
+        p = lambda x: x.to(compute)  # noqa: E731
         if self._base == "random":
-            return p(self.random_matrix[:, :n, :n]).unsqueeze(0)
+            return p(self.random_matrix[:, n - t : n, :n]).unsqueeze(0)
         if self._base == "factorized_random":
-            return (p(self.r1[:, :n]) @ p(self.r2[:, :n]).transpose(-1, -2)).unsqueeze(0)
+            return (p(self.r1[:, n - t : n]) @ p(self.r2[:, :n]).transpose(-1, -2)).unsqueeze(0)
         hidden = torch.relu(torch.einsum("bhid,hde->bhie", q.to(compute), p(self.w1)) + p(self.b1)[:, None])
         if self._base == "dense":
             w2, b2 = p(self.w2[:, :, :n]), p(self.b2[:, :n])
@@ -212,22 +223,27 @@ class SynthesizerAttention(Attention):
         return full[..., :n]
 
     def scores(self, q: Tensor, k: Tensor) -> Tensor:
-        """The pre-mask scores ``(B or 1, H, N, N)`` the softmax is taken over."""
-        s = self.synthesized_scores(q)
+        """The pre-mask scores ``(B or 1, H, N_q, N_kv)`` the softmax is taken over (the queries
+        at the last N_q of the N_kv positions)."""
+        s = self.synthesized_scores(q, k.shape[2])
         if self.config.variant == "mix":
             alpha = self.alpha.to(s.dtype)[:, None, None]  # one weight per head: [H, 1, 1]
             dot = torch.einsum("bhid,bhjd->bhij", q.to(s.dtype), k.to(s.dtype)) * q.shape[-1] ** -0.5
             s = alpha * s + (1.0 - alpha) * dot
         return s
 
-    def _weights(self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
-        """The ``(B, H, N, N)`` attention matrix: softmax of ``scores`` over the visible keys."""
-        batch, heads, n, _ = q.shape
-        scores = self.scores(q, k).expand(batch, heads, n, n)
+    def _weighted(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """``(output (B, H, N_q, D_v), weights (B, H, N_q, N_kv))``: the softmax of ``scores``
+        over the visible keys, and v weighed by it (N_q < N_kv only from ``step``: the last rows)."""
+        (batch, heads, n_q, _), n_kv = q.shape, k.shape[2]
+        scores = self.scores(q, k).expand(batch, heads, n_q, n_kv)
         visible = visible_pairs(
-            batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask, mask_mod=None, device=q.device
+            batch, heads, n_q, n_kv, causal=causal, key_padding_mask=key_padding_mask, mask_mod=None, device=q.device
         )
-        return normalize_scores(scores, visible, "softmax")
+        weights = normalize_scores(scores, visible, "softmax")
+        return torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype), weights
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         # The synthesizer's weights are an explicit N x N matrix by definition (the paper's
@@ -235,9 +251,28 @@ class SynthesizerAttention(Attention):
         return self._reference(q, k, v, args, return_weights=False)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
-        weights = self._weights(q, k, args.causal, args.key_padding_mask)
-        out = torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype)
+        out, weights = self._weighted(q, k, v, args.causal, args.key_padding_mask)
         return (out, weights) if return_weights else out
+
+    def _init_state(self, spec: StateSpec) -> KVCache:
+        """A ``KVCache`` of the values, and of the keys for ``mix`` only (the other variants never
+        read a key: theirs hold no feature), with room for ``max_len`` tokens at most."""
+        key_dim = spec.head_dim if self.config.variant == "mix" else 0
+        size = (spec.batch, spec.heads, key_dim, spec.value_dim)
+        capacity = min(spec.capacity, self.config.max_len)
+        return KVCache.empty(*size, capacity=capacity, device=spec.device, dtype=spec.dtype)
+
+    def _step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, KVCache]:
+        """Rows ``t - T + 1 .. t`` of the causal forward: the new queries over the cached keys."""
+        end = state.length + q.shape[2]
+        if end > self.config.max_len:
+            raise ValueError(
+                f"synthesizer: step() would reach position {end - 1}, past max_len={self.config.max_len} "
+                "(the synthesized scores are defined for max_len positions); build it with a larger max_len"
+            )
+        state = state.append(k[..., : state.k_buffer.shape[-1]], v, args.key_padding_mask)
+        out, _ = self._weighted(q, state.k, state.v, True, state.key_padding_mask)
+        return nan_rows_of_non_finite_queries(out, q), state
 
 
 def reference_synthesizer(
