@@ -9,7 +9,8 @@ attends every query to the first ``sortcut`` sorted blocks.
 
 ``permutation`` computes ``P`` from the module's sort network; ``sinkhorn_attention`` (the fast
 path, vectorised over blocks, O(N * block) memory) and ``reference_sinkhorn`` (loops over blocks,
-reads like the paper) compute the same output from the same ``P``.
+reads like the paper) compute the same output from the same ``P``. Causal decoding (a block's
+sorted keys fixed when it starts) is in ``sinkhorn_decode``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms import sinkhorn_decode
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.registry import Config, bounded, eighth, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -139,24 +141,14 @@ def sinkhorn(logits: Tensor, allowed: Tensor, n_iters: int, *, causal: bool) -> 
 
 
 def sinkhorn_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    P: Tensor,
-    *,
-    block: int,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    sortcut: int | None = None,
-    return_weights: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, P: Tensor, cfg: SinkhornConfig, args: AttendArgs, *, return_weights: bool = False
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Fast path: block-local attention over [own block, sorted block] for a given ``P``.
 
     Args:
         q, k, v: ``(B, H, N, D)``, ``(B, H, N, D)``, ``(B, H, N, D_v)``.
         P: ``(B, H, n_blocks, n_blocks)`` soft permutation; row i mixes the key blocks j.
-        block, causal, key_padding_mask, scale, sortcut: as in ``reference_sinkhorn``.
+        cfg, args: as in ``reference_sinkhorn``.
         return_weights: also return the weights ``(B, H, n, block, K)`` over the K slots
             (``2 * block``: own then sorted; SortCut: ``s * block`` sorted).
 
@@ -164,14 +156,11 @@ def sinkhorn_attention(
         Every intermediate is ``(B, H, n, block, ...)`` or ``(B, H, n, n)``: O(N * block +
         n^2) memory (SortCut: O(N * s * block)); nothing N x N.
     """
-    b, h, n, d = q.shape
-    compute = compute_dtype(q)
-    scale = default_scale(scale, d)
-    real = real_blocks(key_padding_mask, b, n, block, q.device)  # [B, nb, w]
-    m = real[:, None, :, :, None]
+    (b, h, n, d), block, causal, sortcut = q.shape, cfg.block, args.causal, cfg.sortcut
+    compute, scale = compute_dtype(q), default_scale(cfg.scale, d)
+    real = real_blocks(args.key_padding_mask, b, n, block, q.device)  # [B, nb, w]
     qb = to_blocks(q.to(compute), block)  # [B, H, nb, w, D]
-    kb = torch.where(m, to_blocks(k.to(compute), block), 0)
-    vb = torch.where(m, to_blocks(v.to(compute), block), 0)
+    kb, vb = (torch.where(real[:, None, :, :, None], to_blocks(x.to(compute), block), 0) for x in (k, v))
     P = P.to(compute).tril(-1) if causal else P.to(compute)
     ks = torch.einsum("bhij,bhjwd->bhiwd", P, kb)  # [B, H, nb, w, D]
     vs = torch.einsum("bhij,bhjwd->bhiwd", P, vb)
@@ -214,18 +203,7 @@ def _sorted_blocks(kb: Tensor, vb: Tensor, real: Tensor, P: Tensor, *, causal: b
     return sorted_k, sorted_v, sorted_real
 
 
-def reference_sinkhorn(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    P: Tensor,
-    *,
-    block: int,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    sortcut: int | None = None,
-) -> Tensor:
+def reference_sinkhorn(q: Tensor, k: Tensor, v: Tensor, P: Tensor, cfg: SinkhornConfig, args: AttendArgs) -> Tensor:
     """Sparse Sinkhorn attention for a given soft permutation, written plainly (the oracle).
 
     For every query block ``i`` (Tay et al. 2020, https://arxiv.org/abs/2002.11296):
@@ -234,14 +212,13 @@ def reference_sinkhorn(
 
     Args:
         q, k, v: ``(B, H, N, D)``, ``(B, H, N, D)``, ``(B, H, N, D_v)``; self-attention.
-        P: ``(B, H, n_blocks, n_blocks)``, ``n_blocks = ceil(N / block)``.
-        block: block size.
-        causal: own-block keys ``t <= s`` only, and the sort uses only blocks ``j < i``
-            (entries of P with ``j >= i`` are ignored).
-        key_padding_mask: bool ``(B, N)``, True = real. Default None.
-        scale: score scale; default ``1 / sqrt(D)``.
-        sortcut: None, or s: every query attends only to sorted blocks ``0 .. s-1``
-            (``min(s, n_blocks)`` of them), no own block.
+        P: ``(B, H, n_blocks, n_blocks)``, ``n_blocks = ceil(N / cfg.block)``.
+        cfg: ``block`` (the block size), ``scale`` (default ``1 / sqrt(D)``) and ``sortcut``
+            (None, or s: every query attends only to sorted blocks ``0 .. s-1``, ``min(s,
+            n_blocks)`` of them, no own block) are read; the sort network's fields are not.
+        args: ``causal``: own-block keys ``t <= s`` only, and the sort uses only blocks
+            ``j < i`` (entries of P with ``j >= i`` are ignored); ``key_padding_mask``: bool
+            ``(B, N)``, True = real, or None.
 
     Returns:
         ``(B, H, N, D_v)`` in the dtype of ``q``.
@@ -251,10 +228,9 @@ def reference_sinkhorn(
         slot t of a sorted block mixes only real keys ``K_j[t]``, and is visible iff its real
         mass ``sum_j P[i, j] [K_j[t] is real]`` is > 0. A query with no visible key gives zeros.
     """
-    b, h, n, d = q.shape
-    compute = compute_dtype(q)
-    scale = default_scale(scale, d)
-    real = real_blocks(key_padding_mask, b, n, block, q.device)  # [B, nb, w]
+    (b, h, n, d), block, causal, sortcut = q.shape, cfg.block, args.causal, cfg.sortcut
+    compute, scale = compute_dtype(q), default_scale(cfg.scale, d)
+    real = real_blocks(args.key_padding_mask, b, n, block, q.device)  # [B, nb, w]
     # Padded slots hold zeros: they add nothing to a sorted block, and are never visible.
     qb, kb, vb = (to_blocks(x.to(compute), block) for x in (q, k, v))
     kb, vb = (torch.where(real[:, None, :, :, None], x, 0) for x in (kb, vb))
@@ -302,7 +278,7 @@ def implied_matrix(weights: Tensor, P: Tensor, real: Tensor, *, n: int, causal: 
     family="content",
     summary="Sparse Sinkhorn attention: own block + a block softly sorted by a learned Sinkhorn permutation.",
     paper="Tay et al. 2020, Sparse Sinkhorn Attention, https://arxiv.org/abs/2002.11296",
-    capabilities=Capabilities(causal=True, key_padding=True),
+    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True),
     complexity=Complexity(
         time="O(N (block + n_blocks) D)",
         memory="O(N block + n_blocks^2); SortCut O(N sortcut block)",
@@ -316,6 +292,9 @@ def implied_matrix(weights: Tensor, P: Tensor, real: Tensor, *, n: int, causal: 
         "causal: row i sorts only blocks j < i, summarised by blocks < i; rows normalised only (no column step)",
         "sortcut: every query attends to the first sortcut sorted blocks only; refuses causal=True",
         "Gumbel noise on the sort logits in training mode only",
+        "decode step: eval mode only; every key and value kept (each block's sort mixes all earlier blocks); "
+        "a block's sorted keys computed once, when it starts: O(block D) per token + O(t D / block) amortised, "
+        "O(t D) memory",
     ),
 )
 class SinkhornAttention(Attention):
@@ -371,16 +350,20 @@ class SinkhornAttention(Attention):
         b, _, n, d = k.shape
         self._check(n, d, causal)
         real = real_blocks(key_padding_mask, b, n, cfg.block, k.device)  # [B, nb, w]
-        compute = compute_dtype(k)
-        summary = block_summaries(to_blocks(k.to(compute), cfg.block), real, causal=causal)  # [B, H, nb, D]
-        logits = summary @ self.sort_weight[:, : real.shape[1]].to(compute)  # [B, H, nb, nb]
+        summary = block_summaries(to_blocks(k.to(compute_dtype(k)), cfg.block), real, causal=causal)  # [B, H, nb, D]
+        return self.sort(summary, sortable(real, causal=causal), causal=causal)
+
+    def sort(self, summary: Tensor, allowed: Tensor, *, causal: bool) -> Tensor:
+        """Rows of ``P`` from their block summaries ``(B, H, rows, D)``, over the key blocks
+        ``allowed (B, 1, rows, n)``: the sort network's logits (plus Gumbel noise in training),
+        balanced by ``sinkhorn``."""
+        logits = summary @ self.sort_weight[:, : allowed.shape[-1]].to(summary.dtype)  # [B, H, rows, n]
         if self.training:
             logits = logits + self._gumbel(logits)
-        return sinkhorn(logits / cfg.temperature, sortable(real, causal=causal), cfg.n_iters, causal=causal)
+        return sinkhorn(logits / self.config.temperature, allowed, self.config.n_iters, causal=causal)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        P = self.permutation(k, args.key_padding_mask, args.causal)
-        return sinkhorn_attention(q, k, v, P, **self._settings(args))
+        return sinkhorn_attention(q, k, v, self.permutation(k, args.key_padding_mask, args.causal), self.config, args)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """``reference_sinkhorn`` (block by block, as the paper reads) under one drawn
@@ -389,20 +372,27 @@ class SinkhornAttention(Attention):
         Gumbel noise: compare with ``forward`` in eval mode."""
         cfg = self.config
         P = self.permutation(k, args.key_padding_mask, args.causal)
-        out = reference_sinkhorn(q, k, v, P, **self._settings(args))
+        out = reference_sinkhorn(q, k, v, P, cfg, args)
         if not return_weights:
             return out
-        _, slots = sinkhorn_attention(q, k, v, P, **self._settings(args), return_weights=True)
+        _, slots = sinkhorn_attention(q, k, v, P, cfg, args, return_weights=True)
         real = real_blocks(args.key_padding_mask, q.shape[0], q.shape[2], cfg.block, q.device)
         return out, implied_matrix(slots, P, real, n=q.shape[2], causal=args.causal, sortcut=cfg.sortcut)
 
-    def _settings(self, args: AttendArgs) -> dict[str, Any]:
-        """The keyword arguments ``sinkhorn_attention`` and ``reference_sinkhorn`` share, written once."""
-        cfg = self.config
-        return dict(
-            block=cfg.block,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            scale=cfg.scale,
-            sortcut=cfg.sortcut,
-        )
+    def _init_state(self, spec: StateSpec) -> sinkhorn_decode.SinkhornState:
+        """Every key and value so far and the current block's sorted block (``sinkhorn_decode``)."""
+        self._check(0, spec.head_dim, causal=True)
+        return sinkhorn_decode.init_state(spec)
+
+    def _step(
+        self, state: sinkhorn_decode.SinkhornState, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs
+    ) -> tuple[Tensor, sinkhorn_decode.SinkhornState]:
+        """The new tokens' rows of the causal forward (``sinkhorn_decode.step``), eval mode only."""
+        if self.training:
+            raise ValueError(
+                "sinkhorn: step() in training mode: the forward draws Gumbel noise over the whole block sort "
+                "per call, which steps cannot reproduce; decode in eval mode (module.eval())"
+            )
+        self._check(state.cache.length + q.shape[2], q.shape[-1], causal=True)
+        out, state = sinkhorn_decode.step(self, state, q, k, v, args)
+        return nan_rows_of_non_finite_queries(out, q), state
