@@ -40,6 +40,8 @@ Paths
   vectorised form of the same rule, then plain masked softmax over the extended key set.
 * ``implied_attention`` spreads each node's weight evenly over the real tokens it covers, so
   ``implied_attention(q, k) @ v == forward(q, k, v)``.
+* ``step`` (causal decoding) keeps no token: per level, the sums of the last ``2k + 1`` complete
+  spans and of the open one (``span_tree.SpanTree``), O(k log t D) per token.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
+from attnzoo.mechanisms.span_tree import SpanTree, left_nodes, level_sums
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -93,22 +96,7 @@ def hierarchical_graph(n: int, k: int, causal: bool) -> list[list[tuple[int, int
     graph = []
     for i in range(n):
         hi = i if causal else min(n - 1, i + k)
-        nodes = [(0, j) for j in range(max(0, i - k), hi + 1)]
-        # Left side: positions < q are still uncovered; q is a multiple of 2^(l-1) entering level l.
-        q = i - k
-        for level in range(1, top + 1):
-            if q <= 0:
-                break
-            w = 1 << (level - 1)
-            if q % (2 * w):
-                nodes.append((level - 1, q // w - 1))
-                q -= w
-            for t in range(k):
-                j = q // (2 * w) - 1 - t
-                if j < 0:
-                    break
-                nodes.append((level, j))
-            q -= k * 2 * w
+        nodes = [(0, j) for j in range(max(0, i - k), hi + 1)] + left_nodes(i, k)
         if not causal:
             # Right side: positions >= p are still uncovered.
             p = i + k + 1
@@ -145,54 +133,26 @@ def _graph_index(n: int, k: int, causal: bool) -> tuple[Tensor, Tensor]:
 
 
 def _pool_tree(x: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean of real tokens per node, by pairwise sums: ``x (B, H, N, D)``, ``real (B, N)`` float
-    -> ``(nodes (B, H, T, D), counts (B, T))``."""
-    sums, counts = x * real[:, None, :, None], real
-    all_sums, all_counts = [sums], [counts]
-    for _ in range(num_levels(x.shape[2])):
-        if sums.shape[2] % 2:
-            sums = torch.cat([sums, sums.new_zeros(sums.shape[:2] + (1, sums.shape[3]))], dim=2)
-            counts = torch.cat([counts, counts.new_zeros(counts.shape[0], 1)], dim=1)
-        sums = sums.unflatten(2, (-1, 2)).sum(dim=3)
-        counts = counts.unflatten(1, (-1, 2)).sum(dim=2)
-        all_sums.append(sums)
-        all_counts.append(counts)
-    sums, counts = torch.cat(all_sums, dim=2), torch.cat(all_counts, dim=1)
+    """Mean of real tokens per node: ``x (B, H, N, D)``, ``real (B, N)`` float -> ``(nodes
+    (B, H, T, D), counts (B, T))``, levels in the order of the extended key set."""
+    levels = level_sums(x, real, num_levels(x.shape[2]) + 1)
+    sums, counts = torch.cat([s for s, _ in levels], dim=2), torch.cat([c for _, c in levels], dim=1)
     return sums / counts.clamp(min=1)[:, None, :, None], counts
 
 
-def _work_dtype(x: Tensor) -> torch.dtype:
-    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-
-
-def _real(key_padding_mask: Tensor | None, b: int, n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    if key_padding_mask is None:
-        return torch.ones(b, n, device=device, dtype=dtype)
-    return key_padding_mask.to(device=device, dtype=dtype)
-
-
-def hierarchical_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    k_near: int,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-) -> Tensor:
-    """The fast path: gather ``S = O(k log N)`` node keys / values per token; never ``N x N``."""
+def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalConfig, args: AttendArgs) -> Tensor:
+    """The fast path: gather ``S = O(k log N)`` node keys / values per token; never ``N x N``.
+    ``cfg.k`` and ``cfg.scale``, ``args.causal`` and ``args.key_padding_mask`` are read."""
     b, _, n, d = q.shape
-    dt = _work_dtype(q)
+    dt = compute_dtype(q)
     qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-    real = _real(key_padding_mask, b, n, q.device, dt)
+    real = real_tokens(args.key_padding_mask, b, n, q.device).to(dt)
     k_nodes, counts = _pool_tree(kc, real)
     v_nodes, _ = _pool_tree(vc, real)
-    index, valid = _graph_index(n, k_near, causal)
+    index, valid = _graph_index(n, cfg.k, args.causal)
     index, valid = index.to(q.device), valid.to(q.device)
     kg, vg = k_nodes[:, :, index], v_nodes[:, :, index]  # (B, H, N, S, D)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = torch.einsum("bhnd,bhnsd->bhns", qc, kg) * scale
+    scores = torch.einsum("bhnd,bhnsd->bhns", qc, kg) * default_scale(cfg.scale, d)
     visible = (valid[None] & (counts > 0)[:, index])[:, None]  # (B, 1, N, S)
     weights = normalize_scores(scores, visible, "softmax")
     return torch.einsum("bhns,bhnsd->bhnd", weights, vg).to(q.dtype)
@@ -245,33 +205,25 @@ def dense_graph_mask(n: int, k: int, causal: bool, device: torch.device | None =
 
 
 def reference_hierarchical(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    k_near: int,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The dense oracle: masked softmax over the whole extended key set ``[tokens; all nodes]``.
+    q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalConfig, args: AttendArgs, return_weights: bool = False
+) -> Weighted:
+    """The dense oracle: masked softmax over the whole extended key set ``[tokens; all nodes]``
+    (``cfg.k``, ``cfg.scale``, ``args.causal``, ``args.key_padding_mask`` read).
 
     With ``return_weights`` also returns the ``(B, H, N, N)`` implied attention matrix (each
     node's weight spread evenly over the real tokens it covers).
     """
     b, _, n, d = q.shape
-    dt = _work_dtype(q)
+    dt = compute_dtype(q)
     qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-    real = _real(key_padding_mask, b, n, q.device, dt)
+    real = real_tokens(args.key_padding_mask, b, n, q.device).to(dt)
     member = dense_membership(n, q.device).to(dt)[None] * real[:, None, :]  # (B, T, N)
     counts = member.sum(dim=-1)
     pool = member / counts.clamp(min=1)[..., None]
     k_nodes = torch.einsum("btn,bhnd->bhtd", pool, kc)
     v_nodes = torch.einsum("btn,bhnd->bhtd", pool, vc)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    scores = torch.einsum("bhnd,bhtd->bhnt", qc, k_nodes) * scale
-    visible = (dense_graph_mask(n, k_near, causal, q.device)[None] & (counts > 0)[:, None, :])[:, None]
+    scores = torch.einsum("bhnd,bhtd->bhnt", qc, k_nodes) * default_scale(cfg.scale, d)
+    visible = (dense_graph_mask(n, cfg.k, args.causal, q.device)[None] & (counts > 0)[:, None, :])[:, None]
     weights = normalize_scores(scores, visible, "softmax")
     out = torch.einsum("bhnt,bhtd->bhnd", weights, v_nodes).to(q.dtype)
     if not return_weights:
@@ -284,8 +236,9 @@ def reference_hierarchical(
     config=HierarchicalConfig,
     family="hierarchical",
     summary="BP-Transformer: tokens attend to nearby leaves and to mean-pooled spans of growing size further away.",
-    paper="Ye et al. 2019, BP-Transformer: Modelling Long-Range Context via Binary Partitioning, https://arxiv.org/abs/1911.04070",
-    capabilities=Capabilities(causal=True, key_padding=True, cross_attention=False, score_mod=False),
+    paper="Ye et al. 2019, BP-Transformer: Modelling Long-Range Context via Binary Partitioning, "
+    "https://arxiv.org/abs/1911.04070",
+    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True),
     complexity=Complexity(time="O(k N log N D)", memory="O(k N log N)", subquadratic_memory=True),
     notes=(
         "span node key/value = mean over the real (unpadded) tokens it covers; all-padding spans are invisible",
@@ -295,6 +248,9 @@ def reference_hierarchical(
         "causal is strong: only spans made entirely of positions <= i",
         "k >= N - 1 is exactly full softmax attention",
         "a query with no visible key returns zeros; the graph is built in Python and cached per (N, k, causal)",
+        "decode step: per level, the sums of the last 2k + 1 complete spans and of the open one (no token kept "
+        "beyond them): O(k log t D) memory and O(k log t D) time per token; the first step (a prompt) runs the "
+        "forward, a later step of T tokens is T single-token steps",
     ),
 )
 class HierarchicalAttention(Attention):
@@ -303,14 +259,23 @@ class HierarchicalAttention(Attention):
     config: HierarchicalConfig
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        return hierarchical_attention(q, k, v, **self._settings(args))
+        return hierarchical_attention(q, k, v, self.config, args)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """The dense oracle with this module's config; its weights spread each node's weight
         evenly over the real tokens the node covers."""
-        return reference_hierarchical(q, k, v, **self._settings(args), return_weights=return_weights)
+        return reference_hierarchical(q, k, v, self.config, args, return_weights)
 
-    def _settings(self, args: AttendArgs) -> dict[str, Any]:
-        """The keyword arguments the fast path and its dense twin share, written once."""
-        cfg = self.config
-        return dict(k_near=cfg.k, causal=args.causal, key_padding_mask=args.key_padding_mask, scale=cfg.scale)
+    def _init_state(self, spec: StateSpec) -> SpanTree:
+        """No span seen yet (``span_tree.SpanTree``)."""
+        return SpanTree.empty(spec, self.config.k)
+
+    def _step(self, state: SpanTree, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, SpanTree]:
+        """The new tokens' rows of the causal forward from the spans seen so far; a first step
+        (a prompt) runs the forward and keeps the spans it leaves."""
+        real = real_tokens(args.key_padding_mask, q.shape[0], q.shape[2], q.device)
+        if state.seen == 0:
+            out, state = hierarchical_attention(q, k, v, self.config, args), state.prefilled(k, v, real)
+        else:
+            out, state = state.step(q, k, v, real, default_scale(self.config.scale, q.shape[-1]))
+        return nan_rows_of_non_finite_queries(out, q), state
