@@ -119,3 +119,25 @@ def test_gat_score_allocates_nothing_quadratic():
     with Largest() as largest:
         module(q, k, v)
     assert largest.numel < n * n // 8
+
+
+@pytest.mark.parametrize("score", ["dot", "gat"])
+def test_decode_steps_follow_the_edges_up_to_node_n(score):
+    # The contract test decodes the dot score on a ring with chords; here GAT's score too, and a
+    # hub (degree n, padded in batch row 1) in steps of several nodes, then the refusal at node n.
+    n, heads, d = 23, 2, 4
+    edges = star_plus_ring(n)
+    module = attnzoo.build("graph_attention", edges=edges, n=n, score=score, heads=heads, head_dim=d).double()
+    q, k, v = torch.randn(3, 2, heads, n, d, dtype=torch.float64).unbind(0)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[0, :3], mask[1, 0] = False, False
+    state, outs = module.init_state(2, heads, d, d, dtype=torch.float64), []
+    for lo, hi in ((0, 4), (4, 5), (5, 15), *((t, t + 1) for t in range(15, n))):
+        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_padding_mask=mask[:, lo:hi])
+        outs.append(out)
+    assert_same(torch.cat(outs, 2), module(q, k, v, causal=True, key_padding_mask=mask))
+    # Causal, the forward also takes the first nodes alone: what has been decoded so far.
+    prefix = module(q[:, :, :9], k[:, :, :9], v[:, :, :9], causal=True, key_padding_mask=mask[:, :9])
+    assert_same(prefix, torch.cat(outs, 2)[:, :, :9])
+    with pytest.raises(ValueError, match="reach node 23, but the graph has n=23 nodes"):
+        module.step(state, q[:, :, :1], k[:, :, :1], v[:, :, :1])

@@ -15,7 +15,7 @@ terms are computed once per node and added per edge, so GAT is O(E) too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, reference_attention, visible_pairs
-from attnzoo.mechanisms._ops import compute_dtype, default_scale
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
+from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.sparse import ring_with_chords
 from attnzoo.patterns.atomic import Graph
 from attnzoo.registry import Config, bounded, register
@@ -179,7 +180,7 @@ def reference_graph_attention(
     family="graph",
     summary="Attention along the edges of a graph through a CSR-style gather (any degree).",
     paper="Velickovic et al. 2018 (GAT), https://arxiv.org/abs/1710.10903",
-    capabilities=Capabilities(causal=True, key_padding=True),
+    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True),
     complexity=Complexity(time="O(E D)", memory="O(E D)", subquadratic_memory=True),
     notes=(
         "not a drop-in for pretrained attention: needs a graph (edge list) as input",
@@ -189,6 +190,10 @@ def reference_graph_attention(
         "scores on GAT's neighbourhoods, not GAT's score; score='gat': GAT's additive score "
         "LeakyReLU_0.2(a_1.q_i + a_2.k_j) with one learned a per head (needs heads, head_dim), "
         "q and k standing for GAT's shared projection W h (here they may differ), O(E)",
+        "causal=True also takes the first N < n nodes (a prefix: its rows never see a later node; run over all n, "
+        "the rest as padding)",
+        "decode step: token t is node t (n at most); every key kept (a KV cache), node t attends over its "
+        "edges (t, j <= t), found in the sorted edge list: O(deg(t) D + log E) per token, O(t D) memory",
     ),
 )
 class GraphAttention(Attention):
@@ -205,12 +210,14 @@ class GraphAttention(Attention):
             bound = math.sqrt(6.0 / (2 * config.head_dim + 1))
             self.attention_vector = nn.Parameter(torch.empty(config.heads, 2, config.head_dim).uniform_(-bound, bound))
 
-    def _check_n(self, n: int) -> None:
-        if n != self.graph.n:
-            raise ValueError(f"graph_attention was built for n={self.graph.n} nodes, got N={n}; set n= in the config")
+    def _check_n(self, n: int, causal: bool) -> None:
+        if n > self.graph.n or (n < self.graph.n and not causal):
+            raise ValueError(
+                f"graph_attention was built for n={self.graph.n} nodes, got N={n}; set n= in the config "
+                "(causal=True also takes the first N < n nodes)"
+            )
 
-    def _check(self, q: Tensor) -> None:
-        self._check_n(q.shape[2])
+    def _check_heads(self, q: Tensor) -> None:
         if self.attention_vector is not None and q.shape[1::2] != self.attention_vector.shape[0::2]:
             heads, _, head_dim = self.attention_vector.shape
             raise ValueError(
@@ -219,18 +226,82 @@ class GraphAttention(Attention):
             )
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        return graph_attention(q, k, v, self.graph, **self._settings(q, args))
+        n, (q, k, v, args) = q.shape[2], self._on_all_nodes(q, k, v, args)
+        return graph_attention(q, k, v, self.graph, **self._settings(q, args))[:, :, :n]
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
-        return reference_graph_attention(q, k, v, self.graph, **self._settings(q, args), return_weights=return_weights)
+        n, (q, k, v, args) = q.shape[2], self._on_all_nodes(q, k, v, args)
+        out = reference_graph_attention(q, k, v, self.graph, **self._settings(q, args), return_weights=True)
+        return (out[0][:, :, :n], out[1][:, :, :n, :n]) if return_weights else out[0][:, :, :n]
+
+    def _on_all_nodes(
+        self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs
+    ) -> tuple[Tensor, Tensor, Tensor, AttendArgs]:
+        """The inputs over all n nodes. Causal, the first N < n nodes are a prefix whose rows
+        never see a later node (what a decode step has produced so far): the later nodes are
+        added as padding, and their rows are dropped after."""
+        self._check_n(q.shape[2], args.causal)
+        missing = self.graph.n - q.shape[2]
+        if not missing:
+            return q, k, v, args
+        real = real_tokens(args.key_padding_mask, q.shape[0], q.shape[2], q.device)
+        args = replace(args, key_padding_mask=F.pad(real, (0, missing), value=False))
+        return (*(F.pad(x, (0, 0, 0, missing)) for x in (q, k, v)), args)
 
     def _settings(self, q: Tensor, args: AttendArgs) -> dict[str, Any]:
         """The keyword arguments ``graph_attention`` and its dense twin share, after checking q
         against the attention vector's shape: written once so the two cannot drift apart."""
-        self._check(q)
+        self._check_heads(q)
         return dict(
             causal=args.causal,
             key_padding_mask=args.key_padding_mask,
             scale=self.config.scale,
             attention_vector=self.attention_vector,
         )
+
+    def _init_state(self, spec: StateSpec) -> KVCache:
+        """Every key and value (a node's edges may reach any earlier node), room for n at most."""
+        return KVCache.for_state(replace(spec, capacity=min(spec.capacity, self.graph.n)))
+
+    def _step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, KVCache]:
+        """Rows ``t .. t + T - 1`` of the causal forward: each new node over its edges to nodes
+        up to itself."""
+        start, end = state.length, state.length + q.shape[2]
+        if end > self.graph.n:
+            raise ValueError(
+                f"graph_attention: step() would reach node {end - 1}, but the graph has n={self.graph.n} nodes "
+                "(token t is node t); build it with a larger graph"
+            )
+        self._check_heads(q)
+        state = state.append(k, v, args.key_padding_mask)
+        table = self._edges_of(start, end).to(q.device)  # [T, max degree], -1 padded
+        visible = (table >= 0) & (table <= torch.arange(start, end, device=q.device)[:, None])
+        keys = torch.where(visible, table, 0)  # future keys are not in the cache yet
+        if state.key_padding_mask is not None:
+            visible = visible & state.key_padding_mask[:, keys]
+        out = self._over_edges(q, state.k[:, :, keys], state.v[:, :, keys], visible)
+        return nan_rows_of_non_finite_queries(out, q), state
+
+    def _edges_of(self, start: int, end: int) -> Tensor:
+        """``(end - start, max degree)``: the keys nodes ``start .. end-1`` attend, padded with -1,
+        from their slice of the sorted edge list (O(log E + their edges), not a table of all n)."""
+        edges, n = self.graph.edge_keys, self.graph.n
+        lo, hi = torch.searchsorted(edges, torch.tensor([start * n, end * n])).tolist()
+        rows = edges[lo:hi] // n - start
+        degree = torch.bincount(rows, minlength=end - start)
+        table = torch.full((end - start, max(int(degree.max()), 1)), -1, dtype=torch.long)
+        table[rows, torch.arange(rows.numel()) - (degree.cumsum(0) - degree)[rows]] = edges[lo:hi] % n
+        return table
+
+    def _over_edges(self, q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+        """Each query of ``q (B, H, T, D)`` over its edges' keys ``k (B, H, T, E, D)`` and values
+        ``v (B, H, T, E, D_v)``, where ``visible ((B,) T, E)``, with the module's score."""
+        compute = compute_dtype(q)
+        qc, k, v = q.to(compute), k.to(compute), v.to(compute)
+        if self.attention_vector is None:
+            scores = torch.einsum("bhtd,bhted->bhte", qc, k) * default_scale(self.config.scale, q.shape[-1])
+        else:
+            from_query, from_key = gat_terms(qc, k.flatten(2, 3), self.attention_vector)
+            scores = F.leaky_relu(from_query[..., None] + from_key.unflatten(2, k.shape[2:4]), NEGATIVE_SLOPE)
+        weights = normalize_scores(scores, visible.unsqueeze(-3), "softmax")  # [B, H, T, E]
+        return torch.einsum("bhte,bhted->bhtd", weights, v).to(q.dtype)
