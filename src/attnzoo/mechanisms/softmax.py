@@ -55,6 +55,9 @@ class SoftmaxConfig(Config):
         "causal aligns queries to the end of the keys: query i sees keys j <= i + N_kv - N_q",
         "a query with no visible key returns zeros and passes zero gradient",
         "bf16/fp16 inputs are accumulated in float32",
+        "grouped-query K/V (H_kv dividing H) go to SDPA as they are (enable_gqa), never repeated",
+        "decode step: a KV cache (preallocated to the final length when known, else grown by doubling; "
+        "grouped K/V kept at H_kv heads), the new rows attended over it: O(t) per token",
     ),
 )
 class SoftmaxAttention(KVCacheDecode, Attention):
