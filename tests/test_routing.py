@@ -1,5 +1,7 @@
-"""The ``routing`` mechanism (Routing Transformer): fast paths equal ``reference_routing``, limit
-laws, no silently dropped queries, strong causality, padding, EMA centroids, approximation."""
+"""The ``routing`` mechanism (Routing Transformer), beyond ``tests/test_contracts.py``: fast paths
+equal ``reference_routing`` on configs the contract does not build (default window, windows
+past the real tokens, tiles, ties, share_qk, low precision), limit laws, no silently dropped
+queries, EMA centroids, approximation, no N x N at N = 32K, and the decode step's state."""
 
 from __future__ import annotations
 
@@ -23,20 +25,24 @@ def routing(**config):
     return attnzoo.build("routing", **{"n_clusters": 3, **config}).eval()
 
 
+def reference(attn, q, k, v, **kwargs):
+    return reference_routing(q, k, v, attn.centroids, attn.config, **kwargs)
+
+
 def set_centroids(module, centroids):
-    module.centroids_for(torch.empty(1, centroids.shape[0], 1, centroids.shape[2]))
+    module.centroids_for(centroids.shape[0], centroids.shape[2])
     module.centroids.copy_(centroids)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("window", [None, 5, 25])  # 25 > 18 real tokens of batch 1: padded queries get picked
+@pytest.mark.parametrize("window", [None, 25])  # 25 > 18 real tokens of batch 1: padded queries get picked
 def test_fast_path_equals_reference_float64(causal, padded, window):
     attn = routing(window=window)
     q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
     mask = padding_mask(B, N) if padded else None
     fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_routing(q, k, v, attn.centroids, window=window, causal=causal, key_padding_mask=mask)
+    ref = reference(attn, q, k, v, causal=causal, key_padding_mask=mask)
     assert_same(fast, ref, what="forward")
     fast_grads = grads(fast, (q, k, v))
     for got, want, name in zip(fast_grads, grads(ref, (q, k, v)), "qkv"):
@@ -50,7 +56,7 @@ def test_fast_path_equals_reference_float64(causal, padded, window):
 def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
     # Groups of unpicked (or causal) queries are cut into tiles of TILE queries, attended PAIRS
     # pairs at a time; make tiles of 3 (a group spans several, window 9), one tile per pass.
-    import attnzoo.mechanisms.routing as module
+    import attnzoo.mechanisms.routing_tiles as module
 
     q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
     mask = padding_mask(B, N)
@@ -59,7 +65,7 @@ def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
     monkeypatch.setattr(module, "TILE", 3)
     monkeypatch.setattr(module, "PAIRS", 1)
     narrow = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_routing(q, k, v, attn.centroids, window=9, causal=causal, key_padding_mask=mask)
+    ref = reference(attn, q, k, v, causal=causal, key_padding_mask=mask)
     assert_same(narrow, ref)
     assert_same(wide, ref)
     for got, want in zip(grads(narrow, (q, k, v)), grads(ref, (q, k, v))):
@@ -75,7 +81,7 @@ def test_tiny_shapes_and_exact_ties_match_the_reference(causal, shape):
     q, k = (torch.cat([x[:, :, :n], x[:, :, :n]], dim=2).requires_grad_() for x in (q, k))  # duplicate tokens tie
     v.requires_grad_()
     fast = attn(q, k, v, causal=causal)
-    ref = reference_routing(q, k, v, attn.centroids, causal=causal)
+    ref = reference(attn, q, k, v, causal=causal)
     assert_same(fast, ref)
     for got, want in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v))):
         assert_same(got, want)
@@ -89,8 +95,8 @@ def test_low_precision_within_golden_policy(dtype, causal):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     mask = padding_mask(B, N)
     fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_routing(q, k, v, attn.centroids, window=9, causal=causal, key_padding_mask=mask)
-    golden = reference_routing(q64, k64, v64, attn.centroids, window=9, causal=causal, key_padding_mask=mask)
+    ref = reference(attn, q, k, v, causal=causal, key_padding_mask=mask)
+    golden = reference(attn, q64, k64, v64, causal=causal, key_padding_mask=mask)
     assert fast.dtype == dtype
     assert_close_to_golden(fast, ref, golden, what="forward")
     triples = zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), grads(golden, (q64, k64, v64)))
@@ -138,17 +144,6 @@ def test_no_real_query_is_dropped(window):
     assert_same(out[unpicked], expected[unpicked])
 
 
-@pytest.mark.parametrize("window", [None, 4])
-def test_causal_output_ignores_the_future(window):
-    attn = routing(window=window)
-    q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
-    t = 20
-    q2, k2, v2 = (torch.cat([x[:, :, : t + 1], torch.randn_like(x[:, :, t + 1 :]) * 3], dim=2) for x in (q, k, v))
-    before, after = attn(q, k, v, causal=True), attn(q2, k2, v2, causal=True)
-    assert_same(after[:, :, : t + 1], before[:, :, : t + 1])
-    assert not torch.allclose(after[:, :, t + 1 :], before[:, :, t + 1 :])  # the change is seen later
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_padded_content_changes_neither_real_outputs_nor_centroids(causal):
     q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
@@ -191,21 +186,6 @@ def test_centroids_refuse_another_head_shape():
         attn(*make_qkv(1, 3, 5, 5, d=4))
 
 
-def test_implied_attention_is_what_the_output_applies():
-    attn = routing(window=6)
-    q, k, v = (t.detach() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
-    mask = padding_mask(B, N)
-    for causal in (False, True):
-        weights = attn.implied_attention(q, k, causal=causal, key_padding_mask=mask)
-        assert weights.shape == (B, H, N, N)
-        assert_same(torch.einsum("bhij,bhjd->bhid", weights, v), attn(q, k, v, causal=causal, key_padding_mask=mask))
-        real = mask[:, None, :].expand(-1, H, -1)
-        assert_same(weights.sum(-1)[real], torch.ones(int(real.sum()), dtype=weights.dtype))
-        assert (weights[..., ~mask[1]][1] == 0).all()
-        if causal:
-            assert (weights.triu(1) == 0).all()
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 def test_share_qk_fast_path_equals_reference_and_ignores_k(causal, padded):
@@ -213,7 +193,7 @@ def test_share_qk_fast_path_equals_reference_and_ignores_k(causal, padded):
     q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
     mask = padding_mask(B, N) if padded else None
     fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_routing(q, k, v, attn.centroids, window=5, causal=causal, key_padding_mask=mask, share_qk=True)
+    ref = reference(attn, q, k, v, causal=causal, key_padding_mask=mask)
     assert_same(fast, ref, what="forward")
     for got, want, name in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
         assert_same(got, want, what=f"d{name}")
@@ -280,7 +260,7 @@ def test_declares_capabilities_and_refuses_cross_attention():
     spec = attnzoo.describe("routing")
     caps = spec.capabilities
     assert spec.family == "content" and "2003.05997" in spec.paper and spec.complexity.subquadratic_memory
-    assert caps.causal and caps.key_padding and not (caps.cross_attention or caps.score_mod or caps.decode_step)
+    assert caps.causal and caps.key_padding and caps.decode_step and not (caps.cross_attention or caps.score_mod)
     with pytest.raises(ValueError, match="self-attention only"):
         routing()(*make_qkv(1, 1, 5, 7))
 
@@ -303,3 +283,64 @@ def test_no_n_by_n_allocation():
     assert result.returncode == 0, result.stderr
     peak_gib = int(result.stdout.strip().splitlines()[-1]) / 2**20
     assert peak_gib < 1.5, f"peak RSS {peak_gib:.2f} GiB: something N x N was allocated"
+
+
+# --- decode steps: the contract checks step == causal forward on the sized config ------------
+
+
+def steps(attn, q, k, v, sizes, mask=None, state=None):
+    """Decode ``q, k, v`` in steps of ``sizes`` tokens; the outputs and the state after each."""
+    state = state or attn.init_state(q.shape[0], q.shape[1], q.shape[3], v.shape[3], dtype=q.dtype)
+    outs, states, lo = [], [], 0
+    for size in sizes:
+        new = slice(lo, lo + size)
+        kpm = None if mask is None else mask[:, new]
+        out, state = attn.step(state, q[:, :, new], k[:, :, new], v[:, :, new], key_padding_mask=kpm)
+        outs.append(out)
+        states.append(state)
+        lo += size
+    return torch.cat(outs, 2), states
+
+
+def test_step_state_holds_each_clusters_last_w_keys_whatever_the_length():
+    # A padded prefix, a prompt, steps longer than a block and single tokens, share_qk: equal to
+    # the forward, and the state never outgrows B H (n_clusters 2w + 1) (D + D_v) numbers.
+    attn = routing(window=5, share_qk=True)
+    n = 200
+    q, k, v = (t.detach() for t in make_qkv(2, H, n, n, d=D, d_v=DV))
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[0, :30] = False
+    sizes = [40, 1, 37, 1, 1, *[1] * 60, 60]
+    got, states = steps(attn, q, k, v, sizes, mask)
+    assert_same(got, attn(q, k, v, causal=True, key_padding_mask=mask))
+    held = [sum(x.numel() for x in s.windows.buffers) for s in states]
+    assert max(held) <= 2 * H * (3 * 2 * 5 + 1) * (D + DV), held
+    assert held[-1] == held[len(sizes) // 2]  # no growth once every window has filled
+
+
+def test_two_continuations_of_one_state_are_independent():
+    attn = routing(window=4)
+    q, k, v = (t.detach() for t in make_qkv(1, H, 30, 30, d=D))
+    other = tuple(torch.cat([x[:, :, :20], torch.randn_like(x[:, :, 20:])], 2) for x in (q, k, v))
+    _, (prefix,) = steps(attn, q[:, :, :20], k[:, :, :20], v[:, :, :20], [20])
+    first, second, outs = prefix, prefix, ([], [])
+    for t in range(20, 30):  # interleaved: each continuation appends after the other did
+        out, first = attn.step(first, *(x[:, :, t : t + 1] for x in (q, k, v)))
+        outs[0].append(out)
+        out, second = attn.step(second, *(x[:, :, t : t + 1] for x in other))
+        outs[1].append(out)
+    assert_same(torch.cat(outs[0], 2), attn(q, k, v, causal=True)[:, :, 20:])
+    assert_same(torch.cat(outs[1], 2), attn(*other, causal=True)[:, :, 20:])
+
+
+def test_step_refuses_an_unknown_window_and_training_mode():
+    with pytest.raises(ValueError, match=r"window=.*ceil\(N / n_clusters\)"):
+        routing().init_state(1, H, D, D)
+    attn = routing(window=4)
+    state = attn.init_state(1, H, D, D)  # makes the centroids of a module that has not run
+    assert attn.centroids.shape == (H, 3, D)
+    attn.train()
+    with pytest.raises(ValueError, match=r"eval mode only.*\.eval\(\)"):
+        attn.init_state(1, H, D, D)
+    with pytest.raises(ValueError, match="eval mode only"):
+        attn.step(state, *make_qkv(1, H, 1, 1, d=D, requires_grad=False))

@@ -6,17 +6,14 @@ the previous one. The rounds are combined into one softmax over the union of the
 found: a key found in ``N_ij`` rounds has ``log N_ij`` subtracted from its score in each
 (Reformer, Appendix A), so it counts once.
 
-Fast path: each round lays the tokens out in sorted order with every bucket starting on a chunk
-boundary (filler slots pad the buckets), so a query's chunk sees exactly its own chunk of slots
-and the one before: one CPU flash-kernel call per round over zero-copy windows of 2c keys, with
-an additive mask (same bucket, real key, not self, causal, ``-log N_ij``). The backward runs the
-flash kernel's backward per round with the union's output and log-sum-exp. O(N c) memory.
-``reference_lsh`` computes the same buckets and chunk ranks by position, densely.
+This file holds the config, the dense ``reference_lsh`` (buckets and chunk ranks by position)
+and the registered module. The fast path (``lsh_chunks``) lays each round out in sorted order,
+every bucket starting on a chunk boundary: O(N c) memory, one flash-kernel call per round. A
+decode step (``lsh_decode``) keeps the last 2c tokens of every bucket and round.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms import lsh_decode
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
+from attnzoo.mechanisms.lsh_chunks import buckets, chunked_lsh
+from attnzoo.mechanisms.lsh_decode import LSHState
 from attnzoo.registry import Config, bounded, eighth, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -68,26 +67,6 @@ class LSHConfig(Config):
     def validate(self) -> None:
         if self.n_buckets % 2 and self.n_buckets != 1:
             raise ValueError(f"n_buckets must be 1 or even (buckets come from argmax([xR; -xR])), got {self.n_buckets}")
-
-
-def rotations(config: LSHConfig, heads: int, dim: int, seed: int | None, device: torch.device | None = None) -> Tensor:
-    """``(n_hashes, H, D, n_buckets / 2)`` random rotations, one per round and head: from
-    ``seed``, or from torch's global RNG when ``seed`` is None."""
-    g = None if seed is None else torch.Generator().manual_seed(seed)
-    return torch.randn(config.n_hashes, heads, dim, config.n_buckets // 2, generator=g).to(device)
-
-
-def buckets(keys: Tensor, rotation: Tensor, real: Tensor) -> Tensor:
-    """``(B, H, N)`` buckets ``argmax([xR; -xR])`` of the unit keys ``(B, H, N, D)`` under the
-    heads' rotations ``R (H, D, n_buckets / 2)``; padded
-    tokens go to an extra last bucket ``n_buckets`` so they never shift real tokens' ranks."""
-    n_buckets = max(2 * rotation.shape[-1], 1)
-    if rotation.shape[-1]:
-        projected = keys.float() @ rotation.float()[None]  # [B, H, N, n_buckets/2]
-        bucket = torch.cat([projected, -projected], dim=-1).argmax(-1)
-    else:
-        bucket = torch.zeros(keys.shape[:3], dtype=torch.long, device=keys.device)
-    return torch.where(real[:, None, :], bucket, n_buckets)
 
 
 # --- the paper's rule, by position: the reference ------------------------------------------
@@ -147,194 +126,6 @@ def reference_lsh(
     return (out, weights) if return_weights else out
 
 
-# --- the fast path: chunk-aligned sorted layout --------------------------------------------
-
-
-@dataclass(frozen=True)
-class Round:
-    """One hashing round laid out for the kernel. Real tokens are sorted by (bucket, position)
-    into ``length`` slots per (batch, head) row, each bucket starting on a chunk boundary
-    (filler slots pad it), so a bucket's rank-chunks are whole chunks of slots and chunk ``i``
-    sees chunk ``i - 1`` (if the same bucket) and itself. Indices are flat over the ``B * H``
-    rows: ``keys`` the token behind each slot with c leading dummies (the window before the
-    first chunk), ``queries`` the same without them, ``slot`` each position's slot, ``own`` /
-    ``prev`` the position's key entries in the kernel's ``(BH, chunks, 2c)`` windows, ``code``
-    a number per position whose difference (query - key) is 0 or 1 exactly when this round
-    shows the key to the query. ``mask (BH, chunks, c, 2c)`` is the additive mask, ``empty``
-    the rows that see nothing."""
-
-    length: int
-    keys: Tensor
-    queries: Tensor
-    slot: Tensor
-    own: Tensor
-    prev: Tensor
-    code: Tensor
-    mask: Tensor | None = None
-    empty: Tensor | None = None
-
-
-def _windows(x: Tensor, chunk: int) -> Tensor:
-    """``(BH, c + L, ...)`` -> zero-copy ``(BH, L / c, 2c, ...)``: chunk i's keys are slots
-    ``(i - 1) c .. (i + 1) c`` (the leading c entries stand before slot 0)."""
-    x = x.contiguous()
-    chunks = x.shape[1] // chunk - 1
-    return x.as_strided(
-        (x.shape[0], chunks, 2 * chunk, *x.shape[2:]), (x.stride(0), chunk * x.stride(1), *x.stride()[1:])
-    )
-
-
-def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, Tensor, Tensor]:
-    """The round's slots for ``bucket (B, H, N)`` (``n_buckets`` = padding), and per slot
-    ``(BH, L)`` its position (0 in filler slots), whether it is filled, and its chunk's bucket."""
-    (b, h, n), dev = bucket.shape, bucket.device
-    order = torch.argsort(bucket * n + torch.arange(n, device=dev), dim=-1)  # by (bucket, position)
-    bucket_s = bucket.gather(-1, order)
-    counts = torch.zeros(b, h, n_buckets + 1, dtype=torch.long, device=dev).scatter_add_(
-        -1, bucket, torch.ones_like(bucket)
-    )
-    rank = torch.arange(n, device=dev) - (counts.cumsum(-1) - counts).gather(-1, bucket_s)
-    room = torch.div(counts + chunk - 1, chunk, rounding_mode="floor") * chunk
-    room[..., -1] = 0  # padding tokens take no slots
-    length = max(int(room.sum(-1).max()), chunk)
-    slot_s = torch.where(bucket_s < n_buckets, (room.cumsum(-1) - room).gather(-1, bucket_s) + rank, length)
-    position = torch.zeros(b, h, length + 1, dtype=torch.long, device=dev).scatter_(-1, slot_s, order)[..., :length]
-    filled = torch.zeros(b, h, length + 1, dtype=torch.bool, device=dev).scatter_(-1, slot_s, True)[..., :length]
-    slot_bucket = torch.full((b, h, length + 1), -1, dtype=torch.long, device=dev).scatter_(-1, slot_s, bucket_s)
-    slot = torch.empty_like(order).scatter_(-1, order, slot_s).clamp_(max=length - 1)  # padding: fixed by the caller
-    chunks, c, o = length // chunk, torch.div(slot, chunk, rounding_mode="floor"), slot % chunk
-    rows = torch.arange(b * h, device=dev).view(b, h, 1)
-    keys = F.pad(position + rows * n, (chunk, 0))  # [B, H, c + L]; dummies read position 0 of row 0
-    r = Round(
-        length=length,
-        keys=keys.flatten(),
-        queries=keys[..., chunk:].flatten(),
-        slot=(rows * length + slot).flatten(),
-        own=(((rows * chunks + c) * 2 + 1) * chunk + o).flatten(),
-        # the next chunk's window holds the key in its first half; the last chunk has none
-        # (it points at chunk 0's first dummy, whose gradient is zero: always masked)
-        prev=torch.where(c + 1 < chunks, (rows * chunks + c + 1) * 2 * chunk + o, rows * chunks * 2 * chunk).flatten(),
-        code=bucket * (chunks + 2) + c,
-    )
-    return r, position.flatten(0, 1), filled.flatten(0, 1), slot_bucket[..., :length:chunk].flatten(0, 1)
-
-
-def round_mask(
-    r: Round,
-    position: Tensor,
-    filled: Tensor,
-    chunk_bucket: Tensor,
-    others: list[Round],
-    *,
-    chunk: int,
-    causal: bool,
-    dedupe: bool,
-    dtype: torch.dtype,
-) -> Round:
-    """``r`` with its additive mask (0, or ``-log N_ij`` with ``dedupe``, where visible; -inf
-    elsewhere: other buckets, filler slots, self, the future) and its empty rows."""
-    bh, chunks = position.shape[0], r.length // chunk
-    same_prev = F.pad(chunk_bucket[:, 1:] == chunk_bucket[:, :-1], (1, 0), value=False)  # [BH, chunks]
-    key_ok = _windows(F.pad(filled, (chunk, 0), value=False), chunk).clone()  # [BH, chunks, 2c]
-    key_ok[..., :chunk] &= same_prev[..., None]
-    inf = float("-inf")
-    own = torch.ones(chunk, chunk, dtype=torch.bool, device=filled.device)
-    own = own.tril(-1) if causal else own.fill_diagonal_(False)
-    fixed = torch.zeros(chunk, 2 * chunk, dtype=dtype, device=filled.device)
-    fixed[:, chunk:].masked_fill_(~own, inf)
-    key_term = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device)
-    mask = key_term.masked_fill_(~key_ok[:, :, None], inf) + fixed
-    mask.masked_fill_(~filled.view(bh, chunks, chunk, 1), inf)  # filler rows see nothing
-    if dedupe and others:
-        found = torch.zeros(mask.shape, dtype=torch.uint8, device=mask.device)
-        key_pos = _windows(F.pad(position, (chunk, 0)), chunk)
-        for o in others:
-            code = o.code.flatten(0, 1)
-            code_q = code.gather(1, position).view(bh, chunks, chunk, 1)
-            code_k = code.gather(1, key_pos.flatten(1)).view(bh, chunks, 1, 2 * chunk)
-            found += torch.bitwise_right_shift(code_q - code_k, 1) == 0  # difference 0 or 1
-        mask -= torch.log1p(found.to(dtype))
-    return dataclasses.replace(r, mask=mask, empty=mask.amax(-1) == inf)
-
-
-def _rows(x: Tensor, index: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """Rows ``index`` of ``x`` flattened to ``(-1, x.shape[-1])``, viewed as ``shape + (D,)``."""
-    return x.reshape(-1, x.shape[-1]).index_select(0, index).view(*shape, x.shape[-1])
-
-
-def _round_forward(q: Tensor, keys: Tensor, v: Tensor, r: Round, chunk: int, scale: float) -> tuple[Tensor, ...]:
-    """One round's kernel inputs ``(qx, kx, vx)`` and its output and log-sum-exp by position."""
-    bh, chunks, by_position = r.mask.shape[0], r.length // chunk, q.shape[:3]
-    qx = _rows(q, r.queries, (bh, chunks, chunk))
-    kx, vx = (_windows(_rows(x, r.keys, (bh, chunk + r.length)), chunk) for x in (keys, v))  # [BH, chunks, 2c, D]
-    out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=r.mask, scale=scale)[:2]
-    lse = lse.masked_fill(r.empty, float("-inf"))  # the kernel reports 0 for a row with no key
-    return (qx, kx, vx), _rows(out, r.slot, by_position), _rows(lse[..., None], r.slot, by_position)[..., 0]
-
-
-def _tensors(r: Round) -> tuple[Tensor | None, ...]:
-    """The fields of ``r`` after ``length``, in order: ``Round(r.length, *_tensors(r))`` is ``r``."""
-    return tuple(getattr(r, f.name) for f in dataclasses.fields(Round)[1:])
-
-
-class _Rounds(torch.autograd.Function):
-    """All rounds, combined into one softmax by log-sum-exp; returns ``(out, lse)``. Backward:
-    each round's flash backward with the union's output and log-sum-exp."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: Tensor,
-        keys: Tensor,
-        v: Tensor,
-        rounds: list[Round],  # type: ignore[override]
-        real: Tensor | None,
-        chunk: int,
-        scale: float,
-    ) -> tuple[Tensor, Tensor]:
-        kernel, outs, lses = [], [], []
-        for r in rounds:
-            inputs, out, lse = _round_forward(q, keys, v, r, chunk, scale)
-            kernel.append(inputs)
-            outs.append(out)
-            lses.append(lse)
-        stacked = torch.stack(lses)  # [rounds, B, H, N]
-        total = torch.logsumexp(stacked, 0)
-        share = torch.exp(stacked - torch.where(torch.isinf(total), 0.0, total))[..., None]
-        out = (torch.stack(outs) * share.to(outs[0].dtype)).sum(0)
-        if real is not None:  # padding tokens have no slot: they read another's, and see nothing
-            real = real[:, None, :]
-            out, total = out * real[..., None], total.masked_fill(~real, float("-inf"))
-        # Every tensor backward reads goes through save_for_backward: freed once backward has run,
-        # there again for a second backward of a retained graph (retain_graph=True, gradcheck).
-        ctx.save_for_backward(out, total, *(x for r, inputs in zip(rounds, kernel) for x in (*inputs, *_tensors(r))))
-        ctx.lengths, ctx.chunk, ctx.scale, ctx.real = [r.length for r in rounds], chunk, scale, real
-        ctx.mark_non_differentiable(total)
-        return out, total
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        out, total, *per_round = ctx.saved_tensors
-        # A row that sees nothing has p = 0 everywhere: exp(-inf - (+inf)), not exp(-inf + inf).
-        total = torch.where(torch.isinf(total), float("inf"), total)[..., None]
-        grad, dq, dk, dv = grad.contiguous(), 0, 0, 0
-        size = len(per_round) // len(ctx.lengths)
-        for length, start in zip(ctx.lengths, range(0, len(per_round), size)):
-            qx, kx, vx, *fields = per_round[start : start + size]
-            r = Round(length, *fields)
-            rows = qx.shape[:3]
-            g, o, lse = (_rows(x, r.queries, rows) for x in (grad, out, total))
-            gq, gk, gv = flash_attention_cpu_backward(
-                g, qx, kx, vx, o, lse[..., 0], 0.0, False, attn_mask=r.mask, scale=ctx.scale
-            )
-            dq = dq + _rows(gq, r.slot, grad.shape[:3])
-            dk = dk + _rows(gk, r.own, grad.shape[:3]) + _rows(gk, r.prev, grad.shape[:3])
-            dv = dv + _rows(gv, r.own, grad.shape[:3]) + _rows(gv, r.prev, grad.shape[:3])
-        if ctx.real is not None:
-            dq, dk, dv = (x * ctx.real[..., None] for x in (dq, dk, dv))
-        return dq, dk, dv, None, None, None, None
-
-
 @register(
     "lsh",
     config=LSHConfig,
@@ -342,7 +133,7 @@ class _Rounds(torch.autograd.Function):
     summary="Reformer LSH attention: hash to buckets, sort, attend within chunks of a bucket.",
     paper="Kitaev et al. 2020, Reformer, https://arxiv.org/abs/2001.04451",
     capabilities=Capabilities(
-        causal=True, key_padding=True, backends=("blocked", "reference"), independent_queries=False
+        causal=True, key_padding=True, decode_step=True, backends=("blocked", "reference"), independent_queries=False
     ),
     complexity=Complexity(time="O(n_hashes N c D)", memory="O(n_hashes N c)", subquadratic_memory=True),
     notes=(
@@ -355,10 +146,15 @@ class _Rounds(torch.autograd.Function):
         "Reformer Appendix A); dedupe=False weighs a key found in several rounds once per round",
         "rotations are drawn per round and head; fresh every forward pass in training (resample), "
         "fixed by the module's seed in eval mode",
+        "step(): hashes each new token in every round and attends the < 2 chunk keys its bucket's rank-chunks "
+        "show it, O(n_hashes chunk D) per token at any position; memory O(t (D + D_v)) (every unit key and value, "
+        "a KV cache) plus the positions of each bucket's last 2 chunk tokens, O(n_hashes n_buckets chunk); "
+        "refused in training mode with resample=True (fresh rotations every forward)",
     ),
 )
 class LSHAttention(Attention):
-    """Reformer LSH attention; see the module docstring and ``reference_lsh``."""
+    """Reformer LSH attention; see the module docstring and ``reference_lsh``; decode steps in
+    ``lsh_decode``."""
 
     config: LSHConfig
 
@@ -368,39 +164,32 @@ class LSHAttention(Attention):
         self.register_buffer("rotation_seed", torch.tensor(seed, dtype=torch.long))
 
     def rotations(self, heads: int, dim: int, device: torch.device | None = None) -> Tensor:
-        """The rotations of the next forward pass ``(n_hashes, H, D, n_buckets / 2)``: fresh
-        from torch's global RNG in training with ``resample``, else from ``rotation_seed``."""
-        fresh = self.training and self.config.resample
-        return rotations(self.config, heads, dim, None if fresh else int(self.rotation_seed), device)
+        """The rotations of the next forward pass ``(n_hashes, H, D, n_buckets / 2)``, one per
+        round and head: fresh from torch's global RNG in training with ``resample``, else from
+        ``rotation_seed``."""
+        cfg = self.config
+        g = None if self.training and cfg.resample else torch.Generator().manual_seed(int(self.rotation_seed))
+        return torch.randn(cfg.n_hashes, heads, dim, cfg.n_buckets // 2, generator=g).to(device)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        cfg, (batch, _, n, dim) = self.config, q.shape
+        cfg, (batch, heads, n, dim) = self.config, q.shape
         real = real_tokens(args.key_padding_mask, batch, n, q.device)
-        compute = compute_dtype(q)
-        qc, vc = q.to(compute), v.to(compute)
+        qc, vc = q.to(compute_dtype(q)), v.to(compute_dtype(q))
         keys = F.normalize(qc, dim=-1)
-        scale = default_scale(cfg.scale, dim)
         with torch.no_grad():
-            rots = self.rotations(q.shape[1], dim, q.device)
-            laid = [layout(buckets(keys, rot, real), cfg.n_buckets, cfg.chunk) for rot in rots]
-            plain = [r for r, *_ in laid]
-            rounds = [
-                round_mask(
-                    r,
-                    *slots,
-                    [o for o in plain if o is not r],
-                    chunk=cfg.chunk,
-                    causal=args.causal,
-                    dedupe=cfg.dedupe,
-                    dtype=compute,
-                )
-                for r, *slots in laid
-            ]
-        # The flash kernel needs one head size for q, k and v: zero columns change no score.
-        width = max(dim, v.shape[-1])
-        pad = lambda x: x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))  # noqa: E731
-        out, total = _Rounds.apply(pad(qc), pad(keys), pad(vc), rounds, args.key_padding_mask, cfg.chunk, scale)
-        out = out[..., : v.shape[-1]]
+            table = [buckets(keys, rotation, real) for rotation in self.rotations(heads, dim, q.device)]
+        out, total = chunked_lsh(
+            qc,
+            keys,
+            vc,
+            table,
+            args.key_padding_mask,
+            n_buckets=cfg.n_buckets,
+            chunk=cfg.chunk,
+            causal=args.causal,
+            dedupe=cfg.dedupe,
+            scale=default_scale(cfg.scale, dim),
+        )
         alone = torch.isinf(total)[..., None] & real[:, None, :, None]  # sees nothing in any round
         return torch.where(alone, vc, out).to(q.dtype)
 
@@ -408,12 +197,12 @@ class LSHAttention(Attention):
         """``reference_lsh`` under this module's rotations. k is not read: LSH attention shares
         QK, its keys are the unit-normalised queries."""
         rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
-        return reference_lsh(
-            q,
-            v,
-            self.config,
-            rotation,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            return_weights=return_weights,
-        )
+        kw = dict(causal=args.causal, key_padding_mask=args.key_padding_mask, return_weights=return_weights)
+        return reference_lsh(q, v, self.config, rotation, **kw)
+
+    def _init_state(self, spec: StateSpec) -> LSHState:
+        return lsh_decode.init_state(self, spec)
+
+    def _step(self, state: LSHState, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, LSHState]:
+        """k is not read (shared QK), as in the forward."""
+        return lsh_decode.step(self, state, q, v, args)

@@ -1,0 +1,251 @@
+"""LSH attention's hashing and its fast path: the chunk-aligned sorted layout (``lsh`` is
+registered in ``attnzoo.mechanisms.lsh``, beside the dense ``reference_lsh``).
+
+Each round lays the tokens out in sorted order with every bucket starting on a chunk boundary
+(filler slots pad the buckets), so a query's chunk sees exactly its own chunk of slots and the
+one before: one CPU flash-kernel call per round over zero-copy windows of 2c keys, with an
+additive mask (same bucket, real key, not self, causal, ``-log N_ij``). The backward runs the
+flash kernel's backward per round with the union's output and log-sum-exp. O(N c) memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
+
+
+def buckets(keys: Tensor, rotation: Tensor, real: Tensor) -> Tensor:
+    """``(B, H, N)`` buckets ``argmax([xR; -xR])`` of the unit keys ``(B, H, N, D)`` under the
+    heads' rotations ``R (H, D, n_buckets / 2)``; padded
+    tokens go to an extra last bucket ``n_buckets`` so they never shift real tokens' ranks."""
+    n_buckets = max(2 * rotation.shape[-1], 1)
+    if rotation.shape[-1]:
+        projected = keys.float() @ rotation.float()[None]  # [B, H, N, n_buckets/2]
+        bucket = torch.cat([projected, -projected], dim=-1).argmax(-1)
+    else:
+        bucket = torch.zeros(keys.shape[:3], dtype=torch.long, device=keys.device)
+    return torch.where(real[:, None, :], bucket, n_buckets)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One hashing round laid out for the kernel. Real tokens are sorted by (bucket, position)
+    into ``length`` slots per (batch, head) row, each bucket starting on a chunk boundary
+    (filler slots pad it), so a bucket's rank-chunks are whole chunks of slots and chunk ``i``
+    sees chunk ``i - 1`` (if the same bucket) and itself. Indices are flat over the ``B * H``
+    rows: ``keys`` the token behind each slot with c leading dummies (the window before the
+    first chunk), ``queries`` the same without them, ``slot`` each position's slot, ``own`` /
+    ``prev`` the position's key entries in the kernel's ``(BH, chunks, 2c)`` windows, ``code``
+    a number per position whose difference (query - key) is 0 or 1 exactly when this round
+    shows the key to the query. ``mask (BH, chunks, c, 2c)`` is the additive mask, ``empty``
+    the rows that see nothing."""
+
+    length: int
+    keys: Tensor
+    queries: Tensor
+    slot: Tensor
+    own: Tensor
+    prev: Tensor
+    code: Tensor
+    mask: Tensor | None = None
+    empty: Tensor | None = None
+
+
+def _windows(x: Tensor, chunk: int) -> Tensor:
+    """``(BH, c + L, ...)`` -> zero-copy ``(BH, L / c, 2c, ...)``: chunk i's keys are slots
+    ``(i - 1) c .. (i + 1) c`` (the leading c entries stand before slot 0)."""
+    x = x.contiguous()
+    chunks = x.shape[1] // chunk - 1
+    return x.as_strided(
+        (x.shape[0], chunks, 2 * chunk, *x.shape[2:]), (x.stride(0), chunk * x.stride(1), *x.stride()[1:])
+    )
+
+
+def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, Tensor, Tensor]:
+    """The round's slots for ``bucket (B, H, N)`` (``n_buckets`` = padding), and per slot
+    ``(BH, L)`` its position (0 in filler slots), whether it is filled, and its chunk's bucket."""
+    (b, h, n), dev = bucket.shape, bucket.device
+    order = torch.argsort(bucket * n + torch.arange(n, device=dev), dim=-1)  # by (bucket, position)
+    bucket_s = bucket.gather(-1, order)
+    counts = torch.zeros(b, h, n_buckets + 1, dtype=torch.long, device=dev).scatter_add_(
+        -1, bucket, torch.ones_like(bucket)
+    )
+    rank = torch.arange(n, device=dev) - (counts.cumsum(-1) - counts).gather(-1, bucket_s)
+    room = torch.div(counts + chunk - 1, chunk, rounding_mode="floor") * chunk
+    room[..., -1] = 0  # padding tokens take no slots
+    length = max(int(room.sum(-1).max()), chunk)
+    slot_s = torch.where(bucket_s < n_buckets, (room.cumsum(-1) - room).gather(-1, bucket_s) + rank, length)
+    position = torch.zeros(b, h, length + 1, dtype=torch.long, device=dev).scatter_(-1, slot_s, order)[..., :length]
+    filled = torch.zeros(b, h, length + 1, dtype=torch.bool, device=dev).scatter_(-1, slot_s, True)[..., :length]
+    slot_bucket = torch.full((b, h, length + 1), -1, dtype=torch.long, device=dev).scatter_(-1, slot_s, bucket_s)
+    slot = torch.empty_like(order).scatter_(-1, order, slot_s).clamp_(max=length - 1)  # padding: fixed by the caller
+    chunks, c, o = length // chunk, torch.div(slot, chunk, rounding_mode="floor"), slot % chunk
+    rows = torch.arange(b * h, device=dev).view(b, h, 1)
+    keys = F.pad(position + rows * n, (chunk, 0))  # [B, H, c + L]; dummies read position 0 of row 0
+    r = Round(
+        length=length,
+        keys=keys.flatten(),
+        queries=keys[..., chunk:].flatten(),
+        slot=(rows * length + slot).flatten(),
+        own=(((rows * chunks + c) * 2 + 1) * chunk + o).flatten(),
+        # the next chunk's window holds the key in its first half; the last chunk has none
+        # (it points at chunk 0's first dummy, whose gradient is zero: always masked)
+        prev=torch.where(c + 1 < chunks, (rows * chunks + c + 1) * 2 * chunk + o, rows * chunks * 2 * chunk).flatten(),
+        code=bucket * (chunks + 2) + c,
+    )
+    return r, position.flatten(0, 1), filled.flatten(0, 1), slot_bucket[..., :length:chunk].flatten(0, 1)
+
+
+def round_mask(
+    r: Round,
+    position: Tensor,
+    filled: Tensor,
+    chunk_bucket: Tensor,
+    others: list[Round],
+    *,
+    chunk: int,
+    causal: bool,
+    dedupe: bool,
+    dtype: torch.dtype,
+) -> Round:
+    """``r`` with its additive mask (0, or ``-log N_ij`` with ``dedupe``, where visible; -inf
+    elsewhere: other buckets, filler slots, self, the future) and its empty rows."""
+    bh, chunks = position.shape[0], r.length // chunk
+    same_prev = F.pad(chunk_bucket[:, 1:] == chunk_bucket[:, :-1], (1, 0), value=False)  # [BH, chunks]
+    key_ok = _windows(F.pad(filled, (chunk, 0), value=False), chunk).clone()  # [BH, chunks, 2c]
+    key_ok[..., :chunk] &= same_prev[..., None]
+    inf = float("-inf")
+    own = torch.ones(chunk, chunk, dtype=torch.bool, device=filled.device)
+    own = own.tril(-1) if causal else own.fill_diagonal_(False)
+    fixed = torch.zeros(chunk, 2 * chunk, dtype=dtype, device=filled.device)
+    fixed[:, chunk:].masked_fill_(~own, inf)
+    key_term = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device)
+    mask = key_term.masked_fill_(~key_ok[:, :, None], inf) + fixed
+    mask.masked_fill_(~filled.view(bh, chunks, chunk, 1), inf)  # filler rows see nothing
+    if dedupe and others:
+        found = torch.zeros(mask.shape, dtype=torch.uint8, device=mask.device)
+        key_pos = _windows(F.pad(position, (chunk, 0)), chunk)
+        for o in others:
+            code = o.code.flatten(0, 1)
+            code_q = code.gather(1, position).view(bh, chunks, chunk, 1)
+            code_k = code.gather(1, key_pos.flatten(1)).view(bh, chunks, 1, 2 * chunk)
+            found += torch.bitwise_right_shift(code_q - code_k, 1) == 0  # difference 0 or 1
+        mask -= torch.log1p(found.to(dtype))
+    return dataclasses.replace(r, mask=mask, empty=mask.amax(-1) == inf)
+
+
+def _rows(x: Tensor, index: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Rows ``index`` of ``x`` flattened to ``(-1, x.shape[-1])``, viewed as ``shape + (D,)``."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, index).view(*shape, x.shape[-1])
+
+
+def _round_forward(q: Tensor, keys: Tensor, v: Tensor, r: Round, chunk: int, scale: float) -> tuple[Tensor, ...]:
+    """One round's kernel inputs ``(qx, kx, vx)`` and its output and log-sum-exp by position."""
+    bh, chunks, by_position = r.mask.shape[0], r.length // chunk, q.shape[:3]
+    qx = _rows(q, r.queries, (bh, chunks, chunk))
+    kx, vx = (_windows(_rows(x, r.keys, (bh, chunk + r.length)), chunk) for x in (keys, v))  # [BH, chunks, 2c, D]
+    out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=r.mask, scale=scale)[:2]
+    lse = lse.masked_fill(r.empty, float("-inf"))  # the kernel reports 0 for a row with no key
+    return (qx, kx, vx), _rows(out, r.slot, by_position), _rows(lse[..., None], r.slot, by_position)[..., 0]
+
+
+def _tensors(r: Round) -> tuple[Tensor | None, ...]:
+    """The fields of ``r`` after ``length``, in order: ``Round(r.length, *_tensors(r))`` is ``r``."""
+    return tuple(getattr(r, f.name) for f in dataclasses.fields(Round)[1:])
+
+
+class _Rounds(torch.autograd.Function):
+    """All rounds, combined into one softmax by log-sum-exp; returns ``(out, lse)``. Backward:
+    each round's flash backward with the union's output and log-sum-exp."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        keys: Tensor,
+        v: Tensor,
+        rounds: list[Round],  # type: ignore[override]
+        real: Tensor | None,
+        chunk: int,
+        scale: float,
+    ) -> tuple[Tensor, Tensor]:
+        kernel, outs, lses = [], [], []
+        for r in rounds:
+            inputs, out, lse = _round_forward(q, keys, v, r, chunk, scale)
+            kernel.append(inputs)
+            outs.append(out)
+            lses.append(lse)
+        stacked = torch.stack(lses)  # [rounds, B, H, N]
+        total = torch.logsumexp(stacked, 0)
+        share = torch.exp(stacked - torch.where(torch.isinf(total), 0.0, total))[..., None]
+        out = (torch.stack(outs) * share.to(outs[0].dtype)).sum(0)
+        if real is not None:  # padding tokens have no slot: they read another's, and see nothing
+            real = real[:, None, :]
+            out, total = out * real[..., None], total.masked_fill(~real, float("-inf"))
+        # Every tensor backward reads goes through save_for_backward: freed once backward has run,
+        # there again for a second backward of a retained graph (retain_graph=True, gradcheck).
+        ctx.save_for_backward(out, total, *(x for r, inputs in zip(rounds, kernel) for x in (*inputs, *_tensors(r))))
+        ctx.lengths, ctx.chunk, ctx.scale, ctx.real = [r.length for r in rounds], chunk, scale, real
+        ctx.mark_non_differentiable(total)
+        return out, total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        out, total, *per_round = ctx.saved_tensors
+        # A row that sees nothing has p = 0 everywhere: exp(-inf - (+inf)), not exp(-inf + inf).
+        total = torch.where(torch.isinf(total), float("inf"), total)[..., None]
+        grad, dq, dk, dv = grad.contiguous(), 0, 0, 0
+        size = len(per_round) // len(ctx.lengths)
+        for length, start in zip(ctx.lengths, range(0, len(per_round), size)):
+            qx, kx, vx, *fields = per_round[start : start + size]
+            r = Round(length, *fields)
+            rows = qx.shape[:3]
+            g, o, lse = (_rows(x, r.queries, rows) for x in (grad, out, total))
+            gq, gk, gv = flash_attention_cpu_backward(
+                g, qx, kx, vx, o, lse[..., 0], 0.0, False, attn_mask=r.mask, scale=ctx.scale
+            )
+            dq = dq + _rows(gq, r.slot, grad.shape[:3])
+            dk = dk + _rows(gk, r.own, grad.shape[:3]) + _rows(gk, r.prev, grad.shape[:3])
+            dv = dv + _rows(gv, r.own, grad.shape[:3]) + _rows(gv, r.prev, grad.shape[:3])
+        if ctx.real is not None:
+            dq, dk, dv = (x * ctx.real[..., None] for x in (dq, dk, dv))
+        return dq, dk, dv, None, None, None, None
+
+
+def chunked_lsh(
+    q: Tensor,
+    keys: Tensor,
+    v: Tensor,
+    table: list[Tensor],
+    key_padding_mask: Tensor | None,
+    *,
+    n_buckets: int,
+    chunk: int,
+    causal: bool,
+    dedupe: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """All rounds of ``table`` (per round the ``(B, H, N)`` buckets from ``buckets``) combined
+    into one softmax: ``(out (B, H, N, D_v), log-sum-exp (B, H, N))``, the log-sum-exp -inf (and
+    the row 0) where a query sees nothing. ``q``, ``keys``, ``v`` in the compute dtype."""
+    with torch.no_grad():
+        laid = [layout(bucket, n_buckets, chunk) for bucket in table]
+        plain = [r for r, *_ in laid]
+        rounds = [
+            round_mask(
+                r, *slots, [o for o in plain if o is not r], chunk=chunk, causal=causal, dedupe=dedupe, dtype=q.dtype
+            )
+            for r, *slots in laid
+        ]
+    # The flash kernel needs one head size for q, k and v: zero columns change no score.
+    width = max(q.shape[-1], v.shape[-1])
+    pad = lambda x: x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))  # noqa: E731
+    out, total = _Rounds.apply(pad(q), pad(keys), pad(v), rounds, key_padding_mask, chunk, scale)
+    return out[..., : v.shape[-1]], total
