@@ -52,13 +52,15 @@ def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
 
 def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:
     """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M, D)`` and an integer ``index (B, H, ...)``
-    -> ``(B, H, ..., D)``: each query's own selection of keys or values, as one ``gather``
-    (never an ``(B, H, M, M)`` one-hot product).
+    -> ``(B, H, ..., D)``: each query's own selection of keys or values, as one ``index_select``
+    over the flattened rows (never an ``(B, H, M, M)`` one-hot product; on CPU about twice as fast
+    forward as ``gather`` with an index expanded over D, and 1.3x with backward).
 
     With ``zero_row``, index ``M`` (one past the end) reads a row of zeros: the slot a selection
     fills when a query has fewer candidates than slots.
     """
     if zero_row:
         x = torch.nn.functional.pad(x, (0, 0, 0, 1))
-    flat = rearrange(index, "b h ... -> b h (...) 1").expand(-1, -1, -1, x.shape[-1])
-    return x.gather(2, flat).reshape(*index.shape, x.shape[-1])
+    b, h, m, d = x.shape
+    offset = torch.arange(b * h, device=x.device).view(b, h, *(1,) * (index.dim() - 2)) * m
+    return x.reshape(b * h * m, d).index_select(0, (index + offset).flatten()).view(*index.shape, d)

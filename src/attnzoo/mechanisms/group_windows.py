@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import compute_dtype
+from attnzoo.mechanisms._ops import compute_dtype, gather_rows
 from attnzoo.mechanisms.base import StateSpec
 
 #: Room per group of windows made without a known capacity: grown by doubling when it runs out.
@@ -39,15 +39,6 @@ def state_dtype(spec: StateSpec) -> torch.dtype:
     """The dtype a decode state made for ``spec`` holds and computes in: ``compute_dtype``'s rule
     for ``spec.dtype`` (None: torch's default), as the forward computes."""
     return compute_dtype(torch.empty(0, dtype=spec.dtype))
-
-
-def take_rows(x: Tensor, index: Tensor) -> Tensor:
-    """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M, E)`` -> ``(B, H, ..., E)``: one
-    ``index_select`` over the flattened rows (on CPU about 10x faster than ``gather_rows``'s
-    ``gather`` with an index expanded over E, which dominated a decode step)."""
-    b, h, m, e = x.shape
-    offset = torch.arange(b * h, device=x.device).view(b, h, *(1,) * (index.dim() - 2)) * m
-    return x.reshape(b * h * m, e).index_select(0, (index + offset).flatten()).view(*index.shape, e)
 
 
 def counts(group: Tensor, bins: int) -> Tensor:
@@ -144,7 +135,7 @@ class GroupWindows:
         count, base = (x.gather(-1, flat).view_as(group)[..., None] for x in (self.count, self.base))
         rank = count - self.keep + torch.arange(self.keep, device=group.device)  # [B, H, ..., keep]
         index = group[..., None] * self.room + (rank - base).clamp(min=0)
-        read = tuple(torch.where(rank[..., None] >= 0, take_rows(x, index), 0) for x in self.buffers)
+        read = tuple(torch.where(rank[..., None] >= 0, gather_rows(x, index), 0) for x in self.buffers)
         return read, rank
 
     def append(self, group: Tensor, entries: tuple[Tensor, ...]) -> GroupWindows:
@@ -179,7 +170,7 @@ class GroupWindows:
         target = torch.where(write, group * room + rank - new_base, groups * room)
         buffers = []
         for buffer, new in zip(self.buffers, entries, strict=True):
-            moved = take_rows(buffer, source)  # [B, H, G room, E]
+            moved = gather_rows(buffer, source)  # [B, H, G room, E]
             moved = torch.where(rearrange(old, "b h g r -> b h (g r) 1"), moved, 0)
             moved = F.pad(moved, (0, 0, 0, 1))
             index = target[..., None].expand(-1, -1, -1, new.shape[-1])

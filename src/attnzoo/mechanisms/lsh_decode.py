@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import default_scale, real_tokens
+from attnzoo.mechanisms._ops import default_scale, gather_rows, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, StateSpec, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
-from attnzoo.mechanisms.group_windows import GroupWindows, attend_gathered, state_dtype, take_rows
+from attnzoo.mechanisms.group_windows import GroupWindows, attend_gathered, state_dtype
 from attnzoo.mechanisms.lsh_chunks import buckets
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def _block(attn: LSHAttention, old: LSHState, new: LSHState, q: Tensor, group: T
     if cfg.dedupe:  # one softmax over the union: a key found in several rounds counts once
         sees = sees & ~_repeated(position, sees)
     qc = q.to(new.cache.k_buffer.dtype)
-    keys, values = (take_rows(x, position) for x in (new.cache.k_buffer, new.cache.v_buffer))  # [B, H, T, L, D]
+    keys, values = (gather_rows(x, position) for x in (new.cache.k_buffer, new.cache.v_buffer))  # [B, H, T, L, D]
     out = attend_gathered(qc[..., None, :], keys, values, sees[..., None, :], default_scale(cfg.scale, dim))
     # A real token that sees nothing in any round attends to itself.
     alone = ~sees.any(-1, keepdim=True) & (group < groups)[..., :1]
