@@ -10,7 +10,8 @@ import torch
 
 import attnzoo
 import attnzoo.mechanisms.kernel as kernel
-from attnzoo.mechanisms.kernel_features import favor_exponent, fourier_features
+from attnzoo.mechanisms.kernel_features import fourier_features
+from attnzoo.mechanisms.kernel_performer import favor_exponent
 from conftest import LargestTensor as Largest
 from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same

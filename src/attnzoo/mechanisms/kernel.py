@@ -1,5 +1,6 @@
-"""Kernel / linear attention: the shared core and ``linear`` (``performer``, ``efficient`` and
-``rfa`` are in ``kernel_features.py``).
+"""Kernel / linear attention: the shared core. The mechanisms built on it: ``kernel_linear.py``
+(the base class ``KernelAttention``, ``linear``, ``efficient``), ``kernel_features.py`` (the
+random-feature base and ``rfa``), ``kernel_performer.py`` (``performer``).
 
 Every member replaces ``exp(q . k)`` by a dot product of feature maps, ``phi(q) . phi(k)``, and
 shares one core ("Transformers are RNNs", Katharopoulos et al. 2020,
@@ -11,26 +12,23 @@ over the keys ``j`` query ``i`` sees. Re-associating ``(phi(Q) phi(K)^T) V = phi
 makes the cost linear in N. ``kernel_attention`` is the fast path (non-causal: in blocks of rows;
 causal: chunkwise, optionally with a per-position decay of the running sums, which carries RFA's
 gates and Performer's causal stabiliser); ``reference_kernel_attention`` is the quadratic form
-that reads like the paper. A mechanism is a ``KernelAttention`` with two small methods,
-``query_features`` and ``key_features``, and a registration.
+that reads like the paper. Both take a mechanism's feature maps from it (``FeatureMaps``): a
+mechanism is a ``KernelAttention`` with two small methods, ``query_features`` and
+``key_features``, and a registration (``register_kernel``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import compute_dtype
-from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
-from attnzoo.registry import Config, bounded, register
-from attnzoo.spec import Capabilities, Complexity
+from attnzoo.mechanisms.base import AttendArgs
 
 #: ``"rows"``: ``num / (den + eps)`` (non-negative features); ``"signed"``: ``den`` kept at
 #: ``|den| >= eps`` with its sign (RFA); ``"keys"``: each feature's key weights sum to 1
@@ -62,8 +60,19 @@ class KeyFeatures(NamedTuple):
     c: Tensor | None = None
 
 
-QueryMap = Callable[[Tensor], Tensor]
-KeyMap = Callable[..., KeyFeatures]
+class FeatureMaps(Protocol):
+    """What the core needs from a mechanism (``KernelAttention`` is one): its two feature maps,
+    how rows are normalised, the causal chunk length and the denominator's eps."""
+
+    normalizer: Normalizer
+    chunk: int
+    eps: float
+
+    def query_features(self, q: Tensor) -> Tensor: ...
+
+    def key_features(
+        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None
+    ) -> KeyFeatures: ...
 
 
 def normalise(num: Tensor, den: Tensor, normalizer: Normalizer, eps: float) -> Tensor:
@@ -79,30 +88,19 @@ def normalise(num: Tensor, den: Tensor, normalizer: Normalizer, eps: float) -> T
 
 
 def kernel_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    query_map: QueryMap,
-    key_map: KeyMap,
-    causal: bool,
-    key_padding_mask: Tensor | None = None,
-    state: KernelState | None = None,
-    chunk: int = 64,
-    eps: float = 1e-6,
-    normalizer: Normalizer = "rows",
+    q: Tensor, k: Tensor, v: Tensor, maps: FeatureMaps, args: AttendArgs, state: KernelState | None = None
 ) -> tuple[Tensor, KernelState]:
     """The shared fast path of every kernel mechanism.
 
     Args:
-        q, k, v: inputs. query_map: ``q -> phi(q)``. key_map: ``(k, real, causal=, c0=) ->
-            KeyFeatures`` with ``real`` bool ``(B, 1, N)`` or None.
-        causal: query ``i`` (end-aligned) sees keys ``j <= i + N_kv - N_q``.
-        key_padding_mask: bool ``(B, N_kv)``, True = real. Padded keys have their features,
-            values and decay zeroed, so they never enter ``S`` or ``z``.
+        q, k, v: inputs. maps: ``query_features`` (``q -> phi(q)``), ``key_features`` (``(k,
+            real, causal=, c0=) -> KeyFeatures`` with ``real`` bool ``(B, 1, N)`` or None),
+            ``normalizer`` and ``eps`` (see ``normalise``), ``chunk``: the causal chunk length L
+            (quadratic inside a chunk, sums carried across chunks).
+        args: ``causal``: query ``i`` (end-aligned) sees keys ``j <= i + N_kv - N_q``.
+            ``key_padding_mask``: bool ``(B, N_kv)``, True = real. Padded keys have their
+            features, values and decay zeroed, so they never enter ``S`` or ``z``.
         state: causal only: sums of earlier keys (decoding); default empty.
-        chunk: causal chunk length L (quadratic inside a chunk, sums carried across chunks).
-        eps, normalizer: see ``normalise``.
 
     Shapes:
         q ``(B, H, N_q, D)``, k ``(B, H, N_kv, D)``, v ``(B, H, N_kv, E)`` ->
@@ -113,15 +111,15 @@ def kernel_attention(
         m E) live memory. Causal: O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory.
         Never N x N. ``z`` rides along ``S`` as an extra all-ones value column.
     """
-    real = None if key_padding_mask is None else key_padding_mask[:, None]  # [B, 1, N_kv]
+    real = None if args.key_padding_mask is None else args.key_padding_mask[:, None]  # [B, 1, N_kv]
     if real is not None:  # 0 * (inf or NaN in a padded value) would leak
         v = torch.where(real[..., None], v, 0.0)
-    if not causal:
+    if not args.causal:
         if state is not None:
             raise ValueError("a decode state needs causal=True")
-        return _blocked(q, k, v, real, query_map, key_map, eps, normalizer)
+        return _blocked(q, k, v, real, maps)
     c0 = None if state is None else state.c
-    f = key_map(k, real, causal=True, c0=c0)
+    f = maps.key_features(k, real, causal=True, c0=c0)
     phi_k, log_decay = f.phi, f.log_decay
     if real is not None:
         phi_k = torch.where(real[..., None], phi_k, 0.0)
@@ -129,13 +127,13 @@ def kernel_attention(
     s0 = None if state is None else torch.cat([state.s, state.z[..., None]], dim=-1)
     v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N_kv, E + 1]
     shift = k.shape[2] - q.shape[2]
-    phi_q = query_map(q)
+    phi_q = maps.query_features(q)
     phi_q = F.pad(phi_q, (0, 0, shift, 0)) if shift else phi_q  # queries end-aligned: zero rows first
     if k.shape[2] == 1 and s0 is not None:
         out1, s1 = _one_token(phi_q, phi_k, v1, log_decay, s0)
     else:
-        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, chunk)
-    out = normalise(out1[:, :, shift:, :-1], out1[:, :, shift:, -1], normalizer, eps)
+        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, maps.chunk)
+    out = normalise(out1[:, :, shift:, :-1], out1[:, :, shift:, -1], maps.normalizer, maps.eps)
     return out, KernelState(s1[..., :-1], s1[..., -1], f.c if f.c is not None else c0)
 
 
@@ -148,33 +146,24 @@ def _one_token(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, s0: Te
     return q @ s1, s1
 
 
-def _blocked(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    real: Tensor | None,
-    query_map: QueryMap,
-    key_map: KeyMap,
-    eps: float,
-    normalizer: Normalizer,
-) -> tuple[Tensor, KernelState]:
+def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: FeatureMaps) -> tuple[Tensor, KernelState]:
     """Non-causal: ``S1 = sum over key blocks of phi(K_b)^T [V_b, 1]`` (offsets merged as in
     ``_merge``), then ``phi(Q_b) S1`` per query block."""
     rows = max(1, BLOCK_ROWS // (q.shape[0] * q.shape[1]))
     s1 = c = None
     for i in range(0, k.shape[2], rows):
         part = None if real is None else real[..., i : i + rows]
-        f = key_map(k[:, :, i : i + rows], part, causal=False, c0=None)
+        f = maps.key_features(k[:, :, i : i + rows], part, causal=False, c0=None)
         phi = f.phi if part is None else torch.where(part[..., None], f.phi, 0.0)
         vb = v[:, :, i : i + rows]
         s1, c = _merge(s1, c, phi.transpose(-1, -2) @ torch.cat([vb, torch.ones_like(vb[..., :1])], -1), f.c)
-    if normalizer == "keys":  # each feature's weights over the keys sum to 1 (0 if it has none)
+    if maps.normalizer == "keys":  # each feature's weights over the keys sum to 1 (0 if it has none)
         z = s1[..., -1:]
         s1 = torch.cat([s1[..., :-1] / torch.where(z > 0, z, 1.0), z], dim=-1)
-    outs = [query_map(q[:, :, i : i + rows]) @ s1 for i in range(0, q.shape[2], rows)]
+    outs = [maps.query_features(q[:, :, i : i + rows]) @ s1 for i in range(0, q.shape[2], rows)]
     out1 = torch.cat(outs, dim=2)  # [B, H, N_q, E + 1]
     state = KernelState(s1[..., :-1], s1[..., -1], c)
-    return normalise(out1[..., :-1], out1[..., -1], normalizer, eps), state
+    return normalise(out1[..., :-1], out1[..., -1], maps.normalizer, maps.eps), state
 
 
 def _merge(s: Tensor | None, c: Tensor | None, s_b: Tensor, c_b: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -312,149 +301,3 @@ class KernelState:
     s: Tensor
     z: Tensor
     c: Tensor | None = None
-
-
-class KernelAttention(Attention):
-    """Base of the family: a subclass supplies ``query_features`` and ``key_features`` (and
-    ``num_features`` for decoding); this class runs the shared core, the reference, and
-    ``init_state`` / ``step``.
-
-    Shapes:
-        q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``.
-
-    Notes:
-        float16/bfloat16 inputs are computed in float32 and cast back.
-    """
-
-    normalizer: Normalizer = "rows"
-
-    def query_features(self, q: Tensor) -> Tensor:
-        """``(B, H, N, D) -> (B, H, N, m)``."""
-        raise NotImplementedError
-
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
-        """``k (B, H, N, D)``, ``real`` bool ``(B, 1, N)`` or None -> ``KeyFeatures``."""
-        raise NotImplementedError
-
-    def num_features(self, head_dim: int) -> int:
-        raise NotImplementedError
-
-    def prepare(self, heads: int, head_dim: int, device: Any, dtype: torch.dtype) -> None:
-        """Create lazily-sized buffers/parameters for ``heads`` and ``head_dim`` (if any)."""
-
-    def _run(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool,
-        key_padding_mask: Tensor | None,
-        state: KernelState | None = None,
-    ) -> tuple[Tensor, KernelState]:
-        qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
-        if state is not None:
-            state = KernelState(state.s.to(qc.dtype), state.z.to(qc.dtype), state.c)
-        out, state = kernel_attention(
-            qc,
-            kc,
-            vc,
-            query_map=self.query_features,
-            key_map=self.key_features,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            state=state,
-            chunk=getattr(self.config, "chunk", 64),
-            eps=getattr(self.config, "eps", 1e-6),
-            normalizer=self.normalizer,
-        )
-        return out.to(q.dtype), state
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        return self._run(q, k, v, causal=args.causal, key_padding_mask=args.key_padding_mask)[0]
-
-    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
-        """The same function through ``reference_kernel_attention`` (same features, dense): the
-        normalised ``phi(Q) phi(K)^T`` as an explicit matrix."""
-        qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
-        real = None if args.key_padding_mask is None else args.key_padding_mask[:, None]
-        f = self.key_features(kc, real, causal=args.causal)
-        return reference_kernel_attention(
-            self.query_features(qc),
-            f.phi,
-            vc,
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            log_decay=f.log_decay,
-            eps=getattr(self.config, "eps", 1e-6),
-            normalizer=self.normalizer,
-            return_weights=return_weights,
-        )
-
-    def _init_state(self, spec: StateSpec) -> KernelState:
-        """Empty sums (zeros; ``c`` -inf) for ``step``, in float64 for float64, else float32;
-        ``spec.capacity`` is ignored (the sums do not grow)."""
-        dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
-        self.prepare(spec.heads, spec.head_dim, spec.device, dtype)
-        features = self.num_features(spec.head_dim)
-        s = torch.zeros(spec.batch, spec.heads, features, spec.value_dim, device=spec.device, dtype=dtype)
-        c = torch.full((spec.batch, spec.heads), -math.inf, device=spec.device, dtype=dtype)
-        return KernelState(s, s.new_zeros(s.shape[:3]), c)
-
-    def _step(
-        self, state: KernelState, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs
-    ) -> tuple[Tensor, KernelState]:
-        """The recurrence for the next ``T`` tokens (O(m D_v) per token): equals the matching
-        rows of ``forward(..., causal=True)`` over the whole sequence."""
-        return self._run(q, k, v, causal=True, key_padding_mask=args.key_padding_mask, state=state)
-
-
-_CAUSAL = Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=True)
-_NOTES = (
-    "causal aligns queries to the end of the keys: query i sees keys j <= i + N_kv - N_q",
-    "padded keys never enter S or z; a query with no visible key returns zeros (num = den = 0)",
-    "causal: chunkwise (quadratic inside a chunk of `chunk` positions, sums carried across chunks)",
-    "step(): the recurrence on (S, z), O(1) per token",
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinearConfig(Config):
-    """Config of ``linear``.
-
-    Args:
-        feature_map: ``"elu"`` (default, ``phi(x) = elu(x) + 1``) or ``"relu"`` (``relu(x)``; a
-            query whose features are all 0 gets output 0), on the unscaled q and k.
-        chunk: causal chunk length. Default 64.
-        eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
-    """
-
-    feature_map: Literal["elu", "relu"] = "elu"
-    chunk: int = bounded(64, ge=1)
-    eps: float = bounded(1e-6, gt=0)
-
-
-@register(
-    "linear",
-    config=LinearConfig,
-    family="kernel",
-    summary="Linear attention: phi(x) = elu(x) + 1 feature maps, O(N) time, an RNN when causal.",
-    paper="Katharopoulos et al. 2020, Transformers are RNNs, https://arxiv.org/abs/2006.16236",
-    capabilities=_CAUSAL,
-    complexity=Complexity(time="O(N D D_v)", memory="O(N D) (+ (N/chunk) D D_v causal)", subquadratic_memory=True),
-    notes=_NOTES + ("swapped in untrained: elu+1 feature map: not an approximation of softmax attention",),
-)
-class LinearAttention(KernelAttention):
-    """Linear attention (Katharopoulos et al. 2020, https://arxiv.org/abs/2006.16236):
-    ``phi = elu + 1`` (or ``relu``) on q and k as they are, m = D features."""
-
-    config: LinearConfig
-
-    def query_features(self, q: Tensor) -> Tensor:
-        return F.elu(q) + 1 if self.config.feature_map == "elu" else F.relu(q)
-
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
-        return KeyFeatures(self.query_features(k))
-
-    def num_features(self, head_dim: int) -> int:
-        return head_dim

@@ -1,12 +1,7 @@
-"""Feature maps of the kernel family beyond ``linear``: ``performer``, ``efficient``, ``rfa``.
-
-Each plugs its feature maps into the shared core of ``kernel.py``:
-
-- ``performer``: FAVOR+ positive orthogonal random features (Choromanski et al. 2020,
-  https://arxiv.org/abs/2009.14794), an unbiased estimate of ``exp(q . k / sqrt(D))``.
-- ``efficient``: softmax feature maps (Shen et al. 2018/2021, https://arxiv.org/abs/1812.01243).
-- ``rfa``: random Fourier features with a learned gate (Peng et al. 2021,
-  https://arxiv.org/abs/2103.02143).
+"""Random features for the kernel family: the seeded projection every random-feature member
+owns (``RandomFeatureAttention``, ``RandomFeatureConfig``), and ``rfa``, random Fourier features
+with a learned gate (Peng et al. 2021, https://arxiv.org/abs/2103.02143). ``performer`` (FAVOR+)
+is built on the same base in ``kernel_performer.py``.
 
 The random projection ``w (m, D)`` of the random-feature members is a buffer drawn by
 ``orthogonal_gaussian`` from the module's ``projection_seed``: ``config.seed`` when given (two
@@ -26,15 +21,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.mechanisms.base import AttendArgs
-from attnzoo.mechanisms.kernel import _CAUSAL, _NOTES, KernelAttention, KeyFeatures, Normalizer
-from attnzoo.registry import Config, bounded, quarter, register
-from attnzoo.spec import Capabilities, Complexity
+from attnzoo.mechanisms.kernel import KeyFeatures, Normalizer
+from attnzoo.mechanisms.kernel_linear import KernelAttention, register_kernel
+from attnzoo.registry import Config, bounded, quarter
+from attnzoo.spec import Complexity
 
 #: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
 _STRIDE = 1_000_003
-_DRAWS = (
+#: A note of every random-feature member's registration.
+DRAWS_NOTE = (
     "the projection is drawn per module (its own seed from the global RNG unless config.seed is set; "
-    "kept in the state dict); redraw() on demand, or by itself every redraw_every training forwards",
+    "kept in the state dict); redraw() on demand, or by itself every redraw_every training forwards"
+)
+#: Every random-feature member: m random features (rfa: 2m) per position, m x D_v sums.
+RANDOM_FEATURES_COST = Complexity(
+    time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True
 )
 
 
@@ -53,129 +54,6 @@ def orthogonal_gaussian(m: int, d: int, *, generator: torch.Generator) -> Tensor
         blocks.append((q * torch.sign(torch.diagonal(r))).T)  # rows orthonormal
     norms = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=1)
     return torch.cat(blocks)[:m] * norms[:, None]
-
-
-def favor_exponent(x: Tensor, w: Tensor) -> Tensor:
-    """``w^T x - |x|^2 / 2``, the log of the unstabilised FAVOR+ feature ``sqrt(m) phi(x)``:
-    ``(B, H, N, D), (m, D) -> (B, H, N, m)``. (The fast path computes it shifted, in place.)"""
-    return x @ w.T - x.pow(2).sum(-1, keepdim=True) / 2
-
-
-class _MaxExponent(torch.autograd.Function):
-    """``max_j x . w_j`` over the m features, ``(B, H, N)``, with its gradient ``w_{j*}`` (the
-    max is piecewise linear in ``x``). The value is read from ``xw`` in one pass; nothing of
-    ``xw`` is saved (the callers exponentiate it in place).
-
-    ``lazy=False`` (queries: every row's maximum gets a gradient) takes the arg-max in forward.
-    ``lazy=True`` (keys: only the rows that set a block's or a running maximum get one) takes a
-    plain ``amax`` in forward, about 6x cheaper on CPU than max with indices, and finds the
-    arg-max in backward for the rows with a nonzero gradient only, from ``x`` (saved by the
-    caller's matmul anyway)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, xw: Tensor, w: Tensor, lazy: bool) -> Tensor:  # type: ignore[override]
-        ctx.lazy = lazy
-        if not ctx.needs_input_grad[0] or lazy:
-            if ctx.needs_input_grad[0]:
-                ctx.save_for_backward(x, w)
-            return xw.detach().amax(-1)
-        values, index = xw.detach().max(-1)
-        ctx.save_for_backward(index, w)
-        return values
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if not ctx.lazy:
-            index, w = ctx.saved_tensors
-            return grad[..., None] * w.to(grad.dtype)[index], None, None, None
-        x, w = ctx.saved_tensors
-        rows = grad.nonzero(as_tuple=True)  # few: the rows that won a maximum
-        w = w.to(x.dtype)
-        winners = w[(x[rows] @ w.T).argmax(-1)]  # [rows, D]
-        grad_x = torch.zeros_like(x)
-        grad_x[rows] = grad[rows][:, None].to(x.dtype) * winners
-        return grad_x, None, None, None
-
-
-def _max_exponent(x: Tensor, xw: Tensor, w: Tensor, *, lazy: bool = False) -> Tensor:
-    """``max_j x . w_j`` on the autograd graph of ``x`` (see ``_MaxExponent``)."""
-    return _MaxExponent.apply(x, xw, w, lazy)
-
-
-def favor_query(q: Tensor, w: Tensor) -> Tensor:
-    """FAVOR+ features of (already ``D^-1/4``-scaled) queries, ``(B, H, N, D) -> (B, H, N, m)``.
-
-    Notes:
-        Stabiliser: each query row subtracts its own maximum exponent over the m features (its
-        largest feature is ``1/sqrt(m)``). A per-row constant cancels in the row's ratio
-        ``phi(q)^T S / (phi(q)^T z + eps)`` only up to ``eps``, so the stabiliser stays on the
-        autograd graph (not detached): the gradient is exact for the function computed, also
-        where ``eps`` is not negligible against the denominator. It takes the place of the row's
-        ``|q|^2 / 2``, which is never computed.
-    """
-    qw = q @ w.T  # [B, H, N, m]
-    shift = _max_exponent(q, qw, w)[..., None] + math.log(w.shape[0]) / 2
-    # In place: matmul does not save its output for backward. add_ of a negated shift, not
-    # sub_: sub_'s backward negates the whole (B, H, N, m) gradient to reduce it to the shift's.
-    return qw.add_(-shift).exp_()
-
-
-def favor_keys(k: Tensor, w: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
-    """FAVOR+ features of (``D^-1/4``-scaled) keys with a stabiliser that keeps causality.
-
-    Args:
-        k: ``(B, H, N, D)``; w: ``(m, D)``; real: bool ``(B, 1, N)`` (True = a real key) or None.
-        causal: False: one offset per (batch, head), the maximum exponent over the real keys
-            given (returned as ``c (B, H, 1)``, -inf if there are none). True: a running
-            maximum ``c_t`` over the real keys ``<= t``.
-        c0: ``(B, H)`` running maximum of earlier keys (decoding); None or -inf for none.
-
-    Returns:
-        ``KeyFeatures``: ``phi (B, H, N, m)``; causal: ``log_decay`` ``a_t = c_{t-1} - c_t <= 0``
-        and the last ``c (B, H)``.
-
-    Notes:
-        Causal key ``t`` is stored as ``exp(raw_t - c_t) / sqrt(m)`` and the running sums are
-        rescaled by ``exp(a_t)``, so every key in row ``i``'s sums carries the same factor
-        ``exp(-c_i)``, which cancels exactly; ``c_t`` depends on keys ``<= t`` only, so a future
-        key can neither change nor underflow a past output. It cancels only up to the ``eps`` of
-        the denominator, so like the query's it stays on the autograd graph (see
-        ``favor_query``). Padded keys are zeroed before the projection, left out of the maxima,
-        and shifted by +inf: their features are exactly 0 and they get no gradient, however
-        large they were.
-    """
-    if real is not None:
-        k = torch.where(real[..., None], k, 0.0)
-    kw = k @ w.T  # [B, H, N, m]
-    half_norm = k.pow(2).sum(-1) / 2  # [B, H, N]: per key, so it does not cancel (keeps its gradient)
-    row_max = _max_exponent(k, kw, w, lazy=True) - half_norm
-    if real is not None:
-        row_max = row_max.masked_fill(~real, -math.inf)
-    if causal:
-        prev0 = row_max.new_full(row_max.shape[:2], -math.inf) if c0 is None else c0.to(row_max.dtype)
-        c = torch.maximum(torch.cummax(row_max, dim=-1).values, prev0[..., None])
-        prev = torch.cat([prev0[..., None], c[..., :-1]], dim=-1)
-        # Before the first real key the sums are empty, so any decay will do; 0 avoids -inf - -inf.
-        log_decay, out_c = torch.where(torch.isfinite(prev), prev - c, 0.0), c[..., -1]
-    else:
-        c = row_max.amax(-1, keepdim=True)
-        log_decay, out_c = None, c
-    shift = half_norm + torch.where(torch.isfinite(c), c, 0.0) + math.log(w.shape[0]) / 2
-    if real is not None:
-        shift = torch.where(real, shift, math.inf)
-    return KeyFeatures(kw.add_(-shift[..., None]).exp_(), log_decay, out_c)  # add_: see favor_query
-
-
-def fourier_features(x: Tensor, w: Tensor, sigma: float) -> Tensor:
-    """RFA's random Fourier features of unit-normalised ``x``: ``(B, H, N, D) -> (B, H, N, 2m)``.
-
-    ``phi(x) = sqrt(1/m) [sin(w^T x^ / sigma), cos(w^T x^ / sigma)]`` with ``x^ = x / |x|`` and
-    rows of ``w (m, D)`` marginally ``N(0, I)``, so ``E[phi(x) . phi(y)] = exp(-|x^ - y^|^2 /
-    (2 sigma^2)) = exp((x^ . y^ - 1) / sigma^2)``: softmax weights with temperature ``sigma^2``
-    on unit vectors. The features, and so the estimated weights, can be negative.
-    """
-    u = F.normalize(x, dim=-1) @ w.T / sigma
-    return torch.cat([torch.sin(u), torch.cos(u)], dim=-1) / math.sqrt(w.shape[0])
 
 
 class RandomFeatureAttention(KernelAttention):
@@ -251,7 +129,7 @@ class RandomFeatureAttention(KernelAttention):
 
 
 @dataclass(frozen=True, kw_only=True)
-class _RandomFeatureConfig(Config):
+class RandomFeatureConfig(Config):
     """The fields every ``RandomFeatureAttention`` reads (projection size and seed, redrawing,
     causal chunk, denominator eps), declared once so performer and rfa cannot drift apart;
     each config documents them and overrides the defaults that differ."""
@@ -269,63 +147,20 @@ class _RandomFeatureConfig(Config):
         return dict(features=quarter(n))
 
 
-@dataclass(frozen=True, kw_only=True)
-class PerformerConfig(_RandomFeatureConfig):
-    """Config of ``performer``.
+def fourier_features(x: Tensor, w: Tensor, sigma: float) -> Tensor:
+    """RFA's random Fourier features of unit-normalised ``x``: ``(B, H, N, D) -> (B, H, N, 2m)``.
 
-    Args:
-        features: m, the number of random features. Default 256.
-        head_dim: D to draw the projection for at construction (a layer's ``attnzoo.Shape``
-            sets it); default None draws it on the first forward (see ``RandomFeatureAttention``).
-        seed: seed of the projection; None (default) draws one per module from torch's global
-            RNG at construction, so every layer differs (kept in the state dict as the buffer
-            ``projection_seed``). An int gives every module built with it the same projection.
-        redraw_every: in training mode, redraw the projection after this many training forward
-            passes (Performer's periodic redrawing); None (default) never redraws by itself.
-        chunk: causal chunk length. Default 64.
-        eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
+    ``phi(x) = sqrt(1/m) [sin(w^T x^ / sigma), cos(w^T x^ / sigma)]`` with ``x^ = x / |x|`` and
+    rows of ``w (m, D)`` marginally ``N(0, I)``, so ``E[phi(x) . phi(y)] = exp(-|x^ - y^|^2 /
+    (2 sigma^2)) = exp((x^ . y^ - 1) / sigma^2)``: softmax weights with temperature ``sigma^2``
+    on unit vectors. The features, and so the estimated weights, can be negative.
     """
-
-
-@register(
-    "performer",
-    config=PerformerConfig,
-    family="kernel",
-    summary="Performer (FAVOR+): positive orthogonal random features estimating softmax attention.",
-    paper="Choromanski et al. 2020, Rethinking Attention with Performers, https://arxiv.org/abs/2009.14794",
-    capabilities=_CAUSAL,
-    complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
-    notes=_NOTES
-    + ("swapped in untrained: random features (seed 0): an unbiased estimate of softmax attention",)
-    + _DRAWS
-    + (
-        "q and k are scaled by D^-1/4, so phi(q).phi(k) estimates exp(q.k / sqrt(D))",
-        "stabilisers: per query row max; keys: max over real keys (causal: running max, carried in the state)",
-    ),
-)
-class PerformerAttention(RandomFeatureAttention):
-    """FAVOR+: ``phi(x) = exp(w^T x - |x|^2/2 - stabiliser) / sqrt(m)`` on ``x = D^-1/4 q``
-    (resp. k), ``w`` orthogonal random features; stabilisers in ``favor_query`` / ``favor_keys``.
-
-    Shapes:
-        q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``.
-    """
-
-    config: PerformerConfig
-
-    def query_features(self, q: Tensor) -> Tensor:
-        # w D^-1/4 applies the D^-1/4 scaling of q (favor_query never needs |q|^2)
-        return favor_query(q, self.projection_for(q) * q.shape[-1] ** -0.25)
-
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
-        return favor_keys(k * k.shape[-1] ** -0.25, self.projection_for(k), real, causal=causal, c0=c0)
-
-    def num_features(self, head_dim: int) -> int:
-        return self.config.features
+    u = F.normalize(x, dim=-1) @ w.T / sigma
+    return torch.cat([torch.sin(u), torch.cos(u)], dim=-1) / math.sqrt(w.shape[0])
 
 
 @dataclass(frozen=True, kw_only=True)
-class RFAConfig(_RandomFeatureConfig):
+class RFAConfig(RandomFeatureConfig):
     """Config of ``rfa``.
 
     Args:
@@ -349,23 +184,21 @@ class RFAConfig(_RandomFeatureConfig):
     heads: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
 
 
-@register(
+@register_kernel(
     "rfa",
-    config=RFAConfig,
-    family="kernel",
-    summary="Random Feature Attention: random Fourier features, gated recurrence when causal.",
-    paper="Peng et al. 2021, Random Feature Attention, https://arxiv.org/abs/2103.02143",
-    capabilities=_CAUSAL,
-    complexity=Complexity(time="O(N D m)", memory="O(N (D + m)) (+ (N/chunk) m D_v causal)", subquadratic_memory=True),
-    notes=_NOTES
-    + ("swapped in untrained: random Fourier features on unit-normalised q, k: not softmax attention",)
-    + _DRAWS
-    + (
+    RFAConfig,
+    "Random Feature Attention: random Fourier features, gated recurrence when causal.",
+    "Peng et al. 2021, Random Feature Attention, https://arxiv.org/abs/2103.02143",
+    RANDOM_FEATURES_COST,
+    (
+        "swapped in untrained: random Fourier features on unit-normalised q, k: not softmax attention",
+        DRAWS_NOTE,
         "q, k unit-normalised; phi = [sin, cos](w^T x / sigma) / sqrt(m) can be negative: "
         "|denominator| >= eps, sign kept",
         "causal: S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T, z likewise, g_t = sigmoid(w_g . k_t + b_g) per head",
         "non-causal: plain random-feature attention, no gate",
     ),
+    causal=True,
 )
 class RFAAttention(RandomFeatureAttention):
     """RFA: ``phi`` = ``fourier_features``; causal adds the learned per-head gate.
@@ -416,46 +249,3 @@ class RFAAttention(RandomFeatureAttention):
 
     def num_features(self, head_dim: int) -> int:
         return 2 * self.config.features
-
-
-@dataclass(frozen=True, kw_only=True)
-class EfficientConfig(Config):
-    """Config of ``efficient`` (no options)."""
-
-
-@register(
-    "efficient",
-    config=EfficientConfig,
-    family="kernel",
-    summary="Efficient attention: softmax(Q over features) (softmax(K over positions)^T V).",
-    paper="Shen et al. 2018/2021, Efficient Attention, https://arxiv.org/abs/1812.01243",
-    capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
-    complexity=Complexity(time="O(N D D_v)", memory="O(N D + D D_v)", subquadratic_memory=True),
-    notes=(
-        "swapped in untrained: softmax over q's channels and k's positions: not an approximation of softmax attention",
-        "not causal: the softmax of K runs over all positions",
-        "rows are normalised by construction (no denominator); padded keys get weight 0",
-    ),
-)
-class EfficientAttention(KernelAttention):
-    """Efficient Attention (Shen et al., https://arxiv.org/abs/1812.01243):
-    ``O = rho_q(Q) (rho_k(K)^T V)``, ``rho_q`` a softmax of each query over its D features,
-    ``rho_k`` a softmax of each key feature over the real positions.
-
-    Notes:
-        The rows of ``rho_q rho_k^T`` sum to 1 by construction, so there is no denominator
-        (normalizer ``"keys"``). ``key_features`` returns ``exp(k - max)`` per block with the
-        per-feature max as its offset; the core divides by the sum over all real keys. A batch
-        row with no real key gets output 0. Not causal.
-    """
-
-    config: EfficientConfig
-    normalizer: Normalizer = "keys"
-
-    def query_features(self, q: Tensor) -> Tensor:
-        return q.softmax(dim=-1)
-
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
-        logits = k if real is None else k.masked_fill(~real[..., None], -math.inf)
-        c = logits.detach().amax(2)  # [B, H, D]: per-feature max over the real keys
-        return KeyFeatures((logits - torch.where(torch.isfinite(c), c, 0.0)[:, :, None]).exp(), None, c)
