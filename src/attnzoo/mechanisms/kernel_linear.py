@@ -125,16 +125,8 @@ def register_kernel(
     member also decodes (the recurrence on ``(S, z)``) and its notes follow the core's."""
     caps = Capabilities(causal=causal, key_padding=True, decode_step=causal, cross_attention=True)
     notes = _CORE_NOTES + notes if causal else notes
-    return register(
-        name,
-        config=config,
-        family="kernel",
-        summary=summary,
-        paper=paper,
-        capabilities=caps,
-        complexity=complexity,
-        notes=notes,
-    )
+    about = dict(family="kernel", summary=summary, paper=paper, notes=notes)
+    return register(name, config=config, capabilities=caps, complexity=complexity, **about)
 
 
 @dataclass(frozen=True, kw_only=True)
