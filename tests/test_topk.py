@@ -1,7 +1,7 @@
 """topk (explicit sparse attention) and sac (sparse adaptive connections) beyond the contracts
 (tests/test_contracts.py): fast == reference on sizes and predictors the contracts do not reach,
 float32 against a float64 golden run, limit laws (k >= N is full attention), the selection rule
-(ties, short rows), sac's candidates and its learned predictor."""
+(ties, short rows), sac's candidates and its learned predictor, decode steps of several tokens."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def test_sac_fast_equals_reference_with_a_predictor_that_is_not_the_identity(cau
         assert torch.equal(fast[0], torch.zeros_like(fast[0]))
 
 
-def test_sac_candidates_are_bounded_distinct_and_causal():
+def test_sac_candidates_are_bounded_distinct_causal_and_independent_of_the_length():
     cfg = SACConfig(candidates=7, n_random=3, seed=1)
     cand, valid = sac_candidates(N, cfg, True, CPU)
     assert cand.shape == (N, 10)
@@ -141,8 +141,24 @@ def test_sac_candidates_are_bounded_distinct_and_causal():
     assert bool((valid & (cand >= rows - 6)).sum(1).eq(torch.arange(N).clamp(max=6) + 1).all())  # the window
     for row, ok in zip(cand, valid):
         assert len(set(row[ok].tolist())) == int(ok.sum())
+    # What decoding rests on: a causal row's candidates are the same whatever the final length.
+    long_cand, long_valid = sac_candidates(4096, cfg, True, CPU)
+    assert torch.equal(long_valid[:N], valid) and torch.equal(long_cand[:N][valid], cand[valid])
     cand, valid = sac_candidates(N, SACConfig(candidates=7, n_random=0, seed=1), False, CPU)
     assert bool(valid.all()) and bool(((cand - rows).abs() <= 6).all())
+
+
+def test_sac_steps_of_several_tokens_equal_the_causal_forward():
+    # The contract decodes one token at a time after a prefill; here every step draws several
+    # rows of random candidates from the carried generator.
+    module = _build("sac").double()
+    q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
+    want = module(q, k, v, causal=True)
+    state, outs = module.init_state(B, H, D, D, dtype=torch.float64), []
+    for lo, hi in ((0, 11), (11, 12), (12, 25), (25, N)):
+        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi])
+        outs.append(out)
+    assert_same(torch.cat(outs, dim=2), want)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -183,3 +199,5 @@ def test_sac_refuses_a_head_size_it_was_not_built_for():
     q = torch.randn(1, 2, 10, D)
     with pytest.raises(ValueError, match="head_dim=8"):
         attnzoo.build("sac")(q, q, q)
+    with pytest.raises(ValueError, match="head_dim=8"):
+        attnzoo.build("sac").step(attnzoo.build("sac").init_state(1, 2, D, D), q[:, :, :1], q[:, :, :1], q[:, :, :1])

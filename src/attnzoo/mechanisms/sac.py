@@ -4,7 +4,7 @@ Each node has a bounded set of candidate edges (a window of positions plus a few
 ones); a learned edge predictor scores them, each node keeps its k best (``topk_mask``, as
 ``topk`` does, in ``topk.py``), and attention runs along the kept edges only. The fast path
 gathers each node's candidate keys; ``reference_sac`` builds the candidate graph as an N x N
-mask.
+mask. A causal node's candidates do not depend on the sequence length, so ``sac`` decodes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, gather_rows
-from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
+from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import kept_indices, register_selective, sparse_softmax, topk_mask
 from attnzoo.registry import Config, bounded, eighth, quarter
 from attnzoo.spec import Complexity
@@ -161,6 +162,15 @@ def reference_sac(
     return (out, weights) if return_weights else out
 
 
+@dataclass(frozen=True)
+class SACState:
+    """``sac``'s decode state: every key and value so far (``cache``) and ``rng``, the state of
+    the seeded candidate generator after the random numbers of the rows seen so far."""
+
+    cache: KVCache
+    rng: Tensor
+
+
 @register_selective(
     "sac",
     SACConfig,
@@ -180,9 +190,11 @@ def reference_sac(
         "the top-k candidate edges of each node are kept (ties go to the lower key index)",
         "training: straight-through; kept logits get + e_ij - e_ij.detach() with e computed on "
         "detached q, k, so W gets the attention's logit gradient and q, k, v the plain one",
+        "decode step: every key kept (a KV cache); causal row t's candidates (its window and row t of "
+        "the seeded random numbers) do not depend on the final length, so the step scores them "
+        "over the cache, O(c + r) per token",
     ),
     cross=False,
-    decode=False,
 )
 class SACAttention(Attention):
     """Sparse Adaptive Connection. ``predictor`` is the learned ``(D, D)`` matrix W."""
@@ -207,3 +219,22 @@ class SACAttention(Attention):
                 f"build it with head_dim={q.shape[-1]}"
             )
         return self.config
+
+    def _init_state(self, spec: StateSpec) -> SACState:
+        """An empty ``KVCache`` and the candidate generator freshly seeded."""
+        return SACState(KVCache.for_state(spec), torch.Generator().manual_seed(self.config.seed).get_state())
+
+    def _step(self, state: SACState, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, SACState]:
+        """The new tokens' rows of the causal forward: their candidates (positions ``t .. t + T
+        - 1`` with the generator's next ``T`` rows of random numbers) over the cached keys."""
+        cfg, start = self._checked_config(q), state.cache.length
+        cache = state.cache.append(k, v, args.key_padding_mask)
+        generator = torch.Generator()
+        generator.set_state(state.rng)
+        u = torch.rand(q.shape[2], cfg.n_random, generator=generator, dtype=torch.float64)
+        rows = torch.arange(start, cache.length)[:, None]
+        cand, valid = (x.to(q.device) for x in _candidate_rows(rows, u, cache.length, cfg.candidates, True))
+        mask = cache.key_padding_mask
+        visible = valid[None] if mask is None else valid & mask[:, cand]
+        out = _attend_candidates(q, cache.k, cache.v, self.predictor, cand, visible, cfg)
+        return nan_rows_of_non_finite_queries(out, q), SACState(cache, generator.get_state())

@@ -112,19 +112,11 @@ def _chunk_visible(
 
 
 def register_selective(
-    name: str,
-    config: type,
-    summary: str,
-    paper: str,
-    complexity: Complexity,
-    notes: tuple[str, ...],
-    *,
-    cross: bool,
-    decode: bool = True,
+    name: str, config: type, summary: str, paper: str, complexity: Complexity, notes: tuple[str, ...], *, cross: bool
 ) -> Callable[[type], type]:
     """Register a mechanism that attends each query over a selection of keys it keeps (``topk``,
     ``sac``): family "content"; causal, key padding and decoding; no ``score_mod``."""
-    caps = Capabilities(causal=True, key_padding=True, decode_step=decode, cross_attention=cross, score_mod=False)
+    caps = Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=cross, score_mod=False)
     about = dict(family="content", summary=summary, paper=paper, notes=notes)
     return register(name, config=config, capabilities=caps, complexity=complexity, **about)
 
