@@ -12,7 +12,8 @@ over the keys ``j`` query ``i`` sees. Re-associating ``(phi(Q) phi(K)^T) V = phi
 makes the cost linear in N. ``kernel_attention`` is the fast path (non-causal: in blocks of rows;
 causal: chunkwise, optionally with a per-position decay of the running sums, which carries RFA's
 gates and Performer's causal stabiliser); ``reference_kernel_attention`` is the quadratic form
-that reads like the paper. Both take a mechanism's feature maps from it (``FeatureMaps``): a
+that reads like the paper, on features computed beforehand. ``kernel_attention`` calls the
+feature maps itself, block by block, from the mechanism it is given (``FeatureMaps``): a
 mechanism is a ``KernelAttention`` with two small methods, ``query_features`` and
 ``key_features``, and a registration (``register_kernel``).
 """
