@@ -114,7 +114,7 @@ _CORE_NOTES = (
     "causal aligns queries to the end of the keys: query i sees keys j <= i + N_kv - N_q",
     "padded keys never enter S or z; a query with no visible key returns zeros (num = den = 0)",
     "causal: chunkwise (quadratic inside a chunk of `chunk` positions, sums carried across chunks)",
-    "step(): the recurrence on (S, z), O(1) per token",
+    "decode step: the recurrence on (S, z), O(1) per token",
 )
 
 
