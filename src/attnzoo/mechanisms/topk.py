@@ -111,16 +111,6 @@ def _chunk_visible(
     return visible
 
 
-def register_selective(
-    name: str, config: type, summary: str, paper: str, complexity: Complexity, notes: tuple[str, ...], *, cross: bool
-) -> Callable[[type], type]:
-    """Register a mechanism that attends each query over a selection of keys it keeps (``topk``,
-    ``sac``): family "content"; causal, key padding and decoding; no ``score_mod``."""
-    caps = Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=cross, score_mod=False)
-    about = dict(family="content", summary=summary, paper=paper, notes=notes)
-    return register(name, config=config, capabilities=caps, complexity=complexity, **about)
-
-
 @dataclass(frozen=True, kw_only=True)
 class TopKConfig(Config):
     """Config of ``topk``.
@@ -205,6 +195,16 @@ def reference_topk(
     weights = normalize_scores(scores, keep, "softmax")
     out = torch.einsum("bhij,bhjd->bhid", weights, vc).to(q.dtype)
     return (out, weights) if return_weights else out
+
+
+def register_selective(
+    name: str, config: type, summary: str, paper: str, complexity: Complexity, notes: tuple[str, ...], *, cross: bool
+) -> Callable[[type], type]:
+    """Register a mechanism that attends each query over a selection of keys it keeps (``topk``,
+    ``sac``): family "content"; causal, key padding and decoding; no ``score_mod``."""
+    caps = Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=cross, score_mod=False)
+    about = dict(family="content", summary=summary, paper=paper, notes=notes)
+    return register(name, config=config, capabilities=caps, complexity=complexity, **about)
 
 
 @register_selective(
