@@ -26,7 +26,7 @@ from attnzoo.backends.reference import normalize_scores, reference_attention, vi
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
-from attnzoo.mechanisms.sparse import ring_with_chords
+from attnzoo.mechanisms.sparse_shaped import ring_with_chords
 from attnzoo.patterns.atomic import Graph
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
