@@ -31,6 +31,27 @@ def ring_with_chords(n: int) -> tuple[tuple[int, int], ...]:
     return ring + tuple((i, (i + n // 2) % n) for i in range(0, n, 8))
 
 
+@dataclass(frozen=True, kw_only=True)
+class EdgeList:
+    """The fields of a mechanism on a graph (``graph`` here, ``graph_attention``): ``edges`` as
+    ``(query, key)`` pairs, node ``query`` attending to node ``key``, on ``n`` nodes (inputs must
+    have N = n), with ``(i, i)`` added for every node when ``self_loops``. Defaults: a 2-cycle on
+    2 nodes, self-loops."""
+
+    edges: tuple[tuple[int, int], ...] = ((0, 1), (1, 0))
+    n: int = 2
+    self_loops: bool = True
+
+    @classmethod
+    def length_values(cls, n: int) -> dict[str, Any]:
+        """A ring with chords on ``n`` nodes (``ring_with_chords``)."""
+        return dict(edges=ring_with_chords(n), n=n)
+
+    def graph(self) -> P.Graph:
+        edge_index = torch.tensor(self.edges, dtype=torch.long).reshape(-1, 2).t()
+        return P.graph(edge_index, self.n, self.self_loops)
+
+
 _GRID = "defined on an h x w grid of a fixed size: a prefix of the sequence is not a grid"
 _GRID_INPUT = (
     "not a drop-in for pretrained attention: needs an h x w image grid (N = h * w); text is 1-D and of varying length"
@@ -113,18 +134,8 @@ class AxialConfig(SparseConfig):
     no_decode="the edge list is given for a fixed number of nodes",
 )
 @dataclass(frozen=True, kw_only=True)
-class GraphConfig(SparseConfig):
+class GraphConfig(EdgeList, SparseConfig):
     """``graph(edges, n, self_loops)``: ``edges`` as (query, key) pairs on ``n`` nodes."""
 
-    edges: tuple[tuple[int, int], ...] = ((0, 1), (1, 0))
-    n: int = 2
-    self_loops: bool = True
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A ring with chords on ``n`` nodes (``ring_with_chords``)."""
-        return dict(edges=ring_with_chords(n), n=n)
-
     def make_pattern(self) -> P.Pattern:
-        edge_index = torch.tensor(self.edges, dtype=torch.long).reshape(-1, 2).t()
-        return P.graph(edge_index, self.n, self.self_loops)
+        return self.graph()
