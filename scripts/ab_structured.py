@@ -29,11 +29,10 @@ def _paths(pattern: P.Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     call = Call(q, k, v, full, None, None, q.shape[-1] ** -0.5, 128)
     structure, tile_plan = plan.structure_for(call), plan.plan_for(call)
     assert structure is not None
-    mask_mod = full.mask_mod_for(q.shape[2], k.shape[2])
     return {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-        "structured": lambda: windowed.structured_attention(q, k, v, structure, scale=call.scale),
-        "tiles": lambda: blocked.blocked_attention(q, k, v, tile_plan, mask_mod=mask_mod, scale=call.scale),
+        "structured": lambda: windowed.structured_attention(call, structure),
+        "tiles": lambda: blocked.blocked_attention(call, tile_plan),
     }
 
 

@@ -1,6 +1,7 @@
 """The backend protocol and dispatch: every backend is an object with ``NAME``,
 ``not_supported_reasons`` and ``run``; ``auto`` walks a per-device priority list and reports
-every reason; plans are cached by the pattern's value; private torch ops stay in ``_compat``."""
+every reason; plans are cached by the pattern's value (structured plans, tile plans, flex block
+masks); private torch ops stay in ``_compat``."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ def test_explicit_backend_raises_with_every_reason():
     call = _call(q, k, v, P.local(3))
     assert all(reason in str(info.value) for reason in dispatch.REGISTRY["flex"].not_supported_reasons(call))
     assert "D=8" in str(info.value) and "D_v=8" in str(info.value) and "require grad" in str(info.value)
+    assert "power-of-two head dimension" in str(info.value) and "use backend='blocked' to train" in str(info.value)
+
+
+def test_attend_rejects_unknown_backends_and_non_patterns():
+    small = torch.randn(1, 1, 8, 8)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        attnzoo.attend(small, small, small, backend="triton")
+    with pytest.raises(TypeError, match="Pattern"):
+        attnzoo.attend(small, small, small, pattern="local")
 
 
 class _Refuses(Backend):
@@ -118,13 +128,6 @@ def test_masked_key_blocks_is_the_ragged_block_and_the_padded_ones():
     mask = torch.ones(2, 70, dtype=torch.bool)
     mask[1, 33] = False
     assert masked_key_blocks(70, 32, mask).tolist() == [False, True, True]
-
-
-def test_patterns_are_immutable_values():
-    a, b = P.local(4) & P.causal(), P.local(4) & P.causal()
-    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
-    with pytest.raises(AttributeError, match="immutable"):
-        a.lo = 3
 
 
 def test_backends_import_no_dispatch():

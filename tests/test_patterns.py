@@ -250,3 +250,17 @@ def test_star_pattern_is_a_band_without_wrap_and_says_so():
     assert not dense[1, n - 1] and not dense[n - 1, 1] and dense[1, 2] and dense[n - 1, 0]
     spec = describe("star")
     assert "no wrap" in spec.summary and any("not linked" in note for note in spec.notes)
+
+
+def test_patterns_are_immutable_values():
+    # Plans are cached by pattern value: equal patterns built apart must hash alike.
+    a, b = P.local(4) & P.causal(), P.local(4) & P.causal()
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(AttributeError, match="immutable"):
+        a.lo = 3
+    assert P.bigbird(16, 3, 2, 1, seed=3) == P.bigbird(16, 3, 2, 1, seed=3)
+    assert P.bigbird(16, 3, 2, 1, seed=3) != P.bigbird(16, 3, 2, 1, seed=4)
+    assert P.local(4) != P.local(5) and P.local(4) != P.sliding_window(4, 3)
+    assert P.per_head([P.local(2), P.strided(3)]) == P.per_head([P.local(2), P.strided(3)])
+    assert P.global_tokens([0, 3]) == P.global_tokens([3, 0])
+    assert P.random(4, seed=1) != P.random(4, seed=2)

@@ -92,21 +92,6 @@ def test_flex_equals_reference_all(name):
     _flex_case(name)
 
 
-def test_flex_refuses_grad_and_auto_records_why():
-    q, k, v = _inputs(torch.float32)
-    with pytest.raises(ValueError, match="backend 'flex' cannot run this call: FlexAttention has no backward on CPU"):
-        attnzoo.attend(q, k, v, pattern=P.local(3), backend="flex")
-    attnzoo.attend(q, k, v, pattern=P.local(3))
-    assert attnzoo.last_choice().backend == "blocked"
-    small = torch.randn(1, 1, 8, 8)
-    with pytest.raises(ValueError, match="power-of-two head dimension"):
-        attnzoo.attend(small, small, small, pattern=P.local(1), backend="flex")
-    with pytest.raises(ValueError, match="backend must be one of"):
-        attnzoo.attend(small, small, small, backend="triton")
-    with pytest.raises(TypeError, match="Pattern"):
-        attnzoo.attend(small, small, small, pattern="local")
-
-
 def test_window_covering_the_sequence_equals_full_attention():
     q, k, v = _inputs(torch.float64, requires_grad=False)
     out = attnzoo.build("local", left=N, right=N, block=16)(q, k, v, causal=True)

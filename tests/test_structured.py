@@ -1,6 +1,6 @@
 """The blocked backend's structured path (windows of K/V, de-interleaved sub-sequences): exact
-against independent oracles, forward and gradients, on awkward sizes; nothing N x N; plans
-cached by the pattern's value."""
+against independent oracles, forward and gradients, on awkward sizes; nothing N x N. (Plans
+cached by the pattern's value: ``test_backends.py``.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 import oracles as O
 from attnzoo import patterns as P
-from attnzoo.backends import plan, structured
 from attnzoo.backends.dispatch import attend, last_choice
 from conftest import LargestTensor
 
@@ -137,37 +136,3 @@ def test_structured_path_allocates_nothing_n_by_n(causal):
     assert last_choice().path == "structured"
     # Windows hold N * width scores per head: far below one N x N matrix.
     assert probe.numel < n * n // 8, probe.numel
-
-
-def test_plans_are_cached_by_pattern_value(monkeypatch):
-    calls = {"structure": 0, "blocks": 0}
-    real_structure, real_blocks = structured.structure, P.Pattern.blocks
-
-    def counted_structure(*args, **kwargs):
-        calls["structure"] += 1
-        return real_structure(*args, **kwargs)
-
-    def counted_blocks(self, *args, **kwargs):
-        calls["blocks"] += 1
-        return real_blocks(self, *args, **kwargs)
-
-    monkeypatch.setattr(structured, "structure", counted_structure)
-    monkeypatch.setattr(P.Pattern, "blocks", counted_blocks)
-    plan.STRUCTURES.clear()
-    plan.PLANS.clear()
-    q, k, v = _inputs(96, dtype=torch.float32)
-    for _ in range(3):  # patterns rebuilt on every call, causal=True and-ed in by attend
-        attend(q, k, v, pattern=P.sliding_window(5, 5), causal=True, backend="blocked")
-        attend(q, k, v, pattern=P.bigbird(16, 3, 2, 1), causal=True, backend="blocked")
-    assert calls == {"structure": 2, "blocks": 1}
-
-
-def test_pattern_equality_is_by_value():
-    assert P.local(4) == P.local(4) and hash(P.local(4)) == hash(P.local(4))
-    assert P.local(4) & P.causal() == P.local(4) & P.causal()
-    assert P.bigbird(16, 3, 2, 1, seed=3) == P.bigbird(16, 3, 2, 1, seed=3)
-    assert P.bigbird(16, 3, 2, 1, seed=3) != P.bigbird(16, 3, 2, 1, seed=4)
-    assert P.local(4) != P.local(5) and P.local(4) != P.sliding_window(4, 3)
-    assert P.per_head([P.local(2), P.strided(3)]) == P.per_head([P.local(2), P.strided(3)])
-    assert P.global_tokens([0, 3]) == P.global_tokens([3, 0])
-    assert P.random(4, seed=1) != P.random(4, seed=2)

@@ -56,7 +56,6 @@ class Context:
     mask_mod: MaskMod
     score_mod: ScoreMod | None
     key_padding_mask: Tensor | None
-    batch: int
     #: PyTorch's CPU flash kernel needs one head size for q, k and v.
     same_head_dims: bool = True
 
@@ -306,21 +305,12 @@ def _scatter(target: Tensor, grad: Tensor, piece: Piece, blocks: Tensor, block: 
         view[:, piece.heads] += sub
 
 
-def blocked_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    plan: Plan,
-    *,
-    mask_mod: MaskMod,
-    scale: float,
-    score_mod: ScoreMod | None = None,
-    key_padding_mask: Tensor | None = None,
-    return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Exact attention over the pieces of ``plan`` (see module docstring). Differentiable, the
-    log-sum-exp ``(B, H, N_q)`` too (``-inf`` for rows that see no key) when ``return_lse``."""
-    ctx = Context(plan, scale, mask_mod, score_mod, key_padding_mask, q.shape[0], q.shape[-1] == v.shape[-1])
+def blocked_attention(call: Call, plan: Plan, *, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Exact attention of ``call`` over the pieces of ``plan`` (see module docstring).
+    Differentiable, the log-sum-exp ``(B, H, N_q)`` too (``-inf`` for rows that see no key) when
+    ``return_lse``."""
+    q, k, v = call.q, call.k, call.v
+    ctx = Context(plan, call.scale, call.mask_mod(), call.score_mod, call.key_padding_mask, q.shape[-1] == v.shape[-1])
     out, lse = BlockedAttention.apply(q, k, v, ctx)
     return (out, lse[:, :, : plan.n_q]) if return_lse else out
 
@@ -340,17 +330,7 @@ class Blocked(Backend):
         return "tiles" if structure_for(call) is None else "structured"
 
     def run(self, call: Call) -> Tensor:
-        q, k, v = call.q, call.k, call.v
         structure = structure_for(call)
         if structure is not None:
-            return structured_attention(q, k, v, structure, scale=call.scale, key_padding_mask=call.key_padding_mask)
-        return blocked_attention(
-            q,
-            k,
-            v,
-            plan_for(call),
-            mask_mod=call.pattern.mask_mod_for(q.shape[2], k.shape[2]),
-            scale=call.scale,
-            score_mod=call.score_mod,
-            key_padding_mask=call.key_padding_mask,
-        )
+            return structured_attention(call, structure)
+        return blocked_attention(call, plan_for(call))

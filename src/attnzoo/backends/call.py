@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from attnzoo.patterns import Pattern
-from attnzoo.spec import ScoreMod
+from attnzoo.patterns import causal as causal_pattern
+from attnzoo.spec import MaskMod, ScoreMod
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,17 @@ class Call:
     def sizes(self) -> tuple[int, int, int]:
         """``(n_q, n_kv, heads)``: with the pattern and the block, what a plan depends on."""
         return self.q.shape[2], self.k.shape[2], self.q.shape[1]
+
+    def mask_mod(self) -> MaskMod:
+        """The pattern's pair predicate at this call's lengths (queries end-aligned)."""
+        return self.pattern.mask_mod_for(self.q.shape[2], self.k.shape[2])
+
+
+def resolve_pattern(pattern: Pattern, heads: int, causal: bool) -> Pattern:
+    """The pattern a ``Call`` holds: ``pattern`` for ``heads`` heads, and-ed with ``causal()``
+    when ``causal``."""
+    pattern = pattern.resolve_heads(heads)
+    return pattern & causal_pattern() if causal else pattern
 
 
 class Backend:

@@ -23,11 +23,10 @@ from torch import Tensor
 
 from attnzoo._checks import check_causal, check_choice, check_key_padding_mask, check_positive_int, check_qkv
 from attnzoo.backends.blocked import Blocked
-from attnzoo.backends.call import Backend, Call
+from attnzoo.backends.call import Backend, Call, resolve_pattern
 from attnzoo.backends.flex import Flex
 from attnzoo.backends.reference import Reference
 from attnzoo.patterns import Pattern, full
-from attnzoo.patterns import causal as causal_pattern
 from attnzoo.spec import ScoreMod
 
 #: Every backend, by name.
@@ -96,11 +95,15 @@ def attend(
     pattern = full() if pattern is None else pattern
     if not isinstance(pattern, Pattern):
         raise TypeError(f"pattern must be an attnzoo.patterns.Pattern, got {type(pattern).__name__}")
-    pattern = pattern.resolve_heads(q.shape[1])
-    if causal:
-        pattern = pattern & causal_pattern()
+    pattern = resolve_pattern(pattern, q.shape[1], causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    call = Call(q, k, v, pattern, key_padding_mask, score_mod, scale, block)
+    return attend_call(Call(q, k, v, pattern, key_padding_mask, score_mod, scale, block), backend)
+
+
+def attend_call(call: Call, backend: str = "auto") -> Tensor:
+    """Run a resolved ``call`` on ``backend`` and record the choice (``last_choice()``). What
+    ``attend`` does after its checks; a pattern mechanism, whose ``forward`` has checked the
+    inputs and whose config the backend and block, calls it directly."""
     chosen, skipped = choose(backend, call)
     _LAST.choice = Choice(chosen.NAME, skipped, chosen.path(call))
     return chosen.run(call)

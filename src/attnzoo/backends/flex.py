@@ -83,7 +83,7 @@ def _csr(tiles: Any, keep: Tensor, head_groups: Tensor, device: torch.device) ->
 
 def _flex_mask_mod(call: Call) -> Callable[..., Tensor]:
     # FlexAttention passes raw query rows; attnzoo's mask_mods take end-aligned positions.
-    mask_mod = call.pattern.mask_mod_for(call.q.shape[2], call.k.shape[2])
+    mask_mod = call.mask_mod()
     offset, kpm = call.k.shape[2] - call.q.shape[2], call.key_padding_mask
     if kpm is None:
         return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + offset, kv_idx)

@@ -140,6 +140,21 @@ def reference_attention(
     return (out, weights) if return_weights else out
 
 
+def reference_call(call: Call, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """``reference_attention`` over a resolved ``Call``: its pattern (causal already and-ed in),
+    padding, ``score_mod`` and scale."""
+    return reference_attention(
+        call.q,
+        call.k,
+        call.v,
+        key_padding_mask=call.key_padding_mask,
+        mask_mod=call.mask_mod(),
+        score_mod=call.score_mod,
+        scale=call.scale,
+        return_weights=return_weights,
+    )
+
+
 class Reference(Backend):
     """The oracle as a backend: runs every call (it is last in every priority list), at
     O(N_q x N_kv) memory."""
@@ -147,13 +162,4 @@ class Reference(Backend):
     NAME = "reference"
 
     def run(self, call: Call) -> Tensor:
-        q, k = call.q, call.k
-        return reference_attention(
-            q,
-            k,
-            call.v,
-            key_padding_mask=call.key_padding_mask,
-            mask_mod=call.pattern.mask_mod_for(q.shape[2], k.shape[2]),
-            score_mod=call.score_mod,
-            scale=call.scale,
-        )
+        return reference_call(call)

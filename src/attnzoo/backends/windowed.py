@@ -7,7 +7,7 @@ added back block by block)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +15,17 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
-from attnzoo.backends.call import compute_dtype
+from attnzoo.backends.call import Call, compute_dtype
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
+
+
+class _Options(NamedTuple):
+    """What every part of one call runs with besides q, k, v: the real keys ``key_valid (B, N)``
+    (None = all real) and the score scale."""
+
+    key_valid: Tensor | None
+    scale: float
+
 
 # --- layout: heads, de-interleaving, windows ------------------------------------------------
 
@@ -114,22 +123,20 @@ class _Saved:
         return tensors[:n_extra], _Saved(*tensors[n_extra:], ctx.is_causal)
 
 
-def _part_forward(
-    w: Windows, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float
-) -> tuple[Tensor, _Saved]:
+def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -> tuple[Tensor, _Saved]:
     n, sub = q.shape[2], -(-q.shape[2] // w.stride)
     qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
-    valid = _split_keys(key_valid, q.shape[0], n, w.stride, sub)
+    valid = _split_keys(opts.key_valid, q.shape[0], n, w.stride, sub)
     if w.dense:
         mask = _dense_mask(w, valid, sub, q.dtype)
         is_causal = w.causal and mask is None and w.allowed is None
-        out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=scale)[:2]
+        out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=opts.scale)[:2]
         return _merge(out, w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
     bb, h, blocks = qs.shape[0], qs.shape[1], -(-sub // w.block)
     qx = F.pad(qs, (0, 0, 0, blocks * w.block - sub)).reshape(bb * h, blocks, w.block, q.shape[-1])
     kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
     mask = _window_mask(w, valid, h, blocks, q.dtype)
-    out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
     rows = out.reshape(bb, h, blocks * w.block, -1)[:, :, :sub]
     return _merge(rows, w.stride, n), _Saved(qx, kx, vx, out, lse, mask, False)
 
@@ -193,33 +200,25 @@ def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
 
 class _PartAttention(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        w: Windows,
-        key_valid: Tensor | None,  # type: ignore[override]
-        scale: float,
-    ) -> Tensor:
-        out, saved = _part_forward(w, q, k, v, key_valid, scale)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, w: Windows, opts: _Options) -> Tensor:  # type: ignore[override]
+        out, saved = _part_forward(w, q, k, v, opts)
         saved.stash(ctx)
-        ctx.w, ctx.scale = w, scale
+        ctx.w, ctx.scale = w, opts.scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         dq, dk, dv = _part_backward(ctx.w, _Saved.unstash(ctx)[1], grad, ctx.scale)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None
 
 
-def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, key_valid: Tensor | None, scale: float) -> Tensor:
+def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, opts: _Options) -> Tensor:
     """Scores of every row against the global keys ``(B, H, N, g)``, ``-inf`` where not allowed."""
     allowed = part.columns.to(q.device)[None, None]
-    if key_valid is not None:
-        allowed = allowed & key_valid[:, None, None, part.tokens.to(q.device)]
+    if opts.key_valid is not None:
+        allowed = allowed & opts.key_valid[:, None, None, part.tokens.to(q.device)]
     cd = compute_dtype(q)
-    scores = torch.matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * scale
+    scores = torch.matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
     return scores.masked_fill(~allowed, float("-inf"))
 
 
@@ -232,20 +231,12 @@ class _UnionAttention(torch.autograd.Function):
     union's output and log-sum-exp (see ``_part_backward``)."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        part: WithGlobals,  # type: ignore[override]
-        key_valid: Tensor | None,
-        scale: float,
-    ) -> Tensor:
-        scores = _column_scores(part, q, k, key_valid, scale)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, part: WithGlobals, opts: _Options) -> Tensor:  # type: ignore[override]
+        scores = _column_scores(part, q, k, opts)
         lse = torch.logsumexp(scores, dim=-1)
         saved, out_w = None, None
         if part.windows is not None:
-            out_w, saved = _part_forward(part.windows, q, k, v, key_valid, scale)
+            out_w, saved = _part_forward(part.windows, q, k, v, opts)
             lse_w = _part_lse(part.windows, saved, q.shape[2], q.shape[1]).to(lse.dtype)
             lse = torch.logaddexp(lse, lse_w)
         probs = torch.exp(scores - _finite(lse, 0.0)[..., None])
@@ -257,7 +248,7 @@ class _UnionAttention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, out, lse, probs)
         else:
             saved.stash(ctx, q, k, v, out, lse, probs)
-        ctx.part, ctx.scale = part, scale
+        ctx.part, ctx.scale = part, opts.scale
         return out
 
     @staticmethod
@@ -277,18 +268,19 @@ class _UnionAttention(torch.autograd.Function):
         dq = dq + torch.matmul(d_scores, k[:, :, index].to(probs.dtype))
         dk = dk.index_add(2, index, torch.matmul(d_scores.transpose(-1, -2), q.to(probs.dtype)))
         dv = dv.index_add(2, index, torch.matmul(probs.transpose(-1, -2), g))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float) -> Tensor:
+def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -> Tensor:
     """The global tokens' rows: each attends every (real, and with ``causal`` earlier) key.
     ``(B, H, g, Dv)``; O(g N) memory; differentiable by autograd."""
     index = part.tokens.to(q.device)
     cd = compute_dtype(q)
-    scores = torch.matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * scale
+    scores = torch.matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if part.causal:
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
+    key_valid = opts.key_valid
     allowed = allowed[None, None] if key_valid is None else allowed[None, None] & key_valid[:, None, None, :]
     # A row with no key gets zeros (finite scores times 0); a NaN query's row stays NaN.
     has_key = allowed.any(-1, keepdim=True)
@@ -302,24 +294,16 @@ class _MergedAttention(torch.autograd.Function):
     output and log-sum-exp (see ``_part_backward``)."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        merged: Merged,  # type: ignore[override]
-        key_valid: Tensor | None,
-        scale: float,
-    ) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, merged: Merged, opts: _Options) -> Tensor:  # type: ignore[override]
         outs, lses, saved = [], [], []
         for w in merged.parts:
-            out, part = _part_forward(w, q, k, v, key_valid, scale)
+            out, part = _part_forward(w, q, k, v, opts)
             outs.append(out)
             lses.append(_part_lse(w, part, q.shape[2], q.shape[1]))
             saved.append(part)
         lse = torch.logsumexp(torch.stack(lses), 0)  # [B, H, N]
         out = sum(o * torch.exp(p - _finite(lse, 0.0))[..., None].to(o.dtype) for o, p in zip(outs, lses))
-        ctx.merged, ctx.scale, ctx.causal = merged, scale, [part.is_causal for part in saved]
+        ctx.merged, ctx.scale, ctx.causal = merged, opts.scale, [part.is_causal for part in saved]
         # save_for_backward (see ``_Saved.stash``): a retained graph can run backward twice.
         ctx.save_for_backward(
             out, lse, *(t for part in saved for t in (part.q, part.k, part.v, part.out, part.lse, part.mask))
@@ -335,32 +319,29 @@ class _MergedAttention(torch.autograd.Function):
             _part_backward(w, part, grad, ctx.scale, out, lse.to(part.lse.dtype))
             for w, part in zip(ctx.merged.parts, saved)
         ]
-        return (*(sum(g[i] for g in grads) for i in range(3)), None, None, None)
+        return (*(sum(g[i] for g in grads) for i in range(3)), None, None)
 
 
-def _run_part(
-    part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float
-) -> Tensor:
+def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -> Tensor:
     if isinstance(part, Windows):
-        return _PartAttention.apply(q, k, v, part, key_valid, scale)
+        return _PartAttention.apply(q, k, v, part, opts)
     if isinstance(part, Merged):
-        return _MergedAttention.apply(q, k, v, part, key_valid, scale)
-    out = _UnionAttention.apply(q, k, v, part, key_valid, scale)
+        return _MergedAttention.apply(q, k, v, part, opts)
+    out = _UnionAttention.apply(q, k, v, part, opts)
     if not part.rows:
         return out
-    return out.index_copy(2, part.tokens.to(q.device), _global_rows(part, q, k, v, key_valid, scale))
+    return out.index_copy(2, part.tokens.to(q.device), _global_rows(part, q, k, v, opts))
 
 
-def structured_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: Structure, *, scale: float, key_padding_mask: Tensor | None = None
-) -> Tensor:
-    """Exact attention over ``plan`` (see the module docstring). ``(B, H, N, D)`` in and out;
-    rows with no visible key give zeros and zero gradient."""
+def structured_attention(call: Call, plan: Structure) -> Tensor:
+    """Exact attention of ``call`` over ``plan`` (see the module docstring). ``(B, H, N, D)`` in
+    and out; rows with no visible key give zeros and zero gradient."""
+    q, k, v, opts = call.q, call.k, call.v, _Options(call.key_padding_mask, call.scale)
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
-        return _run_part(plan.parts[0][1], q, k, v, key_padding_mask, scale)
+        return _run_part(plan.parts[0][1], q, k, v, opts)
     pieces = []
     for heads, part in plan.parts:
-        pieces.append((heads, _run_part(part, q[:, heads], k[:, heads], v[:, heads], key_padding_mask, scale)))
+        pieces.append((heads, _run_part(part, q[:, heads], k[:, heads], v[:, heads], opts)))
     # Head groups are disjoint: put each group's rows back at its heads (differentiably).
     order = torch.cat([heads for heads, _ in pieces]).argsort()
     return torch.cat([piece for _, piece in pieces], dim=1)[:, order.to(q.device)]

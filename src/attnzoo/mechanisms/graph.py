@@ -16,24 +16,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.backends.reference import normalize_scores, reference_attention, visible_pairs
+from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
-from attnzoo.mechanisms.sparse import ring_with_chords
+from attnzoo.mechanisms.sparse_shaped import EdgeList
 from attnzoo.patterns.atomic import Graph
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
 
 @dataclass(frozen=True, kw_only=True)
-class GraphAttentionConfig(Config):
+class GraphAttentionConfig(EdgeList, Config):
     """Config of ``graph_attention``.
 
     Args:
@@ -46,27 +46,15 @@ class GraphAttentionConfig(Config):
             only; ``MultiHeadAttention`` fills them in). Defaults 8, 64.
     """
 
-    edges: tuple[tuple[int, int], ...] = ((0, 1), (1, 0))
-    n: int = 2
-    self_loops: bool = True
     scale: float | None = None
     score: Literal["dot", "gat"] = "dot"
     heads: int = bounded(8, ge=1)
     head_dim: int = bounded(64, ge=1)
 
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A ring with chords on ``n`` nodes (``ring_with_chords``), as the ``graph`` pattern."""
-        return dict(edges=ring_with_chords(n), n=n)
-
     def validate(self) -> None:
         if self.score == "gat" and self.scale is not None:
             raise ValueError("scale applies to score='dot' only; GAT's additive score is not scaled, drop scale=")
         self.graph()
-
-    def graph(self) -> Graph:
-        index = torch.tensor(self.edges, dtype=torch.long).reshape(-1, 2).t()
-        return Graph(index, self.n, self.self_loops)
 
 
 def degree_buckets(graph: Graph) -> list[tuple[Tensor, Tensor]]:
@@ -92,82 +80,68 @@ def gat_terms(q: Tensor, k: Tensor, attention_vector: Tensor) -> tuple[Tensor, T
     return torch.einsum("bhnd,hd->bhn", q, a[:, 0]), torch.einsum("bhnd,hd->bhn", k, a[:, 1])
 
 
-def graph_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    graph: Graph,
-    *,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    attention_vector: Tensor | None = None,
-) -> Tensor:
-    """Attention of each node over its neighbours only.
+@dataclass(frozen=True, slots=True)
+class GraphArgs:
+    """What ``graph_attention`` and its dense twin take besides q, k, v (one object, so the two
+    cannot drift apart): the ``graph``; ``causal`` keeps edges with key <= query;
+    ``key_padding_mask (B, N)``, True = real; ``scale`` of ``q_i . k_j`` (default ``1 / sqrt(D)``);
+    ``attention_vector``, GAT's ``a`` as ``(H, 2, D)``: when given, the score of edge (i, j) is
+    ``LeakyReLU(a[h, 0] . q_i + a[h, 1] . k_j)`` instead of ``q_i . k_j * scale``."""
 
-    ``attention_vector``: GAT's ``a`` as ``(H, 2, D)``; when given, the score of edge (i, j) is
-    ``LeakyReLU(a[h, 0] . q_i + a[h, 1] . k_j)`` instead of ``q_i . k_j * scale``.
+    graph: Graph
+    causal: bool = False
+    key_padding_mask: Tensor | None = None
+    scale: float | None = None
+    attention_vector: Tensor | None = None
+
+
+def graph_attention(q: Tensor, k: Tensor, v: Tensor, args: GraphArgs) -> Tensor:
+    """Attention of each node over its neighbours only (``GraphArgs`` says how).
 
     Shapes:
-        q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)`` with N = ``graph.n`` -> ``(B, H, N, Dv)``.
+        q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)`` with N = ``args.graph.n`` -> ``(B, H, N, Dv)``.
     """
-    scale = default_scale(scale, q.shape[-1])
-    compute = compute_dtype(q)
-    if attention_vector is not None:
-        from_query, from_key = gat_terms(q.to(compute), k.to(compute), attention_vector)
+    scale, compute = default_scale(args.scale, q.shape[-1]), compute_dtype(q)
+    a, mask = args.attention_vector, args.key_padding_mask
+    if a is not None:
+        from_query, from_key = gat_terms(q.to(compute), k.to(compute), a)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=compute)
-    for nodes, neighbours in degree_buckets(graph):
+    for nodes, neighbours in degree_buckets(args.graph):
         nodes, neighbours = nodes.to(q.device), neighbours.to(q.device)
         keys = neighbours.clamp(min=0)
         v_b = v[:, :, keys].to(compute)  # [B, H, Nb, d, Dv]
-        if attention_vector is None:
+        if a is None:
             q_b, k_b = q[:, :, nodes].to(compute), k[:, :, keys].to(compute)  # [B, H, Nb, D], [B, H, Nb, d, D]
             scores = torch.einsum("bhnd,bhnkd->bhnk", q_b, k_b) * scale
         else:
             scores = F.leaky_relu(from_query[:, :, nodes, None] + from_key[:, :, keys], NEGATIVE_SLOPE)  # [B, H, Nb, d]
         visible = (neighbours >= 0)[None, None]
-        if causal:
+        if args.causal:
             visible = visible & (neighbours <= nodes[:, None])[None, None]
-        if key_padding_mask is not None:
-            visible = visible & key_padding_mask[:, keys][:, None]
+        if mask is not None:
+            visible = visible & mask[:, keys][:, None]
         weights = normalize_scores(scores, visible, "softmax")
         out = out.index_copy(2, nodes, torch.einsum("bhnk,bhnkd->bhnd", weights, v_b))
     return out.to(q.dtype)
 
 
 def reference_graph_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    graph: Graph,
-    *,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    scale: float | None = None,
-    attention_vector: Tensor | None = None,
-    return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Masked dense attention over the adjacency matrix (the oracle for ``graph_attention``);
-    with ``attention_vector``, GAT's dense ``(N, N)`` score matrix
-    ``e_ij = LeakyReLU(a_1 . q_i + a_2 . k_j)`` masked to the edges."""
-    mask_mod = graph.mask_mod_for(graph.n, graph.n)
-    if attention_vector is None:
-        return reference_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            key_padding_mask=key_padding_mask,
-            scale=scale,
-            mask_mod=mask_mod,
-            return_weights=return_weights,
-        )
-    compute = compute_dtype(q)
-    from_query, from_key = gat_terms(q.to(compute), k.to(compute), attention_vector)
-    scores = F.leaky_relu(from_query[..., :, None] + from_key[..., None, :], NEGATIVE_SLOPE)  # [B, H, N, N]
+    q: Tensor, k: Tensor, v: Tensor, args: GraphArgs, return_weights: bool = False
+) -> Weighted:
+    """Masked dense attention over the adjacency matrix (the oracle for ``graph_attention``): the
+    ``(N, N)`` scores, ``q_i . k_j * scale`` or with ``args.attention_vector`` GAT's
+    ``e_ij = LeakyReLU(a_1 . q_i + a_2 . k_j)``, masked to the edges, softmax per row."""
+    compute, graph, mask = compute_dtype(q), args.graph, args.key_padding_mask
+    qc, kc = q.to(compute), k.to(compute)
+    if args.attention_vector is None:
+        scores = torch.einsum("bhid,bhjd->bhij", qc, kc) * default_scale(args.scale, q.shape[-1])
+    else:
+        from_query, from_key = gat_terms(qc, kc, args.attention_vector)
+        scores = F.leaky_relu(from_query[..., :, None] + from_key[..., None, :], NEGATIVE_SLOPE)  # [B, H, N, N]
     batch, heads, n, _ = q.shape
+    mask_mod = graph.mask_mod_for(graph.n, graph.n)
     visible = visible_pairs(
-        batch, heads, n, n, causal=causal, key_padding_mask=key_padding_mask, mask_mod=mask_mod, device=q.device
+        batch, heads, n, n, causal=args.causal, key_padding_mask=mask, mask_mod=mask_mod, device=q.device
     )
     weights = normalize_scores(scores, visible, "softmax")
     out = torch.einsum("bhij,bhjd->bhid", weights, v.to(compute)).to(q.dtype)
@@ -227,12 +201,12 @@ class GraphAttention(Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         n, (q, k, v, args) = q.shape[2], self._on_all_nodes(q, k, v, args)
-        return graph_attention(q, k, v, self.graph, **self._settings(q, args))[:, :, :n]
+        return graph_attention(q, k, v, self._graph_args(q, args))[:, :, :n]
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         n, (q, k, v, args) = q.shape[2], self._on_all_nodes(q, k, v, args)
-        out = reference_graph_attention(q, k, v, self.graph, **self._settings(q, args), return_weights=True)
-        return (out[0][:, :, :n], out[1][:, :, :n, :n]) if return_weights else out[0][:, :, :n]
+        out, weights = reference_graph_attention(q, k, v, self._graph_args(q, args), return_weights=True)
+        return (out[:, :, :n], weights[:, :, :n, :n]) if return_weights else out[:, :, :n]
 
     def _on_all_nodes(
         self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs
@@ -248,16 +222,11 @@ class GraphAttention(Attention):
         args = replace(args, key_padding_mask=F.pad(real, (0, missing), value=False))
         return (*(F.pad(x, (0, 0, 0, missing)) for x in (q, k, v)), args)
 
-    def _settings(self, q: Tensor, args: AttendArgs) -> dict[str, Any]:
-        """The keyword arguments ``graph_attention`` and its dense twin share, after checking q
-        against the attention vector's shape: written once so the two cannot drift apart."""
+    def _graph_args(self, q: Tensor, args: AttendArgs) -> GraphArgs:
+        """What ``graph_attention`` and its dense twin share, once q is checked against the
+        attention vector's shape."""
         self._check_heads(q)
-        return dict(
-            causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
-            scale=self.config.scale,
-            attention_vector=self.attention_vector,
-        )
+        return GraphArgs(self.graph, args.causal, args.key_padding_mask, self.config.scale, self.attention_vector)
 
     def _init_state(self, spec: StateSpec) -> KVCache:
         """Every key and value (a node's edges may reach any earlier node), room for n at most."""

@@ -34,7 +34,7 @@ from attnzoo.mechanisms.cache import KVCache
 from attnzoo.spec import ScoreMod
 
 if TYPE_CHECKING:
-    from attnzoo.mechanisms.sparse import PatternAttention
+    from attnzoo.mechanisms.pattern_attention import PatternAttention
 
 #: Decode steps of up to this many new tokens run as one masked SDPA over the cache; longer
 #: ones (a prefill) take the mechanism's own fast path where the keys form a contiguous span.
