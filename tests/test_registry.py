@@ -236,3 +236,13 @@ def test_no_layer_asks_which_geometry_fields_a_mechanism_has():
         assert not re.search(r"\"(heads|head_dim|max_len)\" in config_fields", text), path
         if path.name != "attention.py":  # MultiHeadAttention's old-key alias only (not geometry)
             assert "def _load_from_state_dict" not in text, path
+
+
+def test_every_causal_mechanism_says_how_it_decodes_or_why_not():
+    # One note per causal attention mechanism, read by `attnzoo list --decode` and the README:
+    # "decode step: <state, cost per token>" when it decodes, "no decode step: <why>" when not.
+    for name in attnzoo.names(kind="attention", causal=True):
+        spec = attnzoo.describe(name)
+        notes = [n for n in spec.notes if n.startswith(("decode step: ", "no decode step: "))]
+        assert len(notes) == 1, f"{name}: {len(notes)} decode notes"
+        assert notes[0].startswith("decode step: ") == spec.capabilities.decode_step, name

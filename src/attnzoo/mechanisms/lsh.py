@@ -146,7 +146,7 @@ def reference_lsh(
         "Reformer Appendix A); dedupe=False weighs a key found in several rounds once per round",
         "rotations are drawn per round and head; fresh every forward pass in training (resample), "
         "fixed by the module's seed in eval mode",
-        "step(): hashes each new token in every round and attends the < 2 chunk keys its bucket's rank-chunks "
+        "decode step: hashes each new token in every round and attends the < 2 chunk keys its bucket's rank-chunks "
         "show it, O(n_hashes chunk D) per token at any position; memory O(t (D + D_v)) (every unit key and value, "
         "a KV cache) plus the positions of each bucket's last 2 chunk tokens, O(n_hashes n_buckets chunk); "
         "refused in training mode with resample=True (fresh rotations every forward)",

@@ -85,20 +85,35 @@ class PatternAttention(Attention):
 
 
 CAUSAL_NOTE = "causal=True intersects the pattern with j <= i"
+KV_CACHE_DECODE = "decode step: every key kept (a KV cache), the new rows of the pattern masked over it: O(t) per token"
+GLOBAL_DECODE = (
+    "decode step: the window and every key up to the last global token are kept (a global token's row "
+    "sees all before it): O(window + globals) memory and time per token at any position"
+)
 _COMPLEXITY = Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True)
 
 
 def register_pattern(
-    name: str, summary: str, paper: str, *, cross: bool = True, no_decode: str = "", notes: tuple[str, ...] = ()
+    name: str,
+    summary: str,
+    paper: str,
+    *,
+    cross: bool = True,
+    no_decode: str = "",
+    decode: str = KV_CACHE_DECODE,
+    notes: tuple[str, ...] = (),
 ) -> Callable[[type[SparseConfig]], type[SparseConfig]]:
     """Class decorator on a ``SparseConfig``: register ``name`` as a ``PatternAttention`` built
     from it, with ``notes`` (default: what ``causal=True`` means). It decodes (``init_state`` /
     ``step``) unless ``no_decode`` says why not: the step needs row t of the causal pattern to be
     the same whatever the final length, which random draws over N, grids of a fixed size and
-    graphs are not. ``cross=False`` for patterns defined on one sequence (grids, graphs)."""
+    graphs are not; else ``decode`` (unless ``notes`` has one) says what its state keeps.
+    ``cross=False`` for patterns defined on one sequence (grids, graphs)."""
     notes = notes or (CAUSAL_NOTE,)
     if no_decode:
         notes = (*notes, f"no decode step: {no_decode}")
+    elif not any(note.startswith("decode step: ") for note in notes):
+        notes = (*notes, decode)
     capabilities = Capabilities(
         causal=True,
         key_padding=True,

@@ -1,4 +1,4 @@
-"""Decode steps of the pattern mechanisms (``sparse.PatternAttention``): which cache a pattern
+"""Decode steps of the pattern mechanisms (``pattern_attention.PatternAttention``): which cache a pattern
 needs, and one step over it.
 
 A step computes the new tokens' rows of the *causal* forward, so it needs row t of the pattern

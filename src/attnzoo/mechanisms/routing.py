@@ -210,7 +210,7 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
         "padded query rows are 0; padded keys are never attended and never move centroids",
         "default: routing uses unit-normalised q and k, attention the raw q and k (scale 1/sqrt(D)); share_qk=True: "
         "keys are the queries, and attention uses the unit q with scale D (the official code's LM setting)",
-        "step(): routes each new key and query to their nearest centroids and attends the query cluster's last w "
+        "decode step: routes each new key and query to their nearest centroids and attends the query cluster's last w "
         "keys, O((w + n_clusters) D) per token; memory O(n_clusters w (D + D_v)) (each cluster's last w keys and "
         "values), whatever the length; needs window= set (None means ceil(N / n_clusters), unknown to a step); "
         "eval mode only (training moves the centroids every forward)",

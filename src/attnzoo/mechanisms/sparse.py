@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attnzoo import patterns as P
-from attnzoo.mechanisms.pattern_attention import CAUSAL_NOTE, SparseConfig, register_pattern
+from attnzoo.mechanisms.pattern_attention import CAUSAL_NOTE, GLOBAL_DECODE, SparseConfig, register_pattern
 from attnzoo.registry import bounded, eighth, quarter
 
 _LONGFORMER = "Beltagy et al. 2020 (Longformer), https://arxiv.org/abs/2004.05150"
@@ -143,6 +143,7 @@ class BlockLocalConfig(SparseConfig):
     "longformer",
     "Sliding window + global tokens (+ dilation per head).",
     "Beltagy et al. 2020, https://arxiv.org/abs/2004.05150",
+    decode=GLOBAL_DECODE + " (one dilation; per-head dilations keep a KV cache, O(t) per token)",
     notes=(
         CAUSAL_NOTE,
         "one set of projections for every pair: the paper's separate global projections (Q_g, K_g, V_g "
@@ -197,6 +198,7 @@ class BigBirdConfig(SparseConfig):
     "star",
     "Neighbours within 1 (a band, no wrap) + one relay token.",
     "Guo et al. 2019 (Star-Transformer), https://arxiv.org/abs/1902.09113",
+    decode=GLOBAL_DECODE,
     notes=(
         CAUSAL_NOTE,
         "satellites see |i - j| <= 1 without wrap-around: the first and last satellites are not linked, "
@@ -214,7 +216,10 @@ class StarConfig(SparseConfig):
 
 
 @register_pattern(
-    "etc", "External global tokens + sliding window.", "Ainslie et al. 2020 (ETC), https://arxiv.org/abs/2004.08483"
+    "etc",
+    "External global tokens + sliding window.",
+    "Ainslie et al. 2020 (ETC), https://arxiv.org/abs/2004.08483",
+    decode=GLOBAL_DECODE,
 )
 @dataclass(frozen=True, kw_only=True)
 class ETCConfig(SparseConfig):
