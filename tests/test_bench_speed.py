@@ -172,3 +172,13 @@ def test_peak_memory_counts_a_large_temporary_after_timing_released_the_heap():
         torch.ones(16 * mib // 4).sum()
     again = peak_memory(lambda: torch.ones(12 * mib // 4))
     assert first >= 11 * mib and again >= 11 * mib, (first / mib, again / mib)
+
+
+def test_decode_bench_sizes_a_default_that_does_not_reach_the_position_and_says_so():
+    from attnzoo.bench import decode
+
+    rows = list(decode.run((("routing", {}), ("routing", {"n_clusters": 2})), (40,), "test", heads=2, dim=8))
+    sized, chosen = rows[1], rows[2]
+    assert "window=" in sized["default_error"] and sized["sized_for"] == 40 + decode.STEPS + 1
+    assert sized["config"]["window"] > 0 and sized["steps_per_s"] > 0
+    assert "window=" in chosen["error"] and "sized_for" not in chosen  # a chosen config is not changed

@@ -4,8 +4,11 @@ cost the same at every position; a KV cache (``softmax``) grows with it. The sta
 one prefill step of ``position`` tokens, then single-token steps are timed (median).
 
 By default every causal attention mechanism is run with its default config; one that cannot
-decode gets a row with the reason, and a (mechanism, position) that fails (e.g. past a
-synthesizer's ``max_len``, or out of memory) a row with the error, so one does not stop the run.
+decode gets a row with the reason. A default config that does not reach a position (a
+synthesizer's ``max_len``, routing's window left to N, a 2-node default graph) is replaced by the
+config sized for that length (``Config.length_values``), and the row says so (``sized_for``,
+``default_error``); a (mechanism, position) that still fails (e.g. out of memory) gets a row with
+the error, so one does not stop the run.
 """
 
 from __future__ import annotations
@@ -45,12 +48,16 @@ def state_bytes(state: Any) -> int:
     return sum(seen.values())
 
 
+#: Single-token steps timed after the prefill (the first is a warm-up).
+STEPS = 32
+
+
 def step_times(
-    name: str, config: dict[str, Any], position: int, *, heads: int = 8, dim: int = 64, steps: int = 32
+    name: str, config: dict[str, Any], position: int, *, heads: int = 8, dim: int = 64, steps: int = STEPS
 ) -> tuple[list[float], int]:
     """Seconds per single-token step after ``position`` tokens (B = 1), and the state's bytes
     after the last step."""
-    module = attnzoo.build(name, **config).eval()
+    module = attnzoo.build(name, shape=attnzoo.Shape(heads=heads, head_dim=dim, value_dim=dim), **config).eval()
     g = torch.Generator().manual_seed(0)
     prefill = torch.randn(3, 1, heads, position, dim, generator=g)
     tokens = torch.randn(3, 1, heads, steps + 1, dim, generator=g)
@@ -83,17 +90,25 @@ def run(
             yield {"kind": "decode", "mechanism": name, "error": spec.decoding or f"{name!r} has no decode step"}
             continue
         for position in positions:
-            row = {
-                "kind": "decode",
-                "mechanism": name,
-                "config": config,
-                "position": position,
-                "heads": heads,
-                "dim": dim,
-            }
+            row = {"kind": "decode", "mechanism": name, "config": config, "position": position}
+            row |= {"heads": heads, "dim": dim}
             try:
                 times, size = step_times(name, config, position, heads=heads, dim=dim)
-            except (ValueError, RuntimeError, MemoryError) as error:  # e.g. past max_len; out of memory
+            except ValueError as error:
+                if config:  # a config the user chose: report, do not change it
+                    yield {**row, "error": f"ValueError: {error}"}
+                    continue
+                # A default that does not reach this length (a synthesizer's max_len, routing's
+                # window left to N, a default graph of 2 nodes): the config sized for the length
+                # the run reaches, said so in the row.
+                sized = spec.config.length_values(position + STEPS + 1)
+                row |= {"config": sized, "sized_for": position + STEPS + 1, "default_error": str(error)}
+                try:
+                    times, size = step_times(name, sized, position, heads=heads, dim=dim)
+                except (ValueError, RuntimeError, MemoryError) as again:
+                    yield {**row, "error": f"{type(again).__name__}: {again}"}
+                    continue
+            except (RuntimeError, MemoryError) as error:  # e.g. out of memory
                 yield {**row, "error": f"{type(error).__name__}: {error}"}
                 continue
             median = statistics.median(times)
