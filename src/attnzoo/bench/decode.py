@@ -53,11 +53,19 @@ STEPS = 32
 
 
 def step_times(
-    name: str, config: dict[str, Any], position: int, *, heads: int = 8, dim: int = 64, steps: int = STEPS
+    name: str,
+    config: dict[str, Any],
+    position: int,
+    *,
+    heads: int = 8,
+    dim: int = 64,
+    steps: int = STEPS,
+    max_len: int | None = None,
 ) -> tuple[list[float], int]:
     """Seconds per single-token step after ``position`` tokens (B = 1), and the state's bytes
     after the last step."""
-    module = attnzoo.build(name, shape=attnzoo.Shape(heads=heads, head_dim=dim, value_dim=dim), **config).eval()
+    shape = attnzoo.Shape(heads=heads, head_dim=dim, value_dim=dim, max_len=max_len)
+    module = attnzoo.build(name, shape=shape, **config).eval()
     g = torch.Generator().manual_seed(0)
     prefill = torch.randn(3, 1, heads, position, dim, generator=g)
     tokens = torch.randn(3, 1, heads, steps + 1, dim, generator=g)
@@ -100,11 +108,12 @@ def run(
                     continue
                 # A default that does not reach this length (a synthesizer's max_len, routing's
                 # window left to N, a default graph of 2 nodes): the config sized for the length
-                # the run reaches, said so in the row.
-                sized = spec.config.length_values(position + STEPS + 1)
-                row |= {"config": sized, "sized_for": position + STEPS + 1, "default_error": str(error)}
+                # the run reaches (and a Shape with that max_len), said so in the row.
+                n = position + STEPS + 1
+                sized = spec.config.length_values(n)
+                row |= {"config": _summary(sized), "sized_for": n, "default_error": str(error)}
                 try:
-                    times, size = step_times(name, sized, position, heads=heads, dim=dim)
+                    times, size = step_times(name, sized, position, heads=heads, dim=dim, max_len=n)
                 except (ValueError, RuntimeError, MemoryError) as again:
                     yield {**row, "error": f"{type(again).__name__}: {again}"}
                     continue
@@ -113,6 +122,11 @@ def run(
                 continue
             median = statistics.median(times)
             yield {**row, "step_s": median, "steps_per_s": 1 / median, "state_bytes": size}
+
+
+def _summary(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` for a result row: a long sequence (a sized graph's edge list) as its length."""
+    return {k: f"<{len(v)} items>" if isinstance(v, (tuple, list)) and len(v) > 16 else v for k, v in config.items()}
 
 
 def default_mechanisms() -> tuple[tuple[str, dict[str, Any]], ...]:
