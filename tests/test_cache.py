@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attnzoo
+from attnzoo.mechanisms import pattern_decode
 from attnzoo.mechanisms.cache import MIN_CAPACITY, KVCache
 
 
@@ -133,3 +134,18 @@ def test_step_checks_its_inputs_once_for_every_mechanism():
     q = torch.randn(1, 2, 1, 4)
     with pytest.raises(ValueError, match="k"):
         attnzoo.build("local", left=2, right=0).step(state, q, torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+
+
+def test_a_step_gathers_only_the_keys_its_row_sees_and_rows_that_see_none_are_zero():
+    # global token 5 alone: causal rows 0..4 see no key (zeros, as in the forward); strided rows
+    # see t / 4 of the t cached keys, which a step gathers instead of masking all of them.
+    for name, config in (("global", {"indices": (5,)}), ("strided", {"stride": 4})):
+        attn = attnzoo.build(name, **config).double().eval()
+        q, k, v = (torch.randn(2, 2, 40, 4, dtype=torch.float64) for _ in range(3))
+        state, outs = attn.init_state(2, 2, 4, 4, dtype=torch.float64), []
+        for t in range(40):
+            out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            outs.append(out)
+        torch.testing.assert_close(torch.cat(outs, 2), attn(q, k, v, causal=True), rtol=1e-12, atol=1e-12)
+    seen = pattern_decode._seen_keys_only(k, v, torch.arange(40)[None, None, :] % 4 == 3)
+    assert seen[0].shape[2] == 10 and seen[2].all()

@@ -149,9 +149,9 @@ def _attend_span(attn: PatternAttention, q: Tensor, span: _Span, score_mod: Scor
         visible = _visible(attn, q.shape[1], rows, positions[None, :])  # [H | 1, T, L]
         if span.real is not None:
             visible = visible & span.real[:, None, None, :]  # (B, H | 1, T, L)
+        k, v, visible = _seen_keys_only(k, v, visible)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.config.scale)
-        if span.real is not None:  # rows that see no real key: zeros (SDPA gives NaN or garbage)
-            out = torch.where(visible.any(-1, keepdim=True), out, 0.0)
+        out = torch.where(visible.any(-1, keepdim=True), out, 0.0)  # rows that see no key: zeros, not NaN
         return nan_rows_of_non_finite_queries(out, q)
     if score_mod is not None and not (contiguous and start == 0):  # span index != position
         inner = score_mod
@@ -176,6 +176,18 @@ def _attend_span(attn: PatternAttention, q: Tensor, span: _Span, score_mod: Scor
         q, k, v, key_padding_mask=span.real, score_mod=score_mod, scale=attn.config.scale, mask_mod=mask_mod
     )
     return nan_rows_of_non_finite_queries(out, q)
+
+
+def _seen_keys_only(k: Tensor, v: Tensor, visible: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The span's keys that some new row sees, gathered (with ``visible`` cut to them) when they
+    are at most half the span: a strided or block pattern's row sees t / stride or one block of
+    the t cached keys, and a masked SDPA over all t (CPU: no flash path with a mask) cost 5x an
+    unmasked softmax step at t = 16384. The row's output is the same: unseen keys weigh 0."""
+    seen = visible.reshape(-1, visible.shape[-1]).any(0)  # (L,): the union over batch, heads, rows
+    index = seen.nonzero().flatten()
+    if 2 * index.numel() > seen.numel() or not index.numel():
+        return k, v, visible
+    return k.index_select(2, index), v.index_select(2, index), visible.index_select(-1, index)
 
 
 def _visible(attn: PatternAttention, heads: int, rows: Tensor, keys: Tensor) -> Tensor:
