@@ -26,7 +26,7 @@ Conventions (shared by all attention oracles):
 * Causal masking is aligned bottom-right: with ``Nq`` queries and ``Nk`` keys,
   query ``i`` sits at absolute position ``i + (Nk - Nq)`` and sees key ``j``
   iff ``j <= i + (Nk - Nq)``.  For ``Nq == Nk`` this is the usual ``j <= i``.
-* ``key_padding_mask`` is a bool tensor of shape ``(B, Nk)``; ``True`` marks a
+* ``key_mask`` is a bool tensor of shape ``(B, Nk)``; ``True`` marks a
   real token, a ``False`` key is never visible.
 * A query row that sees no key at all outputs exactly zeros (and its weight row
   is all zeros).
@@ -90,11 +90,11 @@ def _check_qk(q: Tensor, k: Tensor) -> None:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, H or D")
 
 
-def _is_visible(b: int, i: int, j: int, nq: int, nk: int, causal: bool, key_padding_mask: Tensor | None) -> bool:
+def _is_visible(b: int, i: int, j: int, nq: int, nk: int, causal: bool, key_mask: Tensor | None) -> bool:
     """Whether query i may attend to key j (in batch element b)."""
     if causal and j > i + (nk - nq):  # bottom-right aligned causal mask
         return False
-    if key_padding_mask is not None and not bool(key_padding_mask[b, j]):
+    if key_mask is not None and not bool(key_mask[b, j]):
         return False
     return True
 
@@ -104,7 +104,7 @@ def _weight_rows(
     k: Tensor,
     *,
     causal: bool,
-    key_padding_mask: Tensor | None,
+    key_mask: Tensor | None,
     scale: float | None,
     normalizer: str,
     score_bias: Tensor | None,
@@ -125,10 +125,10 @@ def _weight_rows(
         scale = 1.0 / math.sqrt(D)
     if score_bias is not None:
         score_bias = torch.broadcast_to(score_bias.to(F64), (B, H, Nq, Nk))
-    if key_padding_mask is not None:
-        if tuple(key_padding_mask.shape) != (B, Nk):
-            raise ValueError(f"key_padding_mask must be (B, Nk) = {(B, Nk)}, got {tuple(key_padding_mask.shape)}")
-        key_padding_mask = key_padding_mask.to(torch.bool)
+    if key_mask is not None:
+        if tuple(key_mask.shape) != (B, Nk):
+            raise ValueError(f"key_mask must be (B, Nk) = {(B, Nk)}, got {tuple(key_mask.shape)}")
+        key_mask = key_mask.to(torch.bool)
 
     weights = []
     for b in range(B):
@@ -139,7 +139,7 @@ def _weight_rows(
                 # s_ij = scale * <q_i, k_j> (+ bias_ij), only for visible j
                 scores: list[Tensor | None] = []
                 for j in range(Nk):
-                    if not _is_visible(b, i, j, Nq, Nk, causal, key_padding_mask):
+                    if not _is_visible(b, i, j, Nq, Nk, causal, key_mask):
                         scores.append(None)
                         continue
                     s = scale * torch.dot(q[b, h, i], k[b, h, j])
@@ -177,7 +177,7 @@ def attention_weights_oracle(
     k: Tensor,
     *,
     causal: bool = False,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     scale: float | None = None,
     normalizer: str = "softmax",
     score_bias: Tensor | None = None,
@@ -190,7 +190,7 @@ def attention_weights_oracle(
         q,
         k,
         causal=causal,
-        key_padding_mask=key_padding_mask,
+        key_mask=key_mask,
         scale=scale,
         normalizer=normalizer,
         score_bias=score_bias,
@@ -218,7 +218,7 @@ def attention_oracle(
     v: Tensor,
     *,
     causal: bool = False,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     scale: float | None = None,
     normalizer: str = "softmax",
     score_bias: Tensor | None = None,
@@ -230,7 +230,7 @@ def attention_oracle(
     * s_ij = scale * <q_i, k_j> (+ score_bias[b, h, i, j]); scale defaults to 1/sqrt(D);
       score_bias must be broadcastable to (B, H, Nq, Nk).
     * causal (bottom-right aligned): key j visible iff j <= i + (Nk - Nq).
-    * key_padding_mask (B, Nk) bool, True = real token; False keys are invisible.
+    * key_mask (B, Nk) bool, True = real token; False keys are invisible.
     * normalizer "softmax": w_ij = exp(s_ij - max) / sum_{visible j'} exp(s_ij' - max).
       normalizer "relu":    w_ij = relu(s_ij) / sum_{visible j'} relu(s_ij'),
       with an all-zero row when that sum is 0.
@@ -245,7 +245,7 @@ def attention_oracle(
         q,
         k,
         causal=causal,
-        key_padding_mask=key_padding_mask,
+        key_mask=key_mask,
         scale=scale,
         normalizer=normalizer,
         score_bias=score_bias,
@@ -766,7 +766,7 @@ def per_head_oracle(masks: Sequence[Tensor], heads: int) -> Tensor:
 
 
 def oracle_lama_weights(
-    x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Tensor | None = None, key_padding_mask: Tensor | None = None
+    x: Tensor, u: Tensor, v: Tensor, p: Tensor, c: Tensor | None = None, key_mask: Tensor | None = None
 ) -> Tensor:
     """Pooling weights alpha (B, heads, N) of LAMA, written from
 
@@ -782,7 +782,7 @@ def oracle_lama_weights(
     rank, heads = p.shape
     rows = []
     for b in range(B):
-        real = [i for i in range(N) if key_padding_mask is None or bool(key_padding_mask[b, i])]
+        real = [i for i in range(N) if key_mask is None or bool(key_mask[b, i])]
         if c is not None:
             ctx = c.to(F64)
         elif real:
@@ -889,7 +889,7 @@ def oracle_gat_attention(
     *,
     self_loops: bool = True,
     causal: bool = False,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
 ) -> Tensor:
     """GAT attention with q_i, k_j as the projected features W h_i, W h_j, by a loop over edges:
 
@@ -898,7 +898,7 @@ def oracle_gat_attention(
         out_i   = sum over those edges of alpha_ij v_j
 
     ``edges`` are (query i, key j) pairs (duplicates count once), plus (i, i) when
-    ``self_loops``; ``causal`` drops edges with j > i; padded keys (``key_padding_mask[b, j]``
+    ``self_loops``; ``causal`` drops edges with j > i; padded keys (``key_mask[b, j]``
     False) are dropped. A node left with no edge outputs zeros. ``a`` is (H, 2, D).
     """
     q, k, v, a = (t.to(F64) for t in (q, k, v, a))
@@ -914,7 +914,7 @@ def oracle_gat_attention(
             for i, j in sorted(edge_set):
                 if causal and j > i:
                     continue
-                if key_padding_mask is not None and not bool(key_padding_mask[b, j]):
+                if key_mask is not None and not bool(key_mask[b, j]):
                     continue
                 e = torch.dot(a[h, 0], q[b, h, i]) + torch.dot(a[h, 1], k[b, h, j])
                 scores[i].append((j, torch.where(e > 0, e, 0.2 * e)))
@@ -944,17 +944,17 @@ def oracle_gat_attention(
 # outputs v_i; a padded query outputs zeros.
 
 
-def lsh_visible_sets(buckets, chunk, *, causal=False, key_padding_mask=None):
+def lsh_visible_sets(buckets, chunk, *, causal=False, key_mask=None):
     """Per-round visible key sets.
 
     Returns ``sets[r][b][h][i]`` = Python set of key indices visible to query i in round r
     (empty set for padded queries).  ``buckets``: LongTensor (R, B, H, N).
     """
     R, B, H, N = buckets.shape
-    if key_padding_mask is None:
+    if key_mask is None:
         real = [[True] * N for _ in range(B)]
     else:
-        real = [[bool(key_padding_mask[b, n]) for n in range(N)] for b in range(B)]
+        real = [[bool(key_mask[b, n]) for n in range(N)] for b in range(B)]
     sets = []
     for r in range(R):
         per_b = []
@@ -995,17 +995,17 @@ def lsh_visible_sets(buckets, chunk, *, causal=False, key_padding_mask=None):
     return sets
 
 
-def lsh_union_oracle(q, v, buckets, chunk, *, causal=False, key_padding_mask=None, dedupe=True) -> Tensor:
+def lsh_union_oracle(q, v, buckets, chunk, *, causal=False, key_mask=None, dedupe=True) -> Tensor:
     """Reference output (B, H, N, Dv) of multi-round LSH attention (see module docstring).
 
     q: (B, H, N, D) float64; v: (B, H, N, Dv) float64; buckets: LongTensor (R, B, H, N);
-    key_padding_mask: (B, N) bool, True = real token, or None (all real).
+    key_mask: (B, N) bool, True = real token, or None (all real).
     """
     B, H, N, D = q.shape
     Dv = v.shape[-1]
     R = buckets.shape[0]
     assert buckets.shape == (R, B, H, N)
-    sets = lsh_visible_sets(buckets, chunk, causal=causal, key_padding_mask=key_padding_mask)
+    sets = lsh_visible_sets(buckets, chunk, causal=causal, key_mask=key_mask)
     scale = 1.0 / math.sqrt(D)
     out_b = []
     for b in range(B):
@@ -1015,7 +1015,7 @@ def lsh_union_oracle(q, v, buckets, chunk, *, causal=False, key_padding_mask=Non
             keys = [q[b, h, j] / torch.sqrt((q[b, h, j] * q[b, h, j]).sum()) for j in range(N)]
             rows = []
             for i in range(N):
-                is_real = key_padding_mask is None or bool(key_padding_mask[b, i])
+                is_real = key_mask is None or bool(key_mask[b, i])
                 if not is_real:
                     rows.append(torch.zeros(Dv, dtype=v.dtype, device=v.device))
                     continue

@@ -104,7 +104,7 @@ def test_plan_cache_hits_for_a_pattern_rebuilt_per_call_with_causal(build, cache
     mask = torch.ones(2, 96, dtype=torch.bool)
     mask[0, 90:] = False
     for _ in range(3):
-        attnzoo.attend(q, k, v, pattern=build(), causal=True, key_padding_mask=mask.clone(), backend="blocked")
+        attnzoo.attend(q, k, v, pattern=build(), causal=True, key_mask=mask.clone(), backend="blocked")
     info = cache.cache_info()
     assert info.misses == 1 and info.hits >= 2, info
 

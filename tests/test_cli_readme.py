@@ -29,7 +29,7 @@ def test_list_shows_softmax_with_capabilities(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "softmax" in line)
-    for word in ("exact", "causal", "key_padding", "decode_step", "cross_attention"):
+    for word in ("exact", "causal", "key_mask", "decode_step", "cross_attention"):
         assert word in row
 
 

@@ -11,7 +11,7 @@ A new mechanism is covered by registering it.
 * padding: changing padded tokens changes no real output; a query that sees no key gets zeros.
 * memory: where ``subquadratic_memory``, no tensor as large as the dense score matrix is made.
 * decode: where ``decode_step``, ``step`` token by token equals the causal ``forward``, also
-  after a left-padded prefill (``step(..., key_padding_mask=)``), B = 2, H = 6, N = 77.
+  after a left-padded prefill (``step(..., key_mask=)``), B = 2, H = 6, N = 77.
 
 Tolerances: ``tolerances.assert_same`` (float64 row), the suite's one policy.
 """
@@ -55,7 +55,7 @@ def test_fast_path_equals_reference_forward_and_gradients(name):
         for mask in (None, _mask()):
             what = f"{name} causal={causal} padded={mask is not None}"
             inputs = tuple(x.requires_grad_() for x in _qkv())
-            kw = dict(causal=causal, key_padding_mask=mask)
+            kw = dict(causal=causal, key_mask=mask)
             fast, ref = attn(*inputs, **kw), attn.reference(*inputs, **kw)
             assert_same(fast, ref, what=f"{what}: output")
             assert torch.equal(fast, attn(*inputs, **kw)), f"{what}: eval mode is not deterministic"
@@ -69,9 +69,9 @@ def test_implied_attention_is_what_the_reference_applies(name):
     q, k, v = _qkv(1)
     for causal in _causal_modes(name):
         for mask in (None, _mask()):
-            out, weights = attn.reference(q, k, v, causal=causal, key_padding_mask=mask, return_weights=True)
+            out, weights = attn.reference(q, k, v, causal=causal, key_mask=mask, return_weights=True)
             assert weights.shape == (B, HEADS, N, N)
-            assert_same(attn.implied_attention(q, k, causal=causal, key_padding_mask=mask), weights)
+            assert_same(attn.implied_attention(q, k, causal=causal, key_mask=mask), weights)
             assert_same(weights.to(v.dtype) @ v, out, what=f"{name} causal={causal}: weights @ v vs reference")
 
 
@@ -106,11 +106,11 @@ def test_padding_changes_nothing_real_and_rows_that_see_nothing_are_zero(name):
     real = ~pad.expand_as(q[..., :1]) if self_only else torch.ones_like(q[..., :1], dtype=torch.bool)
     for causal in _causal_modes(name):
         for call in (attn, attn.reference):
-            out = call(q, k, v, causal=causal, key_padding_mask=mask)
+            out = call(q, k, v, causal=causal, key_mask=mask)
             what = f"{name} causal={causal} {getattr(call, '__name__', 'forward')}"
             assert torch.isfinite(out).all(), what
             assert not out[0].any(), f"{what}: batch 0 sees no key, its rows must be zero"
-            again = call(*changed, causal=causal, key_padding_mask=mask)
+            again = call(*changed, causal=causal, key_mask=mask)
             got, want = (x.masked_select(real) for x in (again, out))
             assert_same(got, want, what=f"{what}: real outputs after changing the padding")
 
@@ -131,8 +131,8 @@ def test_subquadratic_memory_never_makes_a_dense_score_tensor(name):
     dense = HEADS * n * n
     with torch.no_grad():
         for causal in _causal_modes(name):
-            attn(q, k, v, causal=causal, key_padding_mask=mask)
-            largest = largest_tensor(attn, q, k, v, causal=causal, key_padding_mask=mask)
+            attn(q, k, v, causal=causal, key_mask=mask)
+            largest = largest_tensor(attn, q, k, v, causal=causal, key_mask=mask)
             assert largest < dense, f"{name} causal={causal}: a tensor of {largest} elements, dense scores are {dense}"
 
 
@@ -159,11 +159,11 @@ def test_decode_steps_equal_the_causal_forward(name):
     q, k, v = (torch.randn(2, heads, n, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[0, :5] = False
-    want = attn(q, k, v, causal=True, key_padding_mask=mask)
+    want = attn(q, k, v, causal=True, key_mask=mask)
     state = attn.init_state(2, heads, HEAD_DIM, HEAD_DIM, dtype=q.dtype)
     outs = []
     for lo, hi in [(0, 9), *((t, t + 1) for t in range(9, n))]:
-        out, state = attn.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_padding_mask=mask[:, lo:hi])
+        out, state = attn.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_mask=mask[:, lo:hi])
         outs.append(out)
     got = torch.cat(outs, 2)
     assert not got[0, :, :5].any(), f"{name}: the padded prefix sees no real key, its rows must be zero"

@@ -160,7 +160,7 @@ def test_float64_gradients_pass_gradcheck(name, fast):
     mask = torch.arange(n)[None, :] < n - 3
     for causal in _causal_modes(name):
         q, k, v = make_qkv(1, HEADS, n, n, d=HEAD_DIM)
-        attend = lambda q, k, v, causal=causal: attn(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
+        attend = lambda q, k, v, causal=causal: attn(q, k, v, causal=causal, key_mask=mask)  # noqa: E731
         torch.autograd.gradcheck(attend, (q, k, v), fast_mode=fast)
 
 
@@ -238,20 +238,20 @@ def test_padding_is_inert_whatever_it_holds(name):
         mask = _padding(N, side)
         pad = ~mask[:, None, :, None]
         clean = tuple(torch.randn(4, HEADS, N, HEAD_DIM, dtype=torch.float64).masked_fill(pad, 0.0) for _ in range(3))
-        want, want_grads = _run(attn, clean, causal=causal, key_padding_mask=mask)
+        want, want_grads = _run(attn, clean, causal=causal, key_mask=mask)
         for poison in POISONS:
             q, k, v = clean
             q = q.masked_fill(pad, poison) if poison_q else q
             dirty = (q, k.masked_fill(pad, poison), v.masked_fill(pad, -poison))
             what = f"{name} causal={causal} {side} padding holding {poison}"
-            out, got_grads = _run(attn, dirty, causal=causal, key_padding_mask=mask)
+            out, got_grads = _run(attn, dirty, causal=causal, key_mask=mask)
             _same(out, want, f"{what}: output")
             for i, (got, expected) in enumerate(zip(got_grads, want_grads)):
                 _same(got, expected, f"{what}: gradient {i}")
             for got in got_grads[int(not poison_q) : 3]:
                 assert not got.masked_select(pad).any(), f"{what}: a padded position got a gradient"
             # The weights the forward applies see the same zeroed inputs.
-            implied = (attn.implied_attention(*x[:2], causal=causal, key_padding_mask=mask) for x in (dirty, clean))
+            implied = (attn.implied_attention(*x[:2], causal=causal, key_mask=mask) for x in (dirty, clean))
             _same(*implied, f"{what}: implied_attention")
 
 
@@ -264,10 +264,10 @@ def test_padded_tokens_are_inert_in_a_self_attention_layer(name):
     for causal, side in itertools.product(_causal_modes(name), ("right", "left")):
         mask = _padding(N, side)
         x = torch.randn(4, N, 32, dtype=torch.float64).masked_fill(~mask[..., None], 0.0)
-        want, want_grads = _run(mha, (x,), causal=causal, key_padding_mask=mask)
+        want, want_grads = _run(mha, (x,), causal=causal, key_mask=mask)
         for poison in POISONS:
             what = f"{name} causal={causal} {side} padding holding {poison}"
-            out, got_grads = _run(mha, (x.masked_fill(~mask[..., None], poison),), causal=causal, key_padding_mask=mask)
+            out, got_grads = _run(mha, (x.masked_fill(~mask[..., None], poison),), causal=causal, key_mask=mask)
             _same(out, want, f"{what}: output")
             for i, (got, expected) in enumerate(zip(got_grads, want_grads)):
                 _same(got, expected, f"{what}: gradient {i}")

@@ -29,8 +29,8 @@ def test_gather_equals_dense_adjacency_attention(causal, padded):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = padding_mask(2, n) if padded else None
-    out = module(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_graph_attention(q, k, v, GraphArgs(module.graph, causal=causal, key_padding_mask=mask))
+    out = module(q, k, v, causal=causal, key_mask=mask)
+    ref = reference_graph_attention(q, k, v, GraphArgs(module.graph, causal=causal, key_mask=mask))
     assert_same(out, ref)
     for got, want, name in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
         assert_same(got, want, what=f"d{name}")
@@ -73,8 +73,8 @@ def test_gat_score_matches_the_edge_loop_oracle(causal, padded):
     module = attnzoo.build("graph_attention", edges=edges, n=n, score="gat", heads=heads, head_dim=d).double()
     q, k, v = (torch.randn(2, heads, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = padding_mask(2, n) if padded else None
-    out = module(q, k, v, causal=causal, key_padding_mask=mask)
-    expected = oracle_gat_attention(q, k, v, edges, n, module.attention_vector, causal=causal, key_padding_mask=mask)
+    out = module(q, k, v, causal=causal, key_mask=mask)
+    expected = oracle_gat_attention(q, k, v, edges, n, module.attention_vector, causal=causal, key_mask=mask)
     assert_same(out, expected)
     inputs = (q, k, v, module.attention_vector)
     for got, want, name in zip(grads(out, inputs), grads(expected, inputs), ("q", "k", "v", "a")):
@@ -83,7 +83,7 @@ def test_gat_score_matches_the_edge_loop_oracle(causal, padded):
         q, k, v, GraphArgs(module.graph, causal, mask, attention_vector=module.attention_vector)
     )
     assert_same(dense, out, what="dense reference")
-    assert_same(module.implied_attention(q, k, causal=causal, key_padding_mask=mask) @ v, out)
+    assert_same(module.implied_attention(q, k, causal=causal, key_mask=mask) @ v, out)
 
 
 def test_gat_score_is_additive_not_dot_product():
@@ -132,11 +132,11 @@ def test_decode_steps_follow_the_edges_up_to_node_n(score):
     mask[0, :3], mask[1, 0] = False, False
     state, outs = module.init_state(2, heads, d, d, dtype=torch.float64), []
     for lo, hi in ((0, 4), (4, 5), (5, 15), *((t, t + 1) for t in range(15, n))):
-        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_padding_mask=mask[:, lo:hi])
+        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_mask=mask[:, lo:hi])
         outs.append(out)
-    assert_same(torch.cat(outs, 2), module(q, k, v, causal=True, key_padding_mask=mask))
+    assert_same(torch.cat(outs, 2), module(q, k, v, causal=True, key_mask=mask))
     # Causal, the forward also takes the first nodes alone: what has been decoded so far.
-    prefix = module(q[:, :, :9], k[:, :, :9], v[:, :, :9], causal=True, key_padding_mask=mask[:, :9])
+    prefix = module(q[:, :, :9], k[:, :, :9], v[:, :, :9], causal=True, key_mask=mask[:, :9])
     assert_same(prefix, torch.cat(outs, 2)[:, :, :9])
     with pytest.raises(ValueError, match="reach node 23, but the graph has n=23 nodes"):
         module.step(state, q[:, :, :1], k[:, :, :1], v[:, :, :1])

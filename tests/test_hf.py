@@ -147,7 +147,7 @@ def test_causal_model_softmax_equals_eager_and_non_causal_mechanisms_refuse(cls,
             attnzoo.hf.use(model, name, **cfg)
 
 
-def test_key_padding_accepts_only_key_padding_masks():
+def test_key_padding_accepts_only_key_masks():
     real = torch.tensor([[True, True, True, False], [True, True, True, True]])
     as_4d = real[:, None, None, :].expand(2, 1, 4, 4)
     tri = torch.ones(4, 4, dtype=torch.bool).tril()

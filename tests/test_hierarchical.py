@@ -54,7 +54,7 @@ def test_fast_equals_reference_forward_and_gradients(n, causal, pad):
     attn = attnzoo.build("hierarchical", k=3)
     q, k, v = make_qkv(2, 3, n, n)
     mask = padding_mask(2, n) if pad else None
-    out = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    out = attn(q, k, v, causal=causal, key_mask=mask)
     cfg, args = HierarchicalConfig(k=3), AttendArgs(causal, mask, None)
     ref = reference_hierarchical(q, k, v, cfg, args)
     assert_same(out, ref)
@@ -65,7 +65,7 @@ def test_fast_equals_reference_forward_and_gradients(n, causal, pad):
         assert torch.equal(out[0], torch.zeros_like(out[0]))
     # float32 fast path vs float32 reference, both against the float64 golden
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    out32 = attn(q32, k32, v32, causal=causal, key_padding_mask=mask)
+    out32 = attn(q32, k32, v32, causal=causal, key_mask=mask)
     ref32 = reference_hierarchical(q32, k32, v32, cfg, args)
     assert_close_to_golden(out32, ref32, ref)
     for a, b, g in zip(grads(out32, (q32, k32, v32)), grads(ref32, (q32, k32, v32)), ref_grads):
@@ -97,8 +97,8 @@ def test_k_at_least_n_is_full_attention(causal, pad):
     q, k, v = make_qkv(2, 3, n, n)
     mask = padding_mask(2, n) if pad else None
     assert all(level == 0 for nodes in hierarchical_graph(n, n, causal) for level, _ in nodes)
-    out = attnzoo.build("hierarchical", k=n)(q, k, v, causal=causal, key_padding_mask=mask)
-    assert_same(out, reference_attention(q, k, v, causal=causal, key_padding_mask=mask))
+    out = attnzoo.build("hierarchical", k=n)(q, k, v, causal=causal, key_mask=mask)
+    assert_same(out, reference_attention(q, k, v, causal=causal, key_mask=mask))
 
 
 @pytest.mark.parametrize("n,causal,pad", CASES[:4])
@@ -106,9 +106,9 @@ def test_implied_attention_times_v_is_forward(n, causal, pad):
     attn = attnzoo.build("hierarchical", k=2)
     q, k, v = make_qkv(2, 3, n, n, requires_grad=False)
     mask = padding_mask(2, n) if pad else None
-    w = attn.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+    w = attn.implied_attention(q, k, causal=causal, key_mask=mask)
     assert w.shape == (2, 3, n, n)
-    assert_same(w @ v, attn(q, k, v, causal=causal, key_padding_mask=mask))
+    assert_same(w @ v, attn(q, k, v, causal=causal, key_mask=mask))
     if mask is not None:
         assert torch.all(w[~mask[:, None, None, :].expand_as(w)] == 0)
         rows = w.sum(-1)
@@ -128,17 +128,17 @@ def test_decode_state_grows_like_log_t_and_steps_equal_the_forward(k):
     mask = torch.rand(2, n, generator=g) > 0.3
     state, outs = attn.init_state(2, 2, d, d_v, dtype=torch.float64), []
     for lo, hi in ((0, 1), (1, 100), *((t, t + 1) for t in range(100, n))):
-        out, state = attn.step(state, q[:, :, lo:hi], key[:, :, lo:hi], v[:, :, lo:hi], key_padding_mask=mask[:, lo:hi])
+        out, state = attn.step(state, q[:, :, lo:hi], key[:, :, lo:hi], v[:, :, lo:hi], key_mask=mask[:, lo:hi])
         outs.append(out)
         assert state.sums.shape == (2, 2, hi.bit_length() + 1, 2 * k + 1, d + d_v)  # no token kept
-    assert_same(torch.cat(outs, 2), attn(q, key, v, causal=True, key_padding_mask=mask))
+    assert_same(torch.cat(outs, 2), attn(q, key, v, causal=True, key_mask=mask))
 
 
 def test_build_and_spec():
     spec = attnzoo.describe("hierarchical")
     assert spec.family == "hierarchical" and "1911.04070" in spec.paper
     caps = spec.capabilities
-    assert caps.causal and caps.key_padding and not caps.cross_attention and not caps.score_mod
+    assert caps.causal and caps.key_mask and not caps.cross_attention and not caps.score_mod
     assert spec.complexity.subquadratic_memory
     attn = attnzoo.build("hierarchical", k=8)
     assert attn.config.k == 8

@@ -53,10 +53,10 @@ def test_fast_path_equals_reference_forward_and_gradients(name, causal, n_q):
     attn = build(name).double()
     q, k, v = make_qkv(B, H, n_q, N, d=D, d_v=5)
     mask = mask_of()
-    attn(q, k, v, causal=causal, key_padding_mask=mask)  # makes lazy buffers / parameters
+    attn(q, k, v, causal=causal, key_mask=mask)  # makes lazy buffers / parameters
     inputs = (q, k, v, *attn.parameters())
-    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = attn.reference(q, k, v, causal=causal, key_padding_mask=mask)
+    fast = attn(q, k, v, causal=causal, key_mask=mask)
+    ref = attn.reference(q, k, v, causal=causal, key_mask=mask)
     assert_same(fast, ref, what=f"{name} forward")
     assert torch.equal(fast[0], torch.zeros_like(fast[0]))  # batch 0 is all padding
     fast_grads = grads(fast, inputs)
@@ -86,10 +86,10 @@ def test_fp32_within_policy_of_float64_golden(name, causal, n_q):
     attn = build(name)
     q, k, v = make_qkv(B, H, n_q, N, d=D, dtype=torch.float32)
     mask = mask_of()
-    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = attn.reference(q, k, v, causal=causal, key_padding_mask=mask)
+    fast = attn(q, k, v, causal=causal, key_mask=mask)
+    ref = attn.reference(q, k, v, causal=causal, key_mask=mask)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    golden = attn.reference(q64, k64, v64, causal=causal, key_padding_mask=mask)
+    golden = attn.reference(q64, k64, v64, causal=causal, key_mask=mask)
     assert_close_to_golden(fast, ref, golden, what=f"{name} fp32 forward")
     for i, (a, r, g) in enumerate(zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), grads(golden, (q64, k64, v64)))):
         assert_close_to_golden(a, r, g, what=f"{name} fp32 gradient {i}")
@@ -102,7 +102,7 @@ def test_performer_gradients_are_exact_at_the_default_eps(causal):
     attn = build("performer", features=8).double()
     q, k, v = make_qkv(2, 2, 8, 8, d=4)
     mask = torch.arange(8)[None, :] < torch.tensor([[5], [8]])
-    attend = lambda q, k, v: attn(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
+    attend = lambda q, k, v: attn(q, k, v, causal=causal, key_mask=mask)  # noqa: E731
     assert torch.autograd.gradcheck(attend, (q, k, v), atol=1e-8, rtol=1e-6)
 
 
@@ -111,8 +111,8 @@ def test_relu_feature_map_and_half_precision(causal):
     attn = build("linear", feature_map="relu").double()
     q, k, v = make_qkv(B, H, N, N, d=D)
     q = torch.where(torch.arange(N)[:, None] == 3, -q.abs(), q)  # row 3: all features 0
-    out = attn(q, k, v, causal=causal, key_padding_mask=mask_of())
-    assert_same(out, attn.reference(q, k, v, causal=causal, key_padding_mask=mask_of()))
+    out = attn(q, k, v, causal=causal, key_mask=mask_of())
+    assert_same(out, attn.reference(q, k, v, causal=causal, key_mask=mask_of()))
     assert torch.count_nonzero(out[:, :, 3]) == 0
     half = build("performer")(*(x.detach().bfloat16() for x in (q, k, v)), causal=causal)
     assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
@@ -141,8 +141,8 @@ def test_performer_equals_the_unstabilised_formula_forward_and_gradients():
     w = performer.projection_for(q).double()
     for causal in (False, True):
         phi_q, phi_k = (torch.exp(favor_exponent(x * D**-0.25, w)) / 8.0 for x in (q, k))
-        oracle = kernel.reference_kernel_attention(phi_q, phi_k, v, causal=causal, key_padding_mask=mask, eps=0.0)
-        fast = performer(q, k, v, causal=causal, key_padding_mask=mask)
+        oracle = kernel.reference_kernel_attention(phi_q, phi_k, v, causal=causal, key_mask=mask, eps=0.0)
+        fast = performer(q, k, v, causal=causal, key_mask=mask)
         # batch 0 has no real key: 0 / 0 in the eps-free oracle
         assert_same(fast[1:], oracle[1:], what="forward")
         for got, want in zip(grads(fast[1:], (q, k, v)), grads(oracle[1:], (q, k, v))):
@@ -308,7 +308,7 @@ def test_fast_path_never_allocates_n_by_n(name, monkeypatch):
     attn = attnzoo.build(name)
     for causal in (False, True) if name in CAUSAL else (False,):
         with torch.no_grad(), Largest() as largest:
-            attn(q, k, v, causal=causal, key_padding_mask=mask)
+            attn(q, k, v, causal=causal, key_mask=mask)
         assert largest.numel <= heads * n * 256, (causal, largest.numel)  # features (H, N, m), never N x N
 
 

@@ -64,7 +64,7 @@ def test_fast_equals_reference_on_configs_the_contracts_do_not_reach(case, padde
     for causal in _causal_modes(module):
         for n_q in (N, 23) if module.spec.capabilities.cross_attention else (N,):
             q, k, v = make_qkv(B, H, n_q, N, D, d_v=5)
-            kw = dict(causal=causal, key_padding_mask=mask)
+            kw = dict(causal=causal, key_mask=mask)
             fast, ref = module(q, k, v, **kw), module.reference(q, k, v, **kw)
             what = f"{name} causal={causal} n_q={n_q}"
             assert_same(fast, ref, what=what)
@@ -77,7 +77,7 @@ def test_float32_is_as_accurate_as_the_reference(case):
     name, config = case
     module, mask = _build(name, config).float(), _mask(True)
     for causal in _causal_modes(module):
-        kw = dict(causal=causal, key_padding_mask=mask)
+        kw = dict(causal=causal, key_mask=mask)
         fast = lambda q, k, v, kw=kw: module(q, k, v, **kw)  # noqa: E731
         reference = lambda q, k, v, kw=kw: module.reference(q, k, v, **kw)  # noqa: E731
         assert_path_close_to_golden(fast, reference, make_qkv(B, H, N, N, D, dtype=torch.float32), what=name)
@@ -120,15 +120,15 @@ def test_nystrom_with_one_token_per_landmark_is_full_attention_within_the_pinv_t
     mask = _mask(True)
     nystrom = attnzoo.build("nystrom", landmarks=N, pinv_iters=30)
     q0, k0, v0 = nystrom.zero_padded(mask, q, k, v)  # what the forward attends over: padding zeroed
-    full = reference_attention(q0, k0, v0, key_padding_mask=mask)
-    exact = nystrom_weights(q0, k0, landmarks=N, pinv_iters=None, key_padding_mask=mask) @ v0
+    full = reference_attention(q0, k0, v0, key_mask=mask)
+    exact = nystrom_weights(q0, k0, landmarks=N, pinv_iters=None, key_mask=mask) @ v0
     assert_same(exact, full)
     # 30 steps of the iteration reach the exact pseudo-inverse here (measured error ~1e-13).
-    out = nystrom(q, k, v, key_padding_mask=mask)
+    out = nystrom(q, k, v, key_mask=mask)
     torch.testing.assert_close(out, full, atol=1e-9, rtol=0)
     for a, r, w in zip(grads(out, (q, k, v)), grads(full, (q, k, v)), "qkv"):
         torch.testing.assert_close(a, r, atol=1e-8, rtol=0, msg=lambda m, w=w: f"grad {w}: {m}")
-    assert_same(attnzoo.build("nystrom", landmarks=N + 20, pinv_iters=30)(q, k, v, key_padding_mask=mask), out)
+    assert_same(attnzoo.build("nystrom", landmarks=N + 20, pinv_iters=30)(q, k, v, key_mask=mask), out)
 
 
 def test_iterative_pinv_converges_to_the_exact_pseudo_inverse():
@@ -163,8 +163,8 @@ def test_compressed_with_kernel_and_stride_one_is_full_attention(n_q, causal):
     # Slots are the keys themselves; causal: slot j is visible iff j <= i and no raw tail remains.
     mask = _mask(True)
     q, k, v = make_qkv(B, H, n_q, N, D)
-    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_padding_mask=mask)
-    out = attnzoo.build("compressed", kernel=1, stride=1, chunk=10)(q, k, v, causal=causal, key_padding_mask=mask)
+    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_mask=mask)
+    out = attnzoo.build("compressed", kernel=1, stride=1, chunk=10)(q, k, v, causal=causal, key_mask=mask)
     assert_same(out, full)
     for a, r, w in zip(grads(out, (q, k, v)), grads(full, (q, k, v)), "qkv"):
         assert_same(a, r, what=f"grad {w}")
@@ -239,10 +239,10 @@ def test_lama_pooling_matches_the_oracle_forward_and_gradients(context):
     pool = LAMAPooling(6, heads=3, rank=4, context=context).double()
     x = torch.randn(3, 9, 6, dtype=torch.float64, requires_grad=True)
     mask = torch.arange(9)[None] < torch.tensor([[0], [5], [9]])
-    for key_padding_mask in (None, mask):
-        expected = oracle_lama_weights(x, pool.u, pool.v, pool.p, pool.c, key_padding_mask)
-        assert_same(pool.weights(x, key_padding_mask), expected, what="weights")
-        out = pool(x, key_padding_mask=key_padding_mask)
+    for key_mask in (None, mask):
+        expected = oracle_lama_weights(x, pool.u, pool.v, pool.p, pool.c, key_mask)
+        assert_same(pool.weights(x, key_mask), expected, what="weights")
+        out = pool(x, key_mask=key_mask)
         golden = torch.einsum("bhn,bnd->bhd", expected, x.double())
         assert_same(out, golden)
         inputs = (x, *_lama_params(pool))
@@ -254,7 +254,7 @@ def test_lama_pooling_respects_padding():
     pool = LAMAPooling(6, heads=3, rank=4, context="mean").double()
     x = torch.randn(2, 11, 6, dtype=torch.float64, requires_grad=True)
     mask = torch.arange(11)[None] < torch.tensor([[0], [8]])
-    out = pool(x, key_padding_mask=mask)
+    out = pool(x, key_mask=mask)
     weights = pool.weights(x, mask)
     assert torch.equal(weights[:, :, 8:], torch.zeros_like(weights[:, :, 8:]))
     assert torch.equal(out[0], torch.zeros(3, 6, dtype=torch.float64)) and torch.isfinite(out).all()
@@ -264,7 +264,7 @@ def test_lama_pooling_respects_padding():
     # Padded tokens change nothing, not even the data-derived context.
     x2 = x.detach().clone()
     x2[:, 8:] = 100 * torch.randn(2, 3, 6, dtype=torch.float64)
-    assert_same(pool(x2, key_padding_mask=mask), out)
+    assert_same(pool(x2, key_mask=mask), out)
     assert_same(pool(x.detach()[1:, :8]), out[1:])
 
 

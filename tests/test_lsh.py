@@ -31,8 +31,8 @@ def test_fast_path_equals_reference_float64_with_value_width_unlike_the_keys(cau
     q, k, v = make_qkv(2, 3, 45, 45, d=8, d_v=6)  # D_v != D: the kernel pads v's head
     mask = padding_mask(2, 45)
     lsh = build()
-    out = lsh(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference(lsh, q, v, causal=causal, key_padding_mask=mask)
+    out = lsh(q, k, v, causal=causal, key_mask=mask)
+    ref = reference(lsh, q, v, causal=causal, key_mask=mask)
     assert_same(out, ref)
     for got, want, name in zip(grads(out, (q, v)), grads(ref, (q, v)), "qv"):
         assert_same(got, want, what=f"d{name}")
@@ -137,8 +137,8 @@ def test_rounds_combine_as_the_independent_union_oracle(causal, padded, dedupe):
     real = torch.ones(2, 21, dtype=torch.bool) if mask is None else mask
     keys = torch.nn.functional.normalize(q.detach(), dim=-1)
     table = torch.stack([buckets(keys, rot, real) for rot in lsh.rotations(2, 4)])  # [R, B, H, N]
-    out = lsh(q, k, v, causal=causal, key_padding_mask=mask)
-    want = lsh_union_oracle(q, v, table, 3, causal=causal, key_padding_mask=mask, dedupe=dedupe)
+    out = lsh(q, k, v, causal=causal, key_mask=mask)
+    want = lsh_union_oracle(q, v, table, 3, causal=causal, key_mask=mask, dedupe=dedupe)
     assert_same(out, want)
     for got, exp, name in zip(grads(out, (q, v)), grads(want, (q, v)), "qv"):
         assert_same(got, exp, what=f"d{name}")
@@ -166,7 +166,7 @@ def steps(lsh, q, v, sizes, mask=None):
     outs, lo = [], 0
     for size in sizes:
         new = slice(lo, lo + size)
-        out, state = lsh.step(state, q[:, :, new], q[:, :, new], v[:, :, new], key_padding_mask=mask[:, new])
+        out, state = lsh.step(state, q[:, :, new], q[:, :, new], v[:, :, new], key_mask=mask[:, new])
         outs.append(out)
         lo += size
     return torch.cat(outs, 2)
@@ -188,7 +188,7 @@ def test_steps_of_any_size_equal_the_causal_forward(config):
     mask[0, :30], mask[1, 50:60] = False, False
     lsh = build(**config)
     got = steps(lsh, q, v, [33, 1, 1, 40, 5, *[1] * 40], mask)
-    assert_same(got, lsh(q, q, v, causal=True, key_padding_mask=mask))
+    assert_same(got, lsh(q, q, v, causal=True, key_mask=mask))
 
 
 def test_a_step_attends_the_same_number_of_keys_at_any_position(monkeypatch):

@@ -97,9 +97,9 @@ def test_input_validation():
     with pytest.raises(TypeError, match="causal must be a bool"):
         module(torch.randn(2, 8, 16), causal=1)
     with pytest.raises(TypeError, match="torch.bool"):
-        module(torch.randn(2, 8, 16), key_padding_mask=torch.ones(2, 8))
+        module(torch.randn(2, 8, 16), key_mask=torch.ones(2, 8))
     with pytest.raises(ValueError, match="shape"):
-        module(torch.randn(2, 8, 16), key_padding_mask=torch.ones(2, 7, dtype=torch.bool))
+        module(torch.randn(2, 8, 16), key_mask=torch.ones(2, 7, dtype=torch.bool))
     with pytest.raises(ValueError, match="dim must be >= 1"):
         attnzoo.build("mixer", dim=0)
 
@@ -115,7 +115,7 @@ def test_padding_content_changes_nothing_real(name, causal):
     mask[0, 14:] = False
     x2 = x.clone()
     x2[0, 14:] = torch.randn_like(x2[0, 14:]) * 5
-    out, changed = module(x, key_padding_mask=mask, causal=causal), module(x2, key_padding_mask=mask, causal=causal)
+    out, changed = module(x, key_mask=mask, causal=causal), module(x2, key_mask=mask, causal=causal)
     torch.testing.assert_close(changed[0, :14], out[0, :14], rtol=0, atol=1e-12)
     assert torch.equal(out[0, 14:], torch.zeros_like(out[0, 14:]))  # padded outputs are zero
     torch.testing.assert_close(out[1], module(x[1:], causal=causal)[0])  # unpadded row unaffected
@@ -127,7 +127,7 @@ def test_fnet_padding_length_still_matters():
     module = attnzoo.build("fnet", dim=16)
     x = _x(b=1, n=20, dim=16)
     mask = torch.arange(20)[None] < 14
-    padded = module(x, key_padding_mask=mask)[0, :14]
+    padded = module(x, key_mask=mask)[0, :14]
     alone = module(x[:, :14])[0]
     assert not torch.allclose(padded, alone)
 
@@ -137,7 +137,7 @@ def test_gmlp_and_mixer_padding_at_the_end_equals_the_shorter_sequence():
         module = attnzoo.build(name, dim=16, max_len=32).double()
         x = _x(b=1, n=20, dim=16)
         mask = torch.arange(20)[None] < 14
-        torch.testing.assert_close(module(x, key_padding_mask=mask)[0, :14], module(x[:, :14])[0])
+        torch.testing.assert_close(module(x, key_mask=mask)[0, :14], module(x[:, :14])[0])
 
 
 @pytest.mark.parametrize("name", MIXERS)
@@ -197,8 +197,8 @@ def test_feedforward_false_makes_the_layer_the_papers_gmlp_block():
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[1, 9:] = False
     for causal in (False, True):  # x + gMLP(LN(x)): the block of Liu et al. 2021, nothing after it
-        expected = x + layer.mixer(layer.norm1(x), causal=causal, key_padding_mask=mask)
-        torch.testing.assert_close(layer(x, causal=causal, key_padding_mask=mask), expected, rtol=0, atol=0)
+        expected = x + layer.mixer(layer.norm1(x), causal=causal, key_mask=mask)
+        torch.testing.assert_close(layer(x, causal=causal, key_mask=mask), expected, rtol=0, atol=0)
     default = TransformerEncoderLayer(16, 2, "gmlp", max_len=12)
     assert default.ff is not None  # unchanged unless asked
     encoder = TransformerEncoder(16, 2, 2, "gmlp", max_len=12, feedforward=False)

@@ -19,9 +19,9 @@ def test_mha_equals_hand_computation_with_cross_attention_and_padding():
     mask = torch.tensor([[True] * 6, [True, True, True, False, False, False]])
     split = lambda t: rearrange(t, "b n (h d) -> b h n d", h=3)  # noqa: E731
     q, k, v = split(mha.q_proj(x)), split(mha.k_proj(ctx)), split(mha.v_proj(ctx))
-    heads = attention_oracle(q, k, v, key_padding_mask=mask)
+    heads = attention_oracle(q, k, v, key_mask=mask)
     expected = mha.out_proj(rearrange(heads, "b h n d -> b n (h d)"))
-    assert_same(mha(x, ctx, key_padding_mask=mask), expected)
+    assert_same(mha(x, ctx, key_mask=mask), expected)
 
 
 def test_encoder_ignores_the_content_of_padded_tokens():
@@ -29,10 +29,10 @@ def test_encoder_ignores_the_content_of_padded_tokens():
     x = torch.randn(2, 9, 16)
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[0, 6:] = False
-    y = enc(x, key_padding_mask=mask)
+    y = enc(x, key_mask=mask)
     x2 = x.clone()
     x2[0, 6:] = torch.randn(3, 16) * 100
-    y2 = enc(x2, key_padding_mask=mask)
+    y2 = enc(x2, key_mask=mask)
     assert torch.allclose(y[0, :6], y2[0, :6], atol=1e-5) and torch.allclose(y[1], y2[1])
     assert not torch.allclose(y[0, 6:], y2[0, 6:])
 
@@ -57,15 +57,15 @@ def test_generate_is_greedy_over_the_full_forward_with_a_left_padded_prompt(mech
     prompt = torch.randint(0, 30, (2, 5))
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[0, :2] = False
-    out = lm.generate(prompt, max_new_tokens=11, key_padding_mask=mask)
+    out = lm.generate(prompt, max_new_tokens=11, key_mask=mask)
     assert out.shape == (2, 16) and torch.equal(out[:, :5], prompt)
     full_mask = torch.cat([mask, torch.ones(2, 11, dtype=torch.bool)], 1)
     with torch.no_grad():
-        logits = lm(out[:, :-1], key_padding_mask=full_mask[:, :-1])
+        logits = lm(out[:, :-1], key_mask=full_mask[:, :-1])
     assert torch.equal(logits[:, 4:].argmax(-1), out[:, 5:])
     other = prompt.clone()
     other[0, :2] = (prompt[0, :2] + 1) % 30
-    assert torch.equal(lm.generate(other, max_new_tokens=11, key_padding_mask=mask)[:, 5:], out[:, 5:])
+    assert torch.equal(lm.generate(other, max_new_tokens=11, key_mask=mask)[:, 5:], out[:, 5:])
 
 
 def test_sampling_repeats_with_a_seed_and_its_filters_keep_what_they_say():
@@ -111,7 +111,7 @@ def test_generate_refuses_a_right_padded_prompt():
     lm = attnzoo.nn.CausalLM(30, 16, 2, 2, "softmax").eval()
     mask = torch.tensor([[True, True, False]])
     with pytest.raises(ValueError, match="pad prompts on the left"):
-        lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, key_padding_mask=mask)
+        lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, key_mask=mask)
 
 
 def test_layer_errors_are_clear():
@@ -131,7 +131,7 @@ def test_layer_errors_are_clear():
     with pytest.raises(ValueError, match="context must have shape"):
         mha(torch.randn(1, 3, 8), torch.randn(2, 3, 8))
     with pytest.raises(ValueError, match=r"\(B, N_kv\)"):
-        mha(torch.randn(1, 3, 8), key_padding_mask=torch.ones(1, 4, dtype=torch.bool))
+        mha(torch.randn(1, 3, 8), key_mask=torch.ones(1, 4, dtype=torch.bool))
     lm = attnzoo.nn.CausalLM(vocab_size=10, dim=8, depth=1, heads=2)
     with pytest.raises(ValueError, match="vocab_size=10"):
         lm(torch.tensor([[1, 10]]))
@@ -230,3 +230,23 @@ def test_head_groups_must_cover_whole_kv_groups():
         attnzoo.nn.MultiHeadAttention(32, 4, [("softmax", {}, 1), ("local", {}, 3)], kv_heads=2)
     with pytest.raises(ValueError, match="kv_heads .3. must divide heads .4."):
         attnzoo.nn.MultiHeadAttention(32, 4, kv_heads=3)
+
+
+def test_a_torch_style_key_padding_mask_gets_the_rename_error_everywhere():
+    # torch.nn.MultiheadAttention's key_padding_mask is True at padding; attnzoo's key_mask is True
+    # at real tokens: the old name must fail loudly, saying so, not silently invert.
+    x, q = torch.randn(2, 6, 16), torch.randn(2, 2, 6, 8)
+    torch_style = torch.zeros(2, 6, dtype=torch.bool)
+    torch_style[1, 4:] = True  # padding, torch's way
+    calls = [
+        lambda: attnzoo.build("softmax")(q, q, q, key_padding_mask=torch_style),
+        lambda: attnzoo.build("local").reference(q, q, q, key_padding_mask=torch_style),
+        lambda: attnzoo.build("fnet", dim=16)(x, key_padding_mask=torch_style),
+        lambda: attnzoo.attend(q, q, q, key_padding_mask=torch_style),
+        lambda: attnzoo.nn.MultiHeadAttention(16, 2)(x, key_padding_mask=torch_style),
+        lambda: attnzoo.nn.TransformerEncoder(16, depth=1, heads=2)(x, key_padding_mask=torch_style),
+        lambda: attnzoo.nn.CausalLM(10, 16, 1, 2)(torch.zeros(2, 6, dtype=torch.long), key_padding_mask=torch_style),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"renamed key_mask.*True where a token is real.*~key_padding_mask"):
+            call()

@@ -77,7 +77,7 @@ def test_shaw_relative_matches_double_loop(causal):
     q, k, v = make_qkv(2, 3, 9, 9)
     pe = RelativePositionalEncoding(8, max_distance=3).double()
     softmax = attnzoo.build("softmax")
-    out, weights = softmax.forward_with_weights(q, k, v, causal=causal, score_mod=pe.score_mod(q, 9))
+    out, weights = softmax.reference(q, k, v, causal=causal, score_mod=pe.score_mod(q, 9), return_weights=True)
     out = out + pe.value_term(weights)
     expected = shaw_relative_oracle(q, k, v, pe.rel_k, pe.rel_v, 3, causal=causal)
     assert_same(out, expected)

@@ -25,7 +25,7 @@ def test_reference_equals_oracle(shape, causal, padded, normalizer):
     b, h, n_q, n_kv = shape
     q, k, v = make_qkv(b, h, n_q, n_kv, d=8, d_v=5)
     mask = padding_mask(b, n_kv) if padded else None
-    kwargs = dict(causal=causal, key_padding_mask=mask, normalizer=normalizer)
+    kwargs = dict(causal=causal, key_mask=mask, normalizer=normalizer)
     out = reference_attention(q, k, v, **kwargs)
     expected = attention_oracle(q, k, v, **kwargs)
     assert_same(out, expected, what="forward")
@@ -37,8 +37,8 @@ def test_reference_equals_oracle_n257_causal_padded():
     q, k, v = make_qkv(1, 1, 257, 257, d=4)
     mask = torch.ones(1, 257, dtype=torch.bool)
     mask[0, 200:] = False
-    out = reference_attention(q, k, v, causal=True, key_padding_mask=mask)
-    expected = attention_oracle(q, k, v, causal=True, key_padding_mask=mask)
+    out = reference_attention(q, k, v, causal=True, key_mask=mask)
+    expected = attention_oracle(q, k, v, causal=True, key_mask=mask)
     assert_same(out, expected, what="forward N=257")
     for got, want, name in zip(grads(out, (q, k, v)), grads(expected, (q, k, v)), "qkv"):
         assert_same(got, want, what=f"d{name} N=257")
@@ -66,7 +66,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradient():
     mask = padding_mask(2, 5)  # batch 0: every key is padding
     assert not mask[0].any()
     for normalizer in ("softmax", "relu"):
-        out = reference_attention(q, k, v, key_padding_mask=mask, normalizer=normalizer)
+        out = reference_attention(q, k, v, key_mask=mask, normalizer=normalizer)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         dq, dk, dv = grads(out, (q, k, v))
         assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
@@ -79,7 +79,7 @@ def test_gradcheck_float64():
     mask = torch.tensor([[True, True, False, True, True], [True, True, True, True, True]])
     for normalizer in ("softmax", "relu"):
         fn = lambda q, k, v, normalizer=normalizer: reference_attention(  # noqa: E731
-            q, k, v, causal=True, key_padding_mask=mask, normalizer=normalizer
+            q, k, v, causal=True, key_mask=mask, normalizer=normalizer
         )
         assert torch.autograd.gradcheck(fn, (q, k, v))
 
@@ -91,7 +91,7 @@ def test_low_precision_is_float32_accumulated(dtype, causal):
     # err by at most a small factor over the unavoidable error: rounding the golden output to X.
     q, k, v = (t.detach().to(dtype) for t in make_qkv(2, 3, 63, 63, d=16))
     mask = padding_mask(2, 63)
-    out = reference_attention(q, k, v, causal=causal, key_padding_mask=mask)
-    golden = attention_oracle(q, k, v, causal=causal, key_padding_mask=mask).detach()
+    out = reference_attention(q, k, v, causal=causal, key_mask=mask)
+    golden = attention_oracle(q, k, v, causal=causal, key_mask=mask).detach()
     assert out.dtype == dtype
     assert_close_to_golden(out, golden.to(dtype), golden, what=f"reference in {dtype}")

@@ -20,7 +20,7 @@ def test_softmax_is_registered_with_capabilities():
     spec = attnzoo.describe("softmax")
     assert spec.family == "exact" and "1706.03762" in spec.paper
     caps = spec.capabilities
-    assert caps.causal and caps.key_padding and caps.decode_step and caps.cross_attention
+    assert caps.causal and caps.key_mask and caps.decode_step and caps.cross_attention
     assert "softmax" in attnzoo.names(causal=True, decode_step=True)
     assert "softmax" in attnzoo.names(family="exact", kind="attention")
 
@@ -72,7 +72,7 @@ def test_register_demands_a_frozen_keyword_only_config():
             family="x",
             summary="x",
             paper="x",
-            capabilities=Capabilities(causal=False, key_padding=False),
+            capabilities=Capabilities(causal=False, key_mask=False),
             complexity=Complexity(time="O(1)", memory="O(1)"),
         )
 
@@ -87,7 +87,7 @@ def test_register_demands_a_frozen_keyword_only_config():
             family="x",
             summary="x",
             paper="x",
-            capabilities=Capabilities(causal=False, key_padding=False),
+            capabilities=Capabilities(causal=False, key_mask=False),
             complexity=Complexity(time="O(1)", memory="O(1)"),
         )
 
@@ -115,7 +115,7 @@ def test_refusals_name_mechanisms_that_can(monkeypatch):
         family="test",
         summary="t",
         paper="t",
-        capabilities=Capabilities(causal=False, key_padding=False),
+        capabilities=Capabilities(causal=False, key_mask=False),
         complexity=Complexity(time="O(1)", memory="O(1)"),
     )(NoCausal)
     q = torch.randn(1, 1, 3, 4)
@@ -123,8 +123,8 @@ def test_refusals_name_mechanisms_that_can(monkeypatch):
     assert torch.equal(module(q, q, q), q)
     with pytest.raises(ValueError, match="does not support causal=True; mechanisms that do: .*softmax"):
         module(q, q, q, causal=True)
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        module(q, q, q, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_mask"):
+        module(q, q, q, key_mask=torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="self-attention only"):
         module(q, q[:, :, :2], q[:, :, :2])
     with pytest.raises(ValueError, match="decode step"):

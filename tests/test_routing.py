@@ -41,8 +41,8 @@ def test_fast_path_equals_reference_float64(causal, padded, window):
     attn = routing(window=window)
     q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
     mask = padding_mask(B, N) if padded else None
-    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference(attn, q, k, v, causal=causal, key_padding_mask=mask)
+    fast = attn(q, k, v, causal=causal, key_mask=mask)
+    ref = reference(attn, q, k, v, causal=causal, key_mask=mask)
     assert_same(fast, ref, what="forward")
     fast_grads = grads(fast, (q, k, v))
     for got, want, name in zip(fast_grads, grads(ref, (q, k, v)), "qkv"):
@@ -61,11 +61,11 @@ def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
     q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
     mask = padding_mask(B, N)
     attn = routing(n_clusters=2, window=9)
-    wide = attn(q, k, v, causal=causal, key_padding_mask=mask)
+    wide = attn(q, k, v, causal=causal, key_mask=mask)
     monkeypatch.setattr(module, "TILE", 3)
     monkeypatch.setattr(module, "PAIRS", 1)
-    narrow = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference(attn, q, k, v, causal=causal, key_padding_mask=mask)
+    narrow = attn(q, k, v, causal=causal, key_mask=mask)
+    ref = reference(attn, q, k, v, causal=causal, key_mask=mask)
     assert_same(narrow, ref)
     assert_same(wide, ref)
     for got, want in zip(grads(narrow, (q, k, v)), grads(ref, (q, k, v))):
@@ -94,9 +94,9 @@ def test_low_precision_within_golden_policy(dtype, causal):
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in make_qkv(B, H, N, N, d=D, d_v=DV))
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     mask = padding_mask(B, N)
-    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference(attn, q, k, v, causal=causal, key_padding_mask=mask)
-    golden = reference(attn, q64, k64, v64, causal=causal, key_padding_mask=mask)
+    fast = attn(q, k, v, causal=causal, key_mask=mask)
+    ref = reference(attn, q, k, v, causal=causal, key_mask=mask)
+    golden = reference(attn, q64, k64, v64, causal=causal, key_mask=mask)
     assert fast.dtype == dtype
     assert_close_to_golden(fast, ref, golden, what="forward")
     triples = zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), grads(golden, (q64, k64, v64)))
@@ -109,8 +109,8 @@ def test_low_precision_within_golden_policy(dtype, causal):
 def test_one_cluster_equals_full_softmax(causal, padded):
     q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
     mask = padding_mask(B, N, empty_row=False) if padded else None
-    out = attnzoo.build("routing", n_clusters=1)(q, k, v, causal=causal, key_padding_mask=mask)
-    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_padding_mask=mask)
+    out = attnzoo.build("routing", n_clusters=1)(q, k, v, causal=causal, key_mask=mask)
+    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_mask=mask)
     real = slice(None) if mask is None else mask[:, None, :].expand(-1, H, -1)
     assert_same(out[real], full[real])
 
@@ -151,8 +151,8 @@ def test_padded_content_changes_neither_real_outputs_nor_centroids(causal):
     pad = ~mask[:, None, :, None]
     noisy = tuple(torch.where(pad, torch.randn_like(x) * 5, x) for x in (q, k, v))
     a, b = routing(window=5).train(), routing(window=5).train()
-    out_a = a(q, k, v, causal=causal, key_padding_mask=mask)
-    out_b = b(*noisy, causal=causal, key_padding_mask=mask)
+    out_a = a(q, k, v, causal=causal, key_mask=mask)
+    out_b = b(*noisy, causal=causal, key_mask=mask)
     assert_same(out_a, out_b)
     assert_same(a.centroids, b.centroids)
 
@@ -192,19 +192,19 @@ def test_share_qk_fast_path_equals_reference_and_ignores_k(causal, padded):
     attn = routing(window=5, share_qk=True)
     q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
     mask = padding_mask(B, N) if padded else None
-    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference(attn, q, k, v, causal=causal, key_padding_mask=mask)
+    fast = attn(q, k, v, causal=causal, key_mask=mask)
+    ref = reference(attn, q, k, v, causal=causal, key_mask=mask)
     assert_same(fast, ref, what="forward")
     for got, want, name in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
         assert_same(got, want, what=f"d{name}")
     assert torch.count_nonzero(grads(fast, (k,))[0]) == 0  # keys are the queries: k is not used
-    assert_same(attn(q, torch.randn_like(k), v, causal=causal, key_padding_mask=mask), fast)
+    assert_same(attn(q, torch.randn_like(k), v, causal=causal, key_mask=mask), fast)
     # Independent of share_qk's code path: the plain mechanism fed the unit queries as both q
     # and k, with scale D, is the same function.
     unit = F.normalize(q.detach(), dim=-1)
     plain = routing(window=5, scale=float(D))
     set_centroids(plain, attn.centroids)
-    assert_same(plain(unit, unit, v, causal=causal, key_padding_mask=mask), fast)
+    assert_same(plain(unit, unit, v, causal=causal, key_mask=mask), fast)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -260,7 +260,7 @@ def test_declares_capabilities_and_refuses_cross_attention():
     spec = attnzoo.describe("routing")
     caps = spec.capabilities
     assert spec.family == "content" and "2003.05997" in spec.paper and spec.complexity.subquadratic_memory
-    assert caps.causal and caps.key_padding and caps.decode_step and not (caps.cross_attention or caps.score_mod)
+    assert caps.causal and caps.key_mask and caps.decode_step and not (caps.cross_attention or caps.score_mod)
     with pytest.raises(ValueError, match="self-attention only"):
         routing()(*make_qkv(1, 1, 5, 7))
 
@@ -295,7 +295,7 @@ def steps(attn, q, k, v, sizes, mask=None, state=None):
     for size in sizes:
         new = slice(lo, lo + size)
         kpm = None if mask is None else mask[:, new]
-        out, state = attn.step(state, q[:, :, new], k[:, :, new], v[:, :, new], key_padding_mask=kpm)
+        out, state = attn.step(state, q[:, :, new], k[:, :, new], v[:, :, new], key_mask=kpm)
         outs.append(out)
         states.append(state)
         lo += size
@@ -312,7 +312,7 @@ def test_step_state_holds_each_clusters_last_w_keys_whatever_the_length():
     mask[0, :30] = False
     sizes = [40, 1, 37, 1, 1, *[1] * 60, 60]
     got, states = steps(attn, q, k, v, sizes, mask)
-    assert_same(got, attn(q, k, v, causal=True, key_padding_mask=mask))
+    assert_same(got, attn(q, k, v, causal=True, key_mask=mask))
     held = [sum(x.numel() for x in s.windows.buffers) for s in states]
     assert max(held) <= 2 * H * (3 * 2 * 5 + 1) * (D + DV), held
     assert held[-1] == held[len(sizes) // 2]  # no growth once every window has filled

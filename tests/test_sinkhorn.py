@@ -46,7 +46,7 @@ def test_fast_equals_reference_float64_forward_and_gradients(causal, padded, sor
     module, mask = _build(sortcut=sortcut), _mask(padded)
     q, k, v = make_qkv(B, H, N, N, D, d_v=5)
     inputs = (q, k, v, module.sort_weight)
-    fast = module(q, k, v, causal=causal, key_padding_mask=mask)
+    fast = module(q, k, v, causal=causal, key_mask=mask)
     ref = _reference(module, q, k, v, causal, mask)
     assert_same(fast, ref)
     if padded:
@@ -63,7 +63,7 @@ def test_fp32_within_policy_of_float64_golden(causal):
     g_in = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
     golden = _reference(module, *g_in, causal, mask)
     reference = _reference(module, q, k, v, causal, mask)
-    actual = module(q, k, v, causal=causal, key_padding_mask=mask)
+    actual = module(q, k, v, causal=causal, key_mask=mask)
     assert actual.dtype == torch.float32
     assert_close_to_golden(actual, reference, golden.detach())
     for a, r, g, name in zip(grads(actual, (q, k, v)), grads(reference, (q, k, v)), grads(golden, g_in), "qkv"):
@@ -86,7 +86,7 @@ def test_identity_permutation_is_block_local(causal, padded):
     mask = _mask(padded)
     q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
     identity = torch.eye(NB, dtype=q.dtype).expand(B, H, NB, NB)
-    local = attnzoo.build("block_local", size=BLOCK, backend="reference")(q, k, v, causal=causal, key_padding_mask=mask)
+    local = attnzoo.build("block_local", size=BLOCK, backend="reference")(q, k, v, causal=causal, key_mask=mask)
     cfg, args = SinkhornConfig(block=BLOCK, head_dim=D), AttendArgs(causal, mask, None)
     for fn in (sinkhorn_attention, reference_sinkhorn):
         assert_same(fn(q, k, v, identity, cfg, args), local)
@@ -176,9 +176,9 @@ def test_sortcut_refuses_causal_and_clips_to_the_blocks():
 def test_implied_attention_reproduces_the_output(causal, sortcut):
     mask, module = _mask(True), _build(sortcut=sortcut)
     q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
-    weights = module.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+    weights = module.implied_attention(q, k, causal=causal, key_mask=mask)
     assert weights.shape == (B, H, N, N)
-    assert_same(weights @ v, module(q, k, v, causal=causal, key_padding_mask=mask))
+    assert_same(weights @ v, module(q, k, v, causal=causal, key_mask=mask))
     assert not weights[:, :, :, ~mask[1]][1].any()  # padded keys get no weight
     if causal:
         assert torch.equal(weights, weights.tril())
@@ -195,9 +195,9 @@ def test_decode_steps_across_blocks_sort_each_block_once(monkeypatch):
     monkeypatch.setattr(sinkhorn_decode, "sort_block", lambda *a: sorts.append(a[2]) or real_sort(*a))
     state, outs = module.init_state(B, H, D, D, dtype=q.dtype), []
     for lo, hi in ((0, 3), (3, 20), (20, 21), (21, 24), *((t, t + 1) for t in range(24, N))):
-        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_padding_mask=mask[:, lo:hi])
+        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_mask=mask[:, lo:hi])
         outs.append(out)
-    assert_same(torch.cat(outs, 2), module(q, k, v, causal=True, key_padding_mask=mask))
+    assert_same(torch.cat(outs, 2), module(q, k, v, causal=True, key_mask=mask))
     assert sorts == list(range(NB))
     with pytest.raises(ValueError, match=r"step\(\) in training mode"):
         module.train().step(state, q[:, :, :1], k[:, :, :1], v[:, :, :1])
@@ -237,5 +237,5 @@ def test_length_and_head_dim_limits():
     with pytest.raises(ValueError, match="head_dim=64 .* D=8"):
         attnzoo.build("sinkhorn")(q, k, v)
     spec = attnzoo.describe("sinkhorn")
-    assert spec.family == "content" and spec.capabilities.causal and spec.capabilities.key_padding
+    assert spec.family == "content" and spec.capabilities.causal and spec.capabilities.key_mask
     assert spec.complexity.subquadratic_memory and not spec.capabilities.cross_attention

@@ -23,8 +23,8 @@ def test_fast_path_equals_reference_fp32(shape, causal, padded):
     assert attn.uses_fast_path()
     q, k, v = make_qkv(b, h, n_q, n_kv, d=16, d_v=8, dtype=torch.float32)
     mask = padding_mask(b, n_kv) if padded else None
-    fast = attn(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_attention(q, k, v, causal=causal, key_padding_mask=mask)
+    fast = attn(q, k, v, causal=causal, key_mask=mask)
+    ref = reference_attention(q, k, v, causal=causal, key_mask=mask)
     assert_same(fast, ref, what="forward")
     for got, want, name in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
         assert_same(got, want, what=f"d{name}")
@@ -34,9 +34,9 @@ def test_fast_path_equals_reference_fp32(shape, causal, padded):
 def test_fast_path_bf16_within_policy(causal):
     q, k, v = (t.detach().bfloat16() for t in make_qkv(2, 3, 100, 100, d=32))
     mask = padding_mask(2, 100)
-    fast = attnzoo.build("softmax")(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = reference_attention(q, k, v, causal=causal, key_padding_mask=mask)
-    golden = reference_attention(*(t.double() for t in (q, k, v)), causal=causal, key_padding_mask=mask)
+    fast = attnzoo.build("softmax")(q, k, v, causal=causal, key_mask=mask)
+    ref = reference_attention(q, k, v, causal=causal, key_mask=mask)
+    golden = reference_attention(*(t.double() for t in (q, k, v)), causal=causal, key_mask=mask)
     assert fast.dtype == torch.bfloat16
     assert_close_to_golden(fast, ref, golden, what="SDPA bf16")
 
@@ -44,7 +44,7 @@ def test_fast_path_bf16_within_policy(causal):
 def test_fast_path_fully_masked_rows_zero_without_nan():
     q, k, v = make_qkv(2, 2, 6, 6, dtype=torch.float32)
     mask = padding_mask(2, 6)
-    out = attnzoo.build("softmax")(q, k, v, key_padding_mask=mask, causal=True)
+    out = attnzoo.build("softmax")(q, k, v, key_mask=mask, causal=True)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     dq, dk, dv = grads(out, (q, k, v))
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
@@ -98,9 +98,9 @@ BAD_INPUTS = [
     ),
     ("head dim", lambda q, k, v, m: ((q, k[..., :3], v), {}), ValueError, "head dimension"),
     ("k/v length", lambda q, k, v, m: ((q, k, v[:, :, :2]), {}), ValueError, "same length"),
-    ("mask shape", lambda q, k, v, m: ((q, k, v), {"key_padding_mask": m[:, :3]}), ValueError, "(B, N_kv)"),
-    ("mask dtype", lambda q, k, v, m: ((q, k, v), {"key_padding_mask": m.float()}), TypeError, "torch.bool"),
-    ("mask 4-D", lambda q, k, v, m: ((q, k, v), {"key_padding_mask": m[:, None, None]}), ValueError, "(B, N_kv)"),
+    ("mask shape", lambda q, k, v, m: ((q, k, v), {"key_mask": m[:, :3]}), ValueError, "(B, N_kv)"),
+    ("mask dtype", lambda q, k, v, m: ((q, k, v), {"key_mask": m.float()}), TypeError, "torch.bool"),
+    ("mask 4-D", lambda q, k, v, m: ((q, k, v), {"key_mask": m[:, None, None]}), ValueError, "(B, N_kv)"),
     ("causal Nq>Nkv", lambda q, k, v, m: ((q, k[:, :, :3], v[:, :, :3]), {"causal": True}), ValueError, "N_q <= N_kv"),
     ("causal not bool", lambda q, k, v, m: ((q, k, v), {"causal": "yes"}), TypeError, "causal must be a bool"),
 ]

@@ -39,9 +39,9 @@ def test_blocked_equals_reference_forward_and_gradients(name, causal):
     fast, ref = _build(name, "blocked"), _build(name, "reference")
     q, k, v = _inputs(torch.float32)
     golden_in = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
-    golden = ref(*golden_in, causal=causal, key_padding_mask=mask)
-    reference = ref(q, k, v, causal=causal, key_padding_mask=mask)
-    actual = fast(q, k, v, causal=causal, key_padding_mask=mask)
+    golden = ref(*golden_in, causal=causal, key_mask=mask)
+    reference = ref(q, k, v, causal=causal, key_mask=mask)
+    actual = fast(q, k, v, causal=causal, key_mask=mask)
     assert attnzoo.last_choice().backend == "blocked"
     assert torch.equal(actual[0], torch.zeros_like(actual[0]))
     assert_close_to_golden(actual, reference, golden.detach(), what=f"{name} forward")
@@ -60,9 +60,9 @@ def test_blocked_equals_reference_forward_and_gradients(name, causal):
 def test_blocked_bf16_forward(name):
     mask = padding_mask(B, N)
     q, k, v = (t.detach().bfloat16() for t in _inputs(torch.float32))
-    golden = _build(name, "reference")(*(t.double() for t in (q, k, v)), causal=True, key_padding_mask=mask)
-    reference = _build(name, "reference")(q, k, v, causal=True, key_padding_mask=mask)
-    actual = _build(name, "blocked")(q, k, v, causal=True, key_padding_mask=mask)
+    golden = _build(name, "reference")(*(t.double() for t in (q, k, v)), causal=True, key_mask=mask)
+    reference = _build(name, "reference")(q, k, v, causal=True, key_mask=mask)
+    actual = _build(name, "blocked")(q, k, v, causal=True, key_mask=mask)
     assert actual.dtype == torch.bfloat16
     assert_close_to_golden(actual, reference, golden, what=f"{name} bf16")
 
@@ -75,9 +75,9 @@ def _flex_case(name):
     mask[1, 60:] = False
     q, k, v = _inputs(torch.float32, requires_grad=False)
     for causal in (False, True):
-        want = _build(name, "reference")(q, k, v, causal=causal, key_padding_mask=mask)
-        got = _build(name, "flex")(q, k, v, causal=causal, key_padding_mask=mask)
-        golden = _build(name, "reference")(q.double(), k.double(), v.double(), causal=causal, key_padding_mask=mask)
+        want = _build(name, "reference")(q, k, v, causal=causal, key_mask=mask)
+        got = _build(name, "flex")(q, k, v, causal=causal, key_mask=mask)
+        golden = _build(name, "reference")(q.double(), k.double(), v.double(), causal=causal, key_mask=mask)
         assert_close_to_golden(got, want, golden, what=f"{name} flex causal={causal}")
 
 
@@ -120,7 +120,7 @@ def test_global_tokens_prepend_and_strip_for_etc():
     mask[1, 15:] = False
     xg, mask_g = tokens(x, mask)
     assert xg.shape == (2, 22, 32) and mask_g[:, :2].all() and torch.equal(mask_g[:, 2:], mask)
-    y = tokens.strip(layer(xg, key_padding_mask=mask_g))
+    y = tokens.strip(layer(xg, key_mask=mask_g))
     assert y.shape == x.shape
 
 
@@ -174,13 +174,9 @@ def test_triangular_tiles_run_unmasked_and_stay_exact(causal, dtype):
     kinds = {p.kind for p in plan_for(Call(q, k, v, call_pattern, None, None, 0.25, 16)).pieces}
     assert kinds == {"full", "tril", "triu", "mask"}
     golden_in = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
-    golden = attnzoo.attend(
-        *golden_in, pattern=pattern, causal=causal, key_padding_mask=mask, backend="reference", block=16
-    )
-    reference = attnzoo.attend(
-        q, k, v, pattern=pattern, causal=causal, key_padding_mask=mask, backend="reference", block=16
-    )
-    actual = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=mask, backend="blocked", block=16)
+    golden = attnzoo.attend(*golden_in, pattern=pattern, causal=causal, key_mask=mask, backend="reference", block=16)
+    reference = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, backend="reference", block=16)
+    actual = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, backend="blocked", block=16)
     assert_close_to_golden(actual, reference, golden.detach(), what="triangles forward")
     if dtype == torch.float32:
         for a, r, g, w in zip(grads(actual, (q, k, v)), grads(reference, (q, k, v)), grads(golden, golden_in), "qkv"):

@@ -60,14 +60,14 @@ def test_structured_forward_equals_the_double_loop_oracle(name, causal):
     n = 75  # not a multiple of any window block, the stride or the block size
     q, k, v = _inputs(n)
     padding = _padding(n)
-    out = attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=padding, backend="blocked")
+    out = attend(q, k, v, pattern=pattern, causal=causal, key_mask=padding, backend="blocked")
     assert last_choice().path == "structured"
     mask = oracle(n)
     mask = mask if mask.ndim == 3 else mask[None]
     if causal:
         mask = mask & O.causal_oracle(n, n)
     bias = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))[None]
-    want = O.attention_oracle(q.detach(), k.detach(), v.detach(), key_padding_mask=padding, score_bias=bias)
+    want = O.attention_oracle(q.detach(), k.detach(), v.detach(), key_mask=padding, score_bias=bias)
     # The oracle's -inf bias makes a row that sees no key 0/0; such rows must be zeros.
     sees_a_key = (mask[None] & padding[:, None, None, :]).any(-1, keepdim=True)
     want = torch.where(sees_a_key, want, 0.0)
@@ -85,7 +85,7 @@ def test_structured_gradients_equal_the_dense_reference(name, n):
         grad = torch.randn(2, 4, n, 8, dtype=torch.float64)
         outs = []
         for backend in ("blocked", "reference"):
-            out = attend(q, k, v, pattern=pattern, causal=causal, key_padding_mask=padding, backend=backend)
+            out = attend(q, k, v, pattern=pattern, causal=causal, key_mask=padding, backend=backend)
             outs.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
         for fast, ref in zip(*outs):
             torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
@@ -97,14 +97,14 @@ def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16
         padding = torch.ones(2, 100, dtype=torch.bool)
         padding[1] = False
         for pattern in (P.local(8), P.strided(4)):
-            out = attend(q, k, v, pattern=pattern, key_padding_mask=padding, backend="blocked")
+            out = attend(q, k, v, pattern=pattern, key_mask=padding, backend="blocked")
             assert last_choice().path == "structured"
             out.sum().backward()
             assert out[1].abs().max() == 0 and k.grad[1].abs().max() == 0 and q.grad[1].abs().max() == 0
             want = attend(
                 *(x.detach().double() for x in (q, k, v)),
                 pattern=pattern,
-                key_padding_mask=padding,
+                key_mask=padding,
                 backend="reference",
             )
             tol = 1e-5 if dtype == torch.float32 else 3e-2

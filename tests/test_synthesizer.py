@@ -120,11 +120,11 @@ def test_matches_the_plain_reference(variant, mix_with):
     q, k, v = _qkv()
     mask = padding_mask(3, N)
     for causal in (False, True):
-        out = module(q, k, v, causal=causal, key_padding_mask=mask)
+        out = module(q, k, v, causal=causal, key_mask=mask)
         qz, kz, vz = module.zero_padded(mask, q, k, v)  # self-attention only: padding reaches it as zeros
-        ref = reference_synthesizer(module.scores(qz, kz), vz, causal=causal, key_padding_mask=mask)
+        ref = reference_synthesizer(module.scores(qz, kz), vz, causal=causal, key_mask=mask)
         assert_same(out, ref)
-        weights = module.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+        weights = module.implied_attention(q, k, causal=causal, key_mask=mask)
         assert_same(weights @ v, out)
 
 
@@ -150,12 +150,12 @@ def test_padding_is_never_attended_and_empty_rows_are_zero(variant, mix_with):
     for t in (q2, k2, v2):
         t[1, :, 7:] = torch.randn_like(t[1, :, 7:]) * 5
     for causal in (False, True):
-        out = module(q, k, v, causal=causal, key_padding_mask=mask)
+        out = module(q, k, v, causal=causal, key_mask=mask)
         assert torch.isfinite(out).all()
         assert torch.equal(out[0], torch.zeros_like(out[0]))
-        weights = module.implied_attention(q, k, causal=causal, key_padding_mask=mask)
+        weights = module.implied_attention(q, k, causal=causal, key_mask=mask)
         assert bool((weights[1, :, :, 7:] == 0).all()) and bool((weights[0] == 0).all())
-        changed = module(q2, k2, v2, causal=causal, key_padding_mask=mask)
+        changed = module(q2, k2, v2, causal=causal, key_mask=mask)
         assert_same(changed[1, :, :7], out[1, :, :7])
 
 
@@ -164,7 +164,7 @@ def test_gradients_reach_every_parameter_and_v(variant, mix_with):
     module = _build(variant, mix_with)
     q, k, v = (t.requires_grad_() for t in _qkv())
     mask = padding_mask(3, N)
-    module(q, k, v, causal=True, key_padding_mask=mask).square().sum().backward()
+    module(q, k, v, causal=True, key_mask=mask).square().sum().backward()
     params = dict(module.named_parameters())
     assert params
     for name, p in params.items():
@@ -188,9 +188,9 @@ def test_decode_steps_equal_the_causal_forward_up_to_max_len(variant, mix_with):
     state = module.init_state(2, H, D, D, dtype=torch.float64, capacity=4 * MAX)
     outs = []
     for lo, hi in ((0, 5), (5, 6), (6, 11), (11, MAX)):
-        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_padding_mask=mask[:, lo:hi])
+        out, state = module.step(state, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], key_mask=mask[:, lo:hi])
         outs.append(out)
-    assert_same(torch.cat(outs, 2), module(q, k, v, causal=True, key_padding_mask=mask))
+    assert_same(torch.cat(outs, 2), module(q, k, v, causal=True, key_mask=mask))
     assert state.k.shape[-1] == (D if variant == "mix" else 0)  # only mix reads a key
     with pytest.raises(ValueError, match="position 16, past max_len=16"):
         module.step(state, q[:, :, :1], k[:, :, :1], v[:, :, :1])
@@ -249,7 +249,7 @@ def test_build_with_defaults_and_describe():
     spec = attnzoo.describe("synthesizer")
     assert spec.family == "synthesizer" and "2005.00743" in spec.paper
     caps = spec.capabilities
-    assert caps.causal and caps.key_padding and not caps.cross_attention and not caps.score_mod
+    assert caps.causal and caps.key_mask and not caps.cross_attention and not caps.score_mod
     assert not spec.complexity.subquadratic_memory
     q = torch.randn(1, 8, 20, 64)
     assert module(q, q, q, causal=True).shape == (1, 8, 20, 64)
@@ -264,7 +264,7 @@ def test_inside_multi_head_attention(variant):
     x = torch.randn(2, 12, 64, requires_grad=True)
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[0, 9:] = False
-    out = layer(x, causal=True, key_padding_mask=mask)
+    out = layer(x, causal=True, key_mask=mask)
     assert out.shape == (2, 12, 64) and torch.isfinite(out).all()
     out.sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in mechanism.parameters())

@@ -39,8 +39,8 @@ def test_topk_fast_equals_reference_in_chunks_that_do_not_divide_n(n_q, causal, 
     mask = _mask(padded)
     module = attnzoo.build("topk", topk=5, chunk=10)  # 10 does not divide 37 or 23
     q, k, v = make_qkv(B, H, n_q, N, D, d_v=5)
-    fast = module(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = module.reference(q, k, v, causal=causal, key_padding_mask=mask)
+    fast = module(q, k, v, causal=causal, key_mask=mask)
+    ref = module.reference(q, k, v, causal=causal, key_mask=mask)
     assert_same(fast, ref)
     fast_grads = grads(fast, (q, k, v))
     for a, r, name in zip(fast_grads, grads(ref, (q, k, v)), "qkv"):
@@ -55,8 +55,8 @@ def test_topk_fast_equals_reference_in_chunks_that_do_not_divide_n(n_q, causal, 
 def test_float32_is_as_accurate_as_the_reference(name, causal):
     mask = _mask()
     module = _build(name, topk=5, chunk=16) if name == "topk" else _build(name)
-    fast = lambda q, k, v: module(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
-    reference = lambda q, k, v: module.reference(q, k, v, causal=causal, key_padding_mask=mask)  # noqa: E731
+    fast = lambda q, k, v: module(q, k, v, causal=causal, key_mask=mask)  # noqa: E731
+    reference = lambda q, k, v: module.reference(q, k, v, causal=causal, key_mask=mask)  # noqa: E731
     assert_path_close_to_golden(fast, reference, make_qkv(B, H, N, N, D, dtype=torch.float32), what=name)
 
 
@@ -72,10 +72,10 @@ def test_topk_does_not_depend_on_the_chunk(chunk):
 def test_topk_with_k_at_least_n_is_full_attention(n_q, causal):
     mask = _mask()
     q, k, v = make_qkv(B, H, n_q, N, D)
-    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_padding_mask=mask)
+    full = attnzoo.build("softmax")(q, k, v, causal=causal, key_mask=mask)
     full_grads = grads(full, (q, k, v))
     for topk in (N, N + 10):
-        out = attnzoo.build("topk", topk=topk, chunk=9)(q, k, v, causal=causal, key_padding_mask=mask)
+        out = attnzoo.build("topk", topk=topk, chunk=9)(q, k, v, causal=causal, key_mask=mask)
         assert_same(out, full)
         for a, r, name in zip(grads(out, (q, k, v)), full_grads, "qkv"):
             assert_same(a, r, what=f"grad {name}")
@@ -96,7 +96,7 @@ def test_topk_ties_go_to_the_lower_key_index():
     q, _, v = make_qkv(1, 1, 9, 9, 4, requires_grad=False)
     k = torch.ones(1, 1, 9, 4, dtype=torch.float64)
     mask = torch.tensor([[False, True] + [True] * 7])
-    out = attnzoo.build("topk", topk=3, chunk=4)(q, k, v, key_padding_mask=mask)
+    out = attnzoo.build("topk", topk=3, chunk=4)(q, k, v, key_mask=mask)
     assert_same(out, v[:, :, 1:4].mean(2, keepdim=True).expand_as(out))
     keep = topk_mask(torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0]]), None, 2)
     assert keep.tolist() == [[False, True, True, False, False]]
@@ -108,7 +108,7 @@ def test_topk_never_allocates_more_than_one_chunk_of_scores():
     q, k, v = torch.empty(3, 1, heads, n, 64, device="meta").unbind(0)
     mask = torch.ones(1, n, dtype=torch.bool, device="meta")
     with torch.no_grad(), Largest() as largest:
-        attnzoo.build("topk")(q, k, v, causal=True, key_padding_mask=mask)
+        attnzoo.build("topk")(q, k, v, causal=True, key_mask=mask)
     assert largest.numel == heads * 256 * n  # one chunk of scores: H x chunk x N, never N x N
 
 
@@ -123,8 +123,8 @@ def test_sac_fast_equals_reference_with_a_predictor_that_is_not_the_identity(cau
         module.predictor.add_(0.5 * torch.randn(D, D, dtype=torch.float64))
     q, k, v = make_qkv(B, H, N, N, D, d_v=5)
     inputs = (q, k, v, module.predictor)
-    fast = module(q, k, v, causal=causal, key_padding_mask=mask)
-    ref = module.reference(q, k, v, causal=causal, key_padding_mask=mask)
+    fast = module(q, k, v, causal=causal, key_mask=mask)
+    ref = module.reference(q, k, v, causal=causal, key_mask=mask)
     assert_same(fast, ref)
     for a, r, name in zip(grads(fast, inputs), grads(ref, inputs), ("q", "k", "v", "predictor")):
         assert_same(a, r, what=f"grad {name}")
@@ -166,9 +166,9 @@ def test_sac_with_every_candidate_kept_is_full_attention(causal):
     mask = _mask()
     module = attnzoo.build("sac", topk=N, candidates=N, n_random=2, head_dim=D).double()
     q, k, v = make_qkv(B, H, N, N, D)
-    out = module(q, k, v, causal=causal, key_padding_mask=mask)
+    out = module(q, k, v, causal=causal, key_mask=mask)
     # sac zeroes padded queries (self-attention only); softmax, a cross-attention mechanism, does not.
-    full = attnzoo.build("softmax")(*module.zero_padded(mask, q, k, v), causal=causal, key_padding_mask=mask)
+    full = attnzoo.build("softmax")(*module.zero_padded(mask, q, k, v), causal=causal, key_mask=mask)
     assert_same(out, full)
     for a, r, name in zip(grads(out, (q, k, v)), grads(full, (q, k, v)), "qkv"):
         assert_same(a, r, what=f"grad {name}")

@@ -7,6 +7,10 @@ never has to decode a shape error from inside an einsum.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 from torch import Tensor, nn
 
@@ -96,21 +100,21 @@ def check_causal(causal: object, n_q: int, n_kv: int) -> bool:
     return causal
 
 
-def check_key_padding_mask(mask: object, batch: int, n_kv: int, device: torch.device) -> Tensor | None:
-    """``key_padding_mask`` is bool ``(B, N_kv)``, True = a real token (SDPA's convention)."""
+def check_key_mask(mask: object, batch: int, n_kv: int, device: torch.device) -> Tensor | None:
+    """``key_mask`` is bool ``(B, N_kv)``, True = a real token (SDPA's convention)."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
-        raise TypeError(f"key_padding_mask must be a bool tensor (B, N_kv) or None, got {type(mask).__name__}")
+        raise TypeError(f"key_mask must be a bool tensor (B, N_kv) or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise TypeError(
-            f"key_padding_mask must have dtype torch.bool (True = real token), got {mask.dtype}; "
+            f"key_mask must have dtype torch.bool (True = real token), got {mask.dtype}; "
             f"for a 0/1 mask use mask.bool(), for an additive -inf mask use mask == 0"
         )
     if tuple(mask.shape) != (batch, n_kv):
-        raise ValueError(f"key_padding_mask must have shape (B, N_kv) = {(batch, n_kv)}, got {tuple(mask.shape)}")
+        raise ValueError(f"key_mask must have shape (B, N_kv) = {(batch, n_kv)}, got {tuple(mask.shape)}")
     if mask.device != device:
-        raise ValueError(f"key_padding_mask is on {mask.device} but q, k, v are on {device}; move it with .to()")
+        raise ValueError(f"key_mask is on {mask.device} but q, k, v are on {device}; move it with .to()")
     return mask
 
 
@@ -123,3 +127,27 @@ def check_positive_int(value: object, name: str, *, allow_zero: bool = False) ->
     low = 0 if allow_zero else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+KEY_PADDING_MASK_RENAMED = (
+    "key_padding_mask was renamed key_mask, because torch.nn.MultiheadAttention's key_padding_mask means the "
+    "opposite: there True marks padding to ignore. attnzoo's key_mask is True where a token is real (attend "
+    "it), like SDPA's boolean attn_mask and Hugging Face's attention_mask. A torch-style mask becomes "
+    "key_mask=~key_padding_mask."
+)
+
+
+def renamed_key_mask(fn: F) -> F:
+    """Make ``fn`` refuse the old keyword ``key_padding_mask`` with a ``TypeError`` that explains
+    the rename and the polarity, instead of Python's bare "unexpected keyword argument" (a torch
+    user's mask, True = padding, must not slip in under a name that looks familiar)."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if "key_padding_mask" in kwargs:
+            raise TypeError(KEY_PADDING_MASK_RENAMED)
+        return fn(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]

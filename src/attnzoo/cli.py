@@ -20,7 +20,7 @@ from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import config_fields
 
-_FLAGS = ("causal", "key_padding", "decode_step", "cross_attention", "score_mod", "gqa")
+_FLAGS = ("causal", "key_mask", "decode_step", "cross_attention", "score_mod", "gqa")
 
 
 def cmd_list(console: Console, decode: bool = False) -> None:
@@ -80,10 +80,10 @@ def cmd_demo(console: Console) -> None:
     attn = attnzoo.build("softmax")
     for causal in (False, True):
         start = time.perf_counter()
-        fast = attn(q, k, v, causal=causal, key_padding_mask=pad)
+        fast = attn(q, k, v, causal=causal, key_mask=pad)
         t_fast = time.perf_counter() - start
         start = time.perf_counter()
-        ref = reference_attention(q, k, v, causal=causal, key_padding_mask=pad)
+        ref = reference_attention(q, k, v, causal=causal, key_mask=pad)
         t_ref = time.perf_counter() - start
         console.print(
             f"softmax causal={causal}: SDPA fast path vs dense reference, max |diff| = "

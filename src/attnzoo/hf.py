@@ -28,7 +28,7 @@ Notes:
       another mechanism on such a layer is refused (the model's window would be dropped).
     - The model's own softmax scale (``scaling``) is kept: it becomes the mechanism's ``scale``
       config where it has one (so ``scale`` may not be given to ``use``).
-    - Masks: a padding mask reaches the mechanism as ``key_padding_mask (B, N_kv)``, True = real
+    - Masks: a padding mask reaches the mechanism as ``key_mask (B, N_kv)``, True = real
       token; causality comes from the layer (``is_causal``). Any other mask (sliding windows,
       packed sequences, a custom 4-D mask) raises unless it is exactly key padding (+ causal).
     - Decoding (``model.generate``): a mechanism that attends over keys it has not seen as
@@ -303,7 +303,7 @@ def attention(
         _check_window(mech, window)
     # Grouped-query K/V (B, H_kv, N, D) go in as they are: a mechanism that attends them itself
     # (softmax: SDPA's enable_gqa) never repeats them; the others repeat them per call.
-    key_padding_mask, causal = key_padding(attention_mask, query.shape[2], key.shape[2], causal)
+    key_mask, causal = key_padding(attention_mask, query.shape[2], key.shape[2], causal)
     if not mech._attnzoo_takes_scale and abs(scaling * head_dim**0.5 - 1) > 1e-6:
         # Mechanisms without a scale key use 1/sqrt(D) (Linformer, Nystrom, compressed, and the
         # Performer's exp(q.k/sqrt(D)) estimate) or no temperature at all (linear, efficient).
@@ -318,9 +318,9 @@ def attention(
             "decoding with a cache (transformers' generate; use_cache=False recomputes instead)", "decode_step"
         )
     if causal and caps.decode_step and not caps.cross_attention:
-        out = _stepped(mech, query, key, value, key_padding_mask)
+        out = _stepped(mech, query, key, value, key_mask)
     else:
-        out = mech(query, key, value, causal=causal, key_padding_mask=key_padding_mask)  # (B, H, N_q, D_v)
+        out = mech(query, key, value, causal=causal, key_mask=key_mask)  # (B, H, N_q, D_v)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -336,7 +336,7 @@ def _check_window(mech: nn.Module, window: int) -> None:
         )
 
 
-def _stepped(mech: nn.Module, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+def _stepped(mech: nn.Module, query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None) -> Tensor:
     """A causal self-attention-only mechanism that decodes (``lsh``, ``routing``, ...) cannot
     attend new queries over transformers' cached keys with ``forward`` (it needs the past
     queries, or its own routing state), so in inference it keeps its own decode state on the
@@ -346,7 +346,7 @@ def _stepped(mech: nn.Module, query: Tensor, key: Tensor, value: Tensor, key_pad
     n_q, n_kv = query.shape[2], key.shape[2]
     if n_q == n_kv and torch.is_grad_enabled():
         mech._attnzoo_decode = None
-        return mech(query, key, value, causal=True, key_padding_mask=key_padding_mask)
+        return mech(query, key, value, causal=True, key_mask=key_mask)
     if n_q == n_kv:
         b, h, _, d = query.shape
         state = mech.init_state(b, h, d, value.shape[-1], kv_heads=key.shape[1], device=query.device, dtype=query.dtype)
@@ -360,8 +360,8 @@ def _stepped(mech: nn.Module, query: Tensor, key: Tensor, value: Tensor, key_pad
             )
         state = held[0]
     new = slice(n_kv - n_q, None)
-    mask = None if key_padding_mask is None else key_padding_mask[:, new]
-    out, state = mech.step(state, query, key[:, :, new], value[:, :, new], key_padding_mask=mask)
+    mask = None if key_mask is None else key_mask[:, new]
+    out, state = mech.step(state, query, key[:, :, new], value[:, :, new], key_mask=mask)
     mech._attnzoo_decode = (state, n_kv, query.shape[0])
     return out
 
@@ -409,7 +409,7 @@ def mask(
 
 
 def key_padding(attention_mask: Tensor | None, n_q: int, n_kv: int, causal: bool) -> tuple[Tensor | None, bool]:
-    """``(key_padding_mask, causal)`` equivalent to ``attention_mask``, or ValueError.
+    """``(key_mask, causal)`` equivalent to ``attention_mask``, or ValueError.
 
     Args:
         attention_mask: None; ``(B, N_kv)`` bool (True = real); or ``(B, 1 or H, N_q, N_kv)``
@@ -448,7 +448,7 @@ def key_padding(attention_mask: Tensor | None, n_q: int, n_kv: int, causal: bool
             return (None if bool(real.all()) else real), as_causal
     raise ValueError(
         "the model's attention mask is not a key-padding mask (e.g. a sliding window, packed sequences or a "
-        "custom 4-D mask); attnzoo.hf maps only key padding (+ causal) onto key_padding_mask"
+        "custom 4-D mask); attnzoo.hf maps only key padding (+ causal) onto key_mask"
     )
 
 

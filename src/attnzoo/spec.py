@@ -35,7 +35,7 @@ class Capabilities:
 
     Attributes:
         causal: honours ``causal=True`` in the strong sense (output i depends on inputs <= i).
-        key_padding: honours ``key_padding_mask``.
+        key_mask: honours ``key_mask`` (which keys are real: True = attend).
         decode_step: has ``init_state`` / ``step`` for O(state) autoregressive decoding.
         cross_attention: accepts ``N_q != N_kv`` (keys/values from another sequence).
         score_mod: accepts a ``score_mod`` (position biases such as ALiBi, Shaw relative).
@@ -53,7 +53,7 @@ class Capabilities:
     """
 
     causal: bool
-    key_padding: bool
+    key_mask: bool
     decode_step: bool = False
     cross_attention: bool = False
     score_mod: bool = False

@@ -55,7 +55,7 @@ class Context:
     scale: float
     mask_mod: MaskMod
     score_mod: ScoreMod | None
-    key_padding_mask: Tensor | None
+    key_mask: Tensor | None
     #: PyTorch's CPU flash kernel needs one head size for q, k and v.
     same_head_dims: bool = True
 
@@ -76,8 +76,8 @@ def _positions(piece: Piece, ctx: Context, qx: Tensor) -> tuple[Tensor, ...]:
 def _visible(piece: Piece, ctx: Context, qx: Tensor) -> Tensor:
     b, h, q_pos, kv_pos = _positions(piece, ctx, qx)
     ok = ctx.mask_mod(b, h, q_pos, kv_pos) & (kv_pos < ctx.plan.n_kv)
-    if ctx.key_padding_mask is not None:
-        ok = ok & ctx.key_padding_mask[b, kv_pos.clamp(max=ctx.plan.n_kv - 1)]
+    if ctx.key_mask is not None:
+        ok = ok & ctx.key_mask[b, kv_pos.clamp(max=ctx.plan.n_kv - 1)]
     return ok
 
 
@@ -103,7 +103,7 @@ def _additive(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 def _uses_flash(piece: Piece, ctx: Context) -> bool:
     # The flash kernel takes no score_mod, and its mask cannot depend on the batch row (tiles
     # with padded keys are always of kind "mask").
-    return ctx.same_head_dims and ctx.score_mod is None and (piece.kind != "mask" or ctx.key_padding_mask is None)
+    return ctx.same_head_dims and ctx.score_mod is None and (piece.kind != "mask" or ctx.key_mask is None)
 
 
 def _needs_mask(piece: Piece, ctx: Context) -> bool:
@@ -310,7 +310,7 @@ def blocked_attention(call: Call, plan: Plan, *, return_lse: bool = False) -> Te
     Differentiable, the log-sum-exp ``(B, H, N_q)`` too (``-inf`` for rows that see no key) when
     ``return_lse``."""
     q, k, v = call.q, call.k, call.v
-    ctx = Context(plan, call.scale, call.mask_mod(), call.score_mod, call.key_padding_mask, q.shape[-1] == v.shape[-1])
+    ctx = Context(plan, call.scale, call.mask_mod(), call.score_mod, call.key_mask, q.shape[-1] == v.shape[-1])
     out, lse = BlockedAttention.apply(q, k, v, ctx)
     return (out, lse[:, :, : plan.n_q]) if return_lse else out
 

@@ -29,7 +29,7 @@ class Call:
     k: Tensor
     v: Tensor
     pattern: Pattern
-    key_padding_mask: Tensor | None
+    key_mask: Tensor | None
     score_mod: ScoreMod | None
     scale: float
     block: int
@@ -79,7 +79,7 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def masked_key_blocks(n_kv: int, block: int, key_padding_mask: Tensor | None = None) -> Tensor:
+def masked_key_blocks(n_kv: int, block: int, key_mask: Tensor | None = None) -> Tensor:
     """Bool per key block: True where tiles must run under an explicit mask whatever the pattern
     says, because the block holds keys that do not exist for some query — the ragged last
     block (keys past ``n_kv``) and blocks where any batch row pads a key. The blocked tile plan
@@ -88,8 +88,8 @@ def masked_key_blocks(n_kv: int, block: int, key_padding_mask: Tensor | None = N
     n_kb = -(-n_kv // block)
     masked = torch.zeros(n_kb * block, dtype=torch.bool)
     masked[n_kv:] = True
-    if key_padding_mask is not None:
-        masked[:n_kv] = ~key_padding_mask.all(dim=0).cpu()
+    if key_mask is not None:
+        masked[:n_kv] = ~key_mask.all(dim=0).cpu()
     return masked.view(n_kb, block).any(dim=1)
 
 
@@ -97,7 +97,7 @@ def plan_key(call: Call) -> tuple[Hashable, ...]:
     """What a plan for ``call`` depends on: the pattern by value (``Pattern.__eq__``, so a
     pattern rebuilt per call hits the cache), the sizes, the block and the masked key blocks.
     Never the identity of a tensor."""
-    masked = masked_key_blocks(call.k.shape[2], call.block, call.key_padding_mask)
+    masked = masked_key_blocks(call.k.shape[2], call.block, call.key_mask)
     return (call.pattern, *call.sizes(), call.block, bytes(masked.numpy()))
 
 

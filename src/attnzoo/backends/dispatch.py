@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from attnzoo._checks import check_causal, check_choice, check_key_padding_mask, check_positive_int, check_qkv
+from attnzoo._checks import check_causal, check_choice, check_key_mask, check_positive_int, check_qkv, renamed_key_mask
 from attnzoo.backends.blocked import Blocked
 from attnzoo.backends.call import Backend, Call, resolve_pattern
 from attnzoo.backends.flex import Flex
@@ -57,6 +57,7 @@ def last_choice() -> Choice | None:
     return getattr(_LAST, "choice", None)
 
 
+@renamed_key_mask
 def attend(
     q: Tensor,
     k: Tensor,
@@ -64,7 +65,7 @@ def attend(
     *,
     pattern: Pattern | None = None,
     causal: bool = False,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     score_mod: ScoreMod | None = None,
     scale: float | None = None,
     backend: str = "auto",
@@ -76,7 +77,7 @@ def attend(
         q, k, v: ``(B, H, N_q, D)``, ``(B, H, N_kv, D)``, ``(B, H, N_kv, D_v)``.
         pattern: an ``attnzoo.patterns.Pattern``; per-head patterns are resolved for H heads.
         causal: and-ed with the pattern (queries end-aligned, see ``attnzoo.spec``).
-        key_padding_mask: bool ``(B, N_kv)``, True = real token.
+        key_mask: bool ``(B, N_kv)``, True = real token.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled scores.
         scale: default ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"reference"``, ``"blocked"`` or ``"flex"``.
@@ -89,7 +90,7 @@ def attend(
     """
     check_qkv(q, k, v)
     check_causal(causal, q.shape[2], k.shape[2])
-    key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    key_mask = check_key_mask(key_mask, q.shape[0], k.shape[2], q.device)
     check_choice(backend, "backend", BACKENDS)
     check_positive_int(block, "block")
     pattern = full() if pattern is None else pattern
@@ -97,7 +98,7 @@ def attend(
         raise TypeError(f"pattern must be an attnzoo.patterns.Pattern, got {type(pattern).__name__}")
     pattern = resolve_pattern(pattern, q.shape[1], causal)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return attend_call(Call(q, k, v, pattern, key_padding_mask, score_mod, scale, block), backend)
+    return attend_call(Call(q, k, v, pattern, key_mask, score_mod, scale, block), backend)
 
 
 def attend_call(call: Call, backend: str = "auto") -> Tensor:

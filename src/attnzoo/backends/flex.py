@@ -44,8 +44,8 @@ def block_mask_for(call: Call) -> Any:
     """A ``BlockMask`` from ``Pattern.blocks()``: full tiles skip the mask, partial tiles run
     ``mask_mod``. Tiles of ``masked_key_blocks`` (padded keys, the ragged last block) count as
     partial."""
-    key = (*plan_key(call), str(call.q.device), call.key_padding_mask is None)
-    if call.key_padding_mask is None:
+    key = (*plan_key(call), str(call.q.device), call.key_mask is None)
+    if call.key_mask is None:
         return MASKS.get(key, lambda: _block_mask(call, _kv_blocks(call)))
     return _block_mask(call, MASKS.get(key, lambda: _kv_blocks(call)))
 
@@ -55,7 +55,7 @@ def _kv_blocks(call: Call) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     takes them."""
     n_q, n_kv, _ = call.sizes()
     tiles = call.pattern.blocks(n_q, n_kv, call.block)
-    full = tiles.full & ~masked_key_blocks(n_kv, call.block, call.key_padding_mask)[tiles.kb]
+    full = tiles.full & ~masked_key_blocks(n_kv, call.block, call.key_mask)[tiles.kb]
     groups, device = call.head_groups, call.q.device
     return (*_csr(tiles, ~full, groups, device), *_csr(tiles, full, groups, device))
 
@@ -84,7 +84,7 @@ def _csr(tiles: Any, keep: Tensor, head_groups: Tensor, device: torch.device) ->
 def _flex_mask_mod(call: Call) -> Callable[..., Tensor]:
     # FlexAttention passes raw query rows; attnzoo's mask_mods take end-aligned positions.
     mask_mod = call.mask_mod()
-    offset, kpm = call.k.shape[2] - call.q.shape[2], call.key_padding_mask
+    offset, kpm = call.k.shape[2] - call.q.shape[2], call.key_mask
     if kpm is None:
         return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + offset, kv_idx)
     return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + offset, kv_idx) & kpm[b, kv_idx]

@@ -119,7 +119,7 @@ def plan_for(call: Call) -> Plan:
 
     def build() -> Plan:
         n_q, n_kv, _ = call.sizes()
-        masked = masked_key_blocks(n_kv, call.block, call.key_padding_mask)
+        masked = masked_key_blocks(n_kv, call.block, call.key_mask)
         tiles = call.pattern.blocks(n_q, n_kv, call.block)
         return make_plan(tiles, call.head_groups, pattern=call.pattern, masked_blocks=masked)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnzoo._checks import check_causal, check_choice, check_key_padding_mask, check_qkv
+from attnzoo._checks import check_causal, check_choice, check_key_mask, check_qkv
 from attnzoo.backends.call import Backend, Call
 from attnzoo.spec import MaskMod, ScoreMod
 
@@ -33,7 +33,7 @@ def visible_pairs(
     n_kv: int,
     *,
     causal: bool,
-    key_padding_mask: Tensor | None,
+    key_mask: Tensor | None,
     mask_mod: MaskMod | None,
     device: torch.device,
 ) -> Tensor | None:
@@ -43,8 +43,8 @@ def visible_pairs(
     visible = None
     if causal:
         visible = kv_idx <= q_idx
-    if key_padding_mask is not None:
-        padded = key_padding_mask[:, None, None, :]
+    if key_mask is not None:
+        padded = key_mask[:, None, None, :]
         visible = padded if visible is None else visible & padded
     if mask_mod is not None:
         allowed = mask_mod(b, h, q_idx, kv_idx)
@@ -81,7 +81,7 @@ def reference_attention(
     v: Tensor,
     *,
     causal: bool = False,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     mask_mod: MaskMod | None = None,
     score_mod: ScoreMod | None = None,
     scale: float | None = None,
@@ -94,7 +94,7 @@ def reference_attention(
     Args:
         q, k, v: ``(B, H, N_q, D)``, ``(B, H, N_kv, D)``, ``(B, H, N_kv, D_v)``.
         causal: query ``i`` sees keys ``j <= i + (N_kv - N_q)`` (queries aligned to the end).
-        key_padding_mask: bool ``(B, N_kv)``, True = a real token. Default None.
+        key_mask: bool ``(B, N_kv)``, True = a real token. Default None.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool``; only True pairs are visible.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled
             scores before masking (an additive position bias, for instance).
@@ -116,7 +116,7 @@ def reference_attention(
     batch, heads, n_q, dim = q.shape
     n_kv = k.shape[2]
     check_causal(causal, n_q, n_kv)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, batch, n_kv, q.device)
+    key_mask = check_key_mask(key_mask, batch, n_kv, q.device)
     check_choice(normalizer, "normalizer", NORMALIZERS)
     scale = dim**-0.5 if scale is None else scale
 
@@ -131,7 +131,7 @@ def reference_attention(
         n_q,
         n_kv,
         causal=causal,
-        key_padding_mask=key_padding_mask,
+        key_mask=key_mask,
         mask_mod=mask_mod,
         device=q.device,
     )
@@ -147,7 +147,7 @@ def reference_call(call: Call, return_weights: bool = False) -> Tensor | tuple[T
         call.q,
         call.k,
         call.v,
-        key_padding_mask=call.key_padding_mask,
+        key_mask=call.key_mask,
         mask_mod=call.mask_mod(),
         score_mod=call.score_mod,
         scale=call.scale,

@@ -336,7 +336,7 @@ def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Ten
 def structured_attention(call: Call, plan: Structure) -> Tensor:
     """Exact attention of ``call`` over ``plan`` (see the module docstring). ``(B, H, N, D)`` in
     and out; rows with no visible key give zeros and zero gradient."""
-    q, k, v, opts = call.q, call.k, call.v, _Options(call.key_padding_mask, call.scale)
+    q, k, v, opts = call.q, call.k, call.v, _Options(call.key_mask, call.scale)
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
         return _run_part(plan.parts[0][1], q, k, v, opts)
     pieces = []

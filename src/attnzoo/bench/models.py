@@ -55,7 +55,7 @@ class SequenceClassifier(nn.Module):
         x = self.embed(tokens)
         if self.positional is not None:
             x = self.positional.add_to_input(x, torch.arange(tokens.shape[1], device=x.device))
-        x = self.encoder(x, key_padding_mask=mask)
+        x = self.encoder(x, key_mask=mask)
         weights = mask.unsqueeze(-1).to(x.dtype)  # (B, N, 1)
         pooled = (x * weights).sum(1) / weights.sum(1).clamp_min(1.0)
         return self.head(pooled)
@@ -93,7 +93,7 @@ class LanguageModel(nn.Module):
     def forward(self, tokens: Tensor, mask: Tensor) -> Tensor:
         # Padding sits at the end and causal rows never see it, so the mask is only passed on
         # when a row is padded (it keeps mechanisms on their unmasked fast path otherwise).
-        return self.lm(tokens, key_padding_mask=None if bool(mask.all()) else mask)
+        return self.lm(tokens, key_mask=None if bool(mask.all()) else mask)
 
 
 def resolve_positional(positional: str | None, kind: str, mechanism: str) -> str | None:

@@ -27,16 +27,16 @@ def default_scale(scale: float | None, head_dim: int) -> float:
     return head_dim**-0.5 if scale is None else scale
 
 
-def real_tokens(key_padding_mask: Tensor | None, batch: int, n: int, device: torch.device) -> Tensor:
-    """The ``(B, N)`` bool mask of real (not padded) positions: ``key_padding_mask`` itself, or
+def real_tokens(key_mask: Tensor | None, batch: int, n: int, device: torch.device) -> Tensor:
+    """The ``(B, N)`` bool mask of real (not padded) positions: ``key_mask`` itself, or
     all True when there is none, so code downstream has one case, not two."""
-    if key_padding_mask is None:
+    if key_mask is None:
         return torch.ones(batch, n, dtype=torch.bool, device=device)
-    return key_padding_mask
+    return key_mask
 
 
-def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-    """``x (B, H, N, D)`` with its padded positions (``key_padding_mask`` False) set to zero.
+def zero_padding(x: Tensor, key_mask: Tensor | None) -> Tensor:
+    """``x (B, H, N, D)`` with its padded positions (``key_mask`` False) set to zero.
 
     A select, not a multiply: whatever padding held (NaN, ±inf, 1e30) is gone, the padded
     positions get exactly zero gradient, and the real ones' values and gradients are bit for bit
@@ -45,9 +45,9 @@ def zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     key weight 0 still computes ``0 * NaN = NaN``, and a NaN query row poisons the backward of
     every key it met even under a zero upstream gradient. O(B H N D), once per call.
     """
-    if key_padding_mask is None:
+    if key_mask is None:
         return x
-    return torch.where(rearrange(key_padding_mask, "b n -> b 1 n 1"), x, 0.0)
+    return torch.where(rearrange(key_mask, "b n -> b 1 n 1"), x, 0.0)
 
 
 def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:

@@ -8,13 +8,13 @@ The mechanism protocol. A mechanism implements two methods, both on inputs alrea
   to read like the paper, with ``return_weights=True`` also returning the ``(B, H, N_q, N_kv)``
   weights it applies.
 
-``args`` is the checked ``AttendArgs(causal, key_padding_mask, score_mod)``.
+``args`` is the checked ``AttendArgs(causal, key_mask, score_mod)``.
 
 The base turns them into the public API: ``forward``, ``reference`` and ``implied_attention``
 (defined once, from ``reference``). Decoding works the same way: the public ``init_state`` /
 ``step`` live here, check their inputs and refuse unless the mechanism declares ``decode_step``;
 such a mechanism implements ``_init_state(spec: StateSpec)`` and ``_step(state, q, k, v,
-args)`` (``args.causal`` is True, ``args.key_padding_mask`` marks the new tokens). ``tests/test_contracts.py`` holds
+args)`` (``args.causal`` is True, ``args.key_mask`` marks the new tokens). ``tests/test_contracts.py`` holds
 every registered mechanism to this protocol by reading its capabilities: fast == reference
 (forward and gradients), causal prefix invariance, padding invariance, no N x N allocation where
 the spec promises sub-quadratic memory, and step == forward.
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_causal, check_key_padding_mask, check_qkv, check_tensor
+from attnzoo._checks import check_causal, check_key_mask, check_qkv, check_tensor, renamed_key_mask
 from attnzoo.mechanisms._ops import compute_dtype, zero_padding
 from attnzoo.registry import names, spec_of_config
 from attnzoo.spec import ScoreMod, Spec
@@ -53,12 +53,12 @@ class AttendArgs:
     ``_reference``: one argument instead of three keywords, so the protocol's signatures stay
     one line in every mechanism and a new option is added here, not in 30 signatures.
 
-    ``causal``: normalised by ``check_causal``; ``key_padding_mask``: ``(B, N_kv)`` bool, True =
+    ``causal``: normalised by ``check_causal``; ``key_mask``: ``(B, N_kv)`` bool, True =
     real, or None when nothing is padded; ``score_mod``: only ever set for mechanisms whose
     capabilities declare it."""
 
     causal: bool
-    key_padding_mask: Tensor | None
+    key_mask: Tensor | None
     score_mod: ScoreMod | None
 
 
@@ -116,12 +116,13 @@ def nan_rows_of_non_finite_queries(out: Tensor, q: Tensor) -> Tensor:
 
 
 class Attention(Mechanism):
-    """Base class: ``forward(q, k, v, *, causal=False, key_padding_mask=None, score_mod=None)``.
+    """Base class: ``forward(q, k, v, *, causal=False, key_mask=None, score_mod=None)``.
 
     Shapes:
         q ``(B, H, N_q, D)``, k ``(B, H, N_kv, D)``, v ``(B, H, N_kv, D_v)`` -> ``(B, H, N_q, D_v)``.
     """
 
+    @renamed_key_mask
     def forward(
         self,
         q: Tensor,
@@ -129,18 +130,19 @@ class Attention(Mechanism):
         v: Tensor,
         *,
         causal: bool = False,
-        key_padding_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
     ) -> Tensor:
-        args = self._checked(q, k, v, causal, key_padding_mask, score_mod)
+        args = self._checked(q, k, v, causal, key_mask, score_mod)
         k, v = self._kv_heads(q, k, v, native=self.spec.capabilities.gqa)
         if q.shape[0] == 0 or q.shape[2] == 0:
             # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
             return (q @ k.transpose(-1, -2)) @ v
-        q, k, v = self.zero_padded(args.key_padding_mask, q, k, v)
+        q, k, v = self.zero_padded(args.key_mask, q, k, v)
         out = self._attend(q, k, v, args)
         return nan_rows_of_non_finite_queries(out, q)
 
+    @renamed_key_mask
     def reference(
         self,
         q: Tensor,
@@ -148,7 +150,7 @@ class Attention(Mechanism):
         v: Tensor,
         *,
         causal: bool = False,
-        key_padding_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
         return_weights: bool = False,
     ) -> Weighted:
@@ -156,21 +158,22 @@ class Attention(Mechanism):
         weights built explicitly), with the same checks and the same zeroed padding. With
         ``return_weights``: ``(output, weights (B, H, N_q, N_kv))``, ``output == weights @ v``
         up to rounding for every mechanism whose output is linear in v."""
-        args = self._checked(q, k, v, causal, key_padding_mask, score_mod)
+        args = self._checked(q, k, v, causal, key_mask, score_mod)
         k, v = self._kv_heads(q, k, v, native=False)  # the paper's form: one K/V per query head
         if q.shape[0] == 0 or q.shape[2] == 0:
             weights = q @ k.transpose(-1, -2)  # empty, on the graph
             return (weights @ v, weights) if return_weights else weights @ v
-        q, k, v = self.zero_padded(args.key_padding_mask, q, k, v)
+        q, k, v = self.zero_padded(args.key_mask, q, k, v)
         return self._reference(q, k, v, args, return_weights)
 
+    @renamed_key_mask
     def implied_attention(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_mask: Tensor | None = None
     ) -> Tensor:
         """The dense ``(B, H, N_q, N_kv)`` weights this mechanism applies to ``v`` (small N: for
         pictures and for checking): ``reference``'s weights, with a dummy one-column v."""
         v = k.new_zeros(k.shape[:3] + (1,))
-        return self.reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_weights=True)[1]
+        return self.reference(q, k, v, causal=causal, key_mask=key_mask, return_weights=True)[1]
 
     def _checked(
         self,
@@ -178,23 +181,23 @@ class Attention(Mechanism):
         k: Tensor,
         v: Tensor,
         causal: bool,
-        key_padding_mask: Tensor | None,
+        key_mask: Tensor | None,
         score_mod: ScoreMod | None,
     ) -> AttendArgs:
         """Validate a call against the declared capabilities; return what ``_attend`` and
-        ``_reference`` receive: the normalised ``causal`` and ``key_padding_mask`` (None when
+        ``_reference`` receive: the normalised ``causal`` and ``key_mask`` (None when
         nothing is padded is kept as given) and the ``score_mod``."""
         caps = self.spec.capabilities
         check_qkv(q, k, v, cross_attention=caps.cross_attention, allow_empty=True)
         causal = check_causal(causal, q.shape[2], k.shape[2])
-        key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        key_mask = check_key_mask(key_mask, q.shape[0], k.shape[2], q.device)
         if causal and not caps.causal:
             self._refuse("causal=True", "causal")
-        if key_padding_mask is not None and not caps.key_padding:
-            self._refuse("key_padding_mask", "key_padding")
+        if key_mask is not None and not caps.key_mask:
+            self._refuse("key_mask", "key_mask")
         if score_mod is not None and not caps.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
-        return AttendArgs(causal, key_padding_mask, score_mod)
+        return AttendArgs(causal, key_mask, score_mod)
 
     @staticmethod
     def _kv_heads(q: Tensor, k: Tensor, v: Tensor, *, native: bool) -> tuple[Tensor, Tensor]:
@@ -206,17 +209,17 @@ class Attention(Mechanism):
         groups = q.shape[1] // k.shape[1]
         return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
-    def zero_padded(self, key_padding_mask: Tensor | None, q: Tensor, *kv: Tensor) -> tuple[Tensor, ...]:
+    def zero_padded(self, key_mask: Tensor | None, q: Tensor, *kv: Tensor) -> tuple[Tensor, ...]:
         """``(q, *kv)`` as ``_attend`` receives them: the key-side tensors ``kv`` with padded
         positions zeroed (``zero_padding``), and ``q`` too if the mechanism is self-attention
         only, where the mask marks the padded queries as well. A cross-attention mechanism's
         query i need not be key i (even with N_q == N_kv): its q is left as given. Methods that
         take ``q, k`` beside ``forward`` call this too."""
-        if key_padding_mask is None:
+        if key_mask is None:
             return (q, *kv)
         if not self.spec.capabilities.cross_attention:
-            q = zero_padding(q, key_padding_mask)
-        return (q, *(zero_padding(x, key_padding_mask) for x in kv))
+            q = zero_padding(q, key_mask)
+        return (q, *(zero_padding(x, key_mask) for x in kv))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _attend")
@@ -261,6 +264,7 @@ class Attention(Mechanism):
         kv_heads = kv_heads if self.spec.capabilities.gqa else heads
         return self._init_state(StateSpec(batch, heads, kv_heads, head_dim, value_dim, device, dtype, capacity))
 
+    @renamed_key_mask
     def step(
         self,
         state: Any,
@@ -268,14 +272,14 @@ class Attention(Mechanism):
         k: Tensor,
         v: Tensor,
         *,
-        key_padding_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
     ) -> tuple[Tensor, Any]:
         """Attend new queries ``q (B, H, T, D)`` (usually T = 1) to everything seen so far plus
         the new ``k, v`` (``(B, H, T, D)``, ``(B, H, T, D_v)``); return ``(output (B, H, T, D_v),
         new_state)``. Row t equals row t of the causal forward over the whole sequence.
 
-        ``key_padding_mask (B, T)`` marks which new tokens are real (True), as in ``forward``:
+        ``key_mask (B, T)`` marks which new tokens are real (True), as in ``forward``:
         a padded token (a left-padded prompt in a batch) is never attended, now or later; its
         own row is what the forward gives a padded query, zeros where it sees no real key."""
         if not self.spec.capabilities.decode_step:
@@ -283,12 +287,12 @@ class Attention(Mechanism):
         if score_mod is not None and not self.spec.capabilities.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
         check_qkv(q, k, v, cross_attention=False)
-        mask = check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[2], q.device)
+        mask = check_key_mask(key_mask, q.shape[0], q.shape[2], q.device)
         if mask is not None and bool(mask.all()):
             mask = None  # nothing padded: the states' fast paths
         k, v = self._kv_heads(q, k, v, native=self.spec.capabilities.gqa)
         q, k, v = self.zero_padded(mask, q, k, v)
-        return self._step(state, q, k, v, AttendArgs(causal=True, key_padding_mask=mask, score_mod=score_mod))
+        return self._step(state, q, k, v, AttendArgs(causal=True, key_mask=mask, score_mod=score_mod))
 
     def _init_state(self, spec: StateSpec) -> Any:
         raise NotImplementedError(f"{type(self).__name__} declares decode_step and must implement _init_state")
@@ -306,33 +310,34 @@ class Attention(Mechanism):
 
 class TokenMixer(Mechanism):
     """Base class of attention-free token mixers (``Capabilities(kind="mixer")``):
-    ``forward(x, *, causal=False, key_padding_mask=None)``.
+    ``forward(x, *, causal=False, key_mask=None)``.
 
     A token mixer takes the layer input directly (no q/k/v projections, no heads). Its config
     has a ``dim`` field, the width it was built for. ``forward`` validates ``x``, ``causal`` and
-    ``key_padding_mask`` once, here, refuses what the mixer's capabilities do not declare (a
+    ``key_mask`` once, here, refuses what the mixer's capabilities do not declare (a
     ``ValueError`` naming the token mixers that can), and calls ``_mix``.
 
     Shapes:
-        x ``(B, N, dim)``, key_padding_mask ``(B, N)`` bool (True = real token) -> ``(B, N, dim)``.
+        x ``(B, N, dim)``, key_mask ``(B, N)`` bool (True = real token) -> ``(B, N, dim)``.
     """
 
-    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    @renamed_key_mask
+    def forward(self, x: Tensor, *, causal: bool = False, key_mask: Tensor | None = None) -> Tensor:
         dim = getattr(self.config, "dim", None)
         check_tensor(x, "x", 3, f"(B, N, dim={dim})")
         if dim is not None and x.shape[-1] != dim:
             raise ValueError(f"x must have last dimension dim={dim}, got shape {tuple(x.shape)}")
         causal = check_causal(causal, x.shape[1], x.shape[1])
-        key_padding_mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
+        key_mask = check_key_mask(key_mask, x.shape[0], x.shape[1], x.device)
         if causal and not self.spec.capabilities.causal:
             self._refuse("causal=True", "causal")
-        if key_padding_mask is not None and not self.spec.capabilities.key_padding:
-            self._refuse("key_padding_mask", "key_padding")
+        if key_mask is not None and not self.spec.capabilities.key_mask:
+            self._refuse("key_mask", "key_mask")
         if x.shape[0] == 0 or x.shape[1] == 0:
             return x * 0  # empty, shaped like x, on x's autograd graph
-        return self._mix(x, causal=causal, key_padding_mask=key_padding_mask)
+        return self._mix(x, causal=causal, key_mask=key_mask)
 
-    def _mix(self, x: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    def _mix(self, x: Tensor, *, causal: bool, key_mask: Tensor | None) -> Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement _mix")
 
     def _refuse(self, what: str, capability: str) -> None:

@@ -71,7 +71,7 @@ class KVCache:
         return self.v_buffer[:, :, : self.length]
 
     @property
-    def key_padding_mask(self) -> Tensor | None:
+    def key_mask(self) -> Tensor | None:
         """``(B, T)`` bool, True = a real token; None while no padded token has been appended."""
         return None if self.real_buffer is None else self.real_buffer[:, 0, : self.length, 0]
 
@@ -79,23 +79,19 @@ class KVCache:
     def capacity(self) -> int:
         return self.k_buffer.shape[2]
 
-    def append(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> KVCache:
+    def append(self, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> KVCache:
         """This cache followed by ``k (B, H, T', D)``, ``v (B, H, T', D_v)``, whose real tokens
-        ``key_padding_mask (B, T')`` marks (None: all real).
+        ``key_mask (B, T')`` marks (None: all real).
 
         With gradients flowing into ``k`` or ``v`` (training through decode steps) it
         concatenates instead: writing into shared buffers would modify tensors that earlier
         steps saved for backward."""
         real_buffer = self.real_buffer
-        if key_padding_mask is not None and real_buffer is None:  # the first padded token: all real before it
+        if key_mask is not None and real_buffer is None:  # the first padded token: all real before it
             real_buffer = torch.ones(k.shape[0], 1, self.capacity, 1, dtype=torch.bool, device=k.device)
         real = None
         if real_buffer is not None:  # (B, 1, T', 1), like the buffer
-            real = (
-                key_padding_mask
-                if key_padding_mask is not None
-                else k.new_ones(k.shape[0], k.shape[2], dtype=torch.bool)
-            )
+            real = key_mask if key_mask is not None else k.new_ones(k.shape[0], k.shape[2], dtype=torch.bool)
             real = real[:, None, :, None]
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             kc, vc = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
@@ -137,7 +133,7 @@ class KVCacheDecode:
     def _step(self, state: KVCache, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, KVCache]:
         """The new queries are the last T positions of the cache: causal (end-aligned) lets each
         see the whole past and the new tokens up to itself; padded tokens are never seen."""
-        state = state.append(k, v, args.key_padding_mask)
-        mask = state.key_padding_mask
-        out = self(q, state.k, state.v, causal=True, key_padding_mask=mask, score_mod=args.score_mod)  # type: ignore[operator]
+        state = state.append(k, v, args.key_mask)
+        mask = state.key_mask
+        out = self(q, state.k, state.v, causal=True, key_mask=mask, score_mod=args.score_mod)  # type: ignore[operator]
         return out, state

@@ -99,14 +99,14 @@ def compressed_attention(
     (recomputed in backward), so nothing of size N x N / stride is ever kept."""
     ct, (b, _, n_q, dim), n = compute_dtype(q), q.shape, k.shape[2]
     kernel, stride, scale, qc = cfg.kernel, cfg.stride, dim**-0.5, q.to(ct)
-    kc, vc = (zero_padding(t.to(ct), args.key_padding_mask) for t in (k, v))
+    kc, vc = (zero_padding(t.to(ct), args.key_mask) for t in (k, v))
     k_slot, v_slot = (compress(x, w, kernel=kernel, stride=stride) for x, w in zip((kc, vc), taps))
-    real = real_tokens(args.key_padding_mask, b, n, q.device)
+    real = real_tokens(args.key_mask, b, n, q.device)
     # a slot is visible if it holds a real key: the real-token mask through all-ones taps
     real_count = compress(real[:, None, :, None].to(ct), torch.ones(1, kernel), kernel=kernel, stride=stride)
     slot_ok = real_count[:, 0, :, 0] > 0  # (B, M)
     if not args.causal:
-        mask = None if args.key_padding_mask is None else slot_ok[:, None, None, :]
+        mask = None if args.key_mask is None else slot_ok[:, None, None, :]
         return F.scaled_dot_product_attention(qc, k_slot, v_slot, attn_mask=mask, scale=scale).to(q.dtype)
     memory = _Memory(k_slot, v_slot, slot_ok, kc, vc, real)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, k_slot, v_slot, kc, vc))
@@ -129,7 +129,7 @@ def compressed_weights(q: Tensor, k: Tensor, taps: Tensor, cfg: CompressedConfig
             (and ``chunk``, for the fast path).
         args: ``causal``: a query at aligned position t sees slot s iff ``s * stride + kernel - 1
             <= t``, and in the same softmax the raw keys (values) after the last slot it sees, up
-            to t. ``key_padding_mask``: padded keys are zeroed before the convolution; a slot with
+            to t. ``key_mask``: padded keys are zeroed before the convolution; a slot with
             no real key is masked, and so are padded raw keys.
 
     Returns:
@@ -137,7 +137,7 @@ def compressed_weights(q: Tensor, k: Tensor, taps: Tensor, cfg: CompressedConfig
     """
     ct, (b, heads, n_q, dim), n = compute_dtype(q), q.shape, k.shape[2]
     kernel, stride, causal = cfg.kernel, cfg.stride, args.causal
-    real = real_tokens(args.key_padding_mask, b, n, q.device)
+    real = real_tokens(args.key_mask, b, n, q.device)
     slots, j = -(-n // stride), torch.arange(n, device=q.device)
     offset = j - torch.arange(slots, device=q.device)[:, None] * stride  # (M, N): tap of key j in slot s
     inside = (offset >= 0) & (offset < kernel)
@@ -161,7 +161,7 @@ def compressed_weights(q: Tensor, k: Tensor, taps: Tensor, cfg: CompressedConfig
     family="low_rank",
     summary="Memory-compressed attention: a strided convolution shortens keys and values by `stride`.",
     paper="Liu et al. 2018, Generating Wikipedia by Summarizing Long Sequences, https://arxiv.org/abs/1801.10198",
-    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=True),
+    capabilities=Capabilities(causal=True, key_mask=True, decode_step=True, cross_attention=True),
     complexity=Complexity(
         time="O(N^2 D / stride)", memory="O(N D) SDPA; causal O(chunk N / stride)", subquadratic_memory=True
     ),

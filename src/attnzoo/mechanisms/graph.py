@@ -84,13 +84,13 @@ def gat_terms(q: Tensor, k: Tensor, attention_vector: Tensor) -> tuple[Tensor, T
 class GraphArgs:
     """What ``graph_attention`` and its dense twin take besides q, k, v (one object, so the two
     cannot drift apart): the ``graph``; ``causal`` keeps edges with key <= query;
-    ``key_padding_mask (B, N)``, True = real; ``scale`` of ``q_i . k_j`` (default ``1 / sqrt(D)``);
+    ``key_mask (B, N)``, True = real; ``scale`` of ``q_i . k_j`` (default ``1 / sqrt(D)``);
     ``attention_vector``, GAT's ``a`` as ``(H, 2, D)``: when given, the score of edge (i, j) is
     ``LeakyReLU(a[h, 0] . q_i + a[h, 1] . k_j)`` instead of ``q_i . k_j * scale``."""
 
     graph: Graph
     causal: bool = False
-    key_padding_mask: Tensor | None = None
+    key_mask: Tensor | None = None
     scale: float | None = None
     attention_vector: Tensor | None = None
 
@@ -102,7 +102,7 @@ def graph_attention(q: Tensor, k: Tensor, v: Tensor, args: GraphArgs) -> Tensor:
         q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)`` with N = ``args.graph.n`` -> ``(B, H, N, Dv)``.
     """
     scale, compute = default_scale(args.scale, q.shape[-1]), compute_dtype(q)
-    a, mask = args.attention_vector, args.key_padding_mask
+    a, mask = args.attention_vector, args.key_mask
     if a is not None:
         from_query, from_key = gat_terms(q.to(compute), k.to(compute), a)
     out = q.new_zeros(q.shape[:3] + (v.shape[-1],), dtype=compute)
@@ -131,7 +131,7 @@ def reference_graph_attention(
     """Masked dense attention over the adjacency matrix (the oracle for ``graph_attention``): the
     ``(N, N)`` scores, ``q_i . k_j * scale`` or with ``args.attention_vector`` GAT's
     ``e_ij = LeakyReLU(a_1 . q_i + a_2 . k_j)``, masked to the edges, softmax per row."""
-    compute, graph, mask = compute_dtype(q), args.graph, args.key_padding_mask
+    compute, graph, mask = compute_dtype(q), args.graph, args.key_mask
     qc, kc = q.to(compute), k.to(compute)
     if args.attention_vector is None:
         scores = torch.einsum("bhid,bhjd->bhij", qc, kc) * default_scale(args.scale, q.shape[-1])
@@ -140,9 +140,7 @@ def reference_graph_attention(
         scores = F.leaky_relu(from_query[..., :, None] + from_key[..., None, :], NEGATIVE_SLOPE)  # [B, H, N, N]
     batch, heads, n, _ = q.shape
     mask_mod = graph.mask_mod_for(graph.n, graph.n)
-    visible = visible_pairs(
-        batch, heads, n, n, causal=args.causal, key_padding_mask=mask, mask_mod=mask_mod, device=q.device
-    )
+    visible = visible_pairs(batch, heads, n, n, causal=args.causal, key_mask=mask, mask_mod=mask_mod, device=q.device)
     weights = normalize_scores(scores, visible, "softmax")
     out = torch.einsum("bhij,bhjd->bhid", weights, v.to(compute)).to(q.dtype)
     return (out, weights) if return_weights else out
@@ -154,7 +152,7 @@ def reference_graph_attention(
     family="graph",
     summary="Attention along the edges of a graph through a CSR-style gather (any degree).",
     paper="Velickovic et al. 2018 (GAT), https://arxiv.org/abs/1710.10903",
-    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True),
+    capabilities=Capabilities(causal=True, key_mask=True, decode_step=True),
     complexity=Complexity(time="O(E D)", memory="O(E D)", subquadratic_memory=True),
     notes=(
         "not a drop-in for pretrained attention: needs a graph (edge list) as input",
@@ -218,15 +216,15 @@ class GraphAttention(Attention):
         missing = self.graph.n - q.shape[2]
         if not missing:
             return q, k, v, args
-        real = real_tokens(args.key_padding_mask, q.shape[0], q.shape[2], q.device)
-        args = replace(args, key_padding_mask=F.pad(real, (0, missing), value=False))
+        real = real_tokens(args.key_mask, q.shape[0], q.shape[2], q.device)
+        args = replace(args, key_mask=F.pad(real, (0, missing), value=False))
         return (*(F.pad(x, (0, 0, 0, missing)) for x in (q, k, v)), args)
 
     def _graph_args(self, q: Tensor, args: AttendArgs) -> GraphArgs:
         """What ``graph_attention`` and its dense twin share, once q is checked against the
         attention vector's shape."""
         self._check_heads(q)
-        return GraphArgs(self.graph, args.causal, args.key_padding_mask, self.config.scale, self.attention_vector)
+        return GraphArgs(self.graph, args.causal, args.key_mask, self.config.scale, self.attention_vector)
 
     def _init_state(self, spec: StateSpec) -> KVCache:
         """Every key and value (a node's edges may reach any earlier node), room for n at most."""
@@ -242,12 +240,12 @@ class GraphAttention(Attention):
                 "(token t is node t); build it with a larger graph"
             )
         self._check_heads(q)
-        state = state.append(k, v, args.key_padding_mask)
+        state = state.append(k, v, args.key_mask)
         table = self._edges_of(start, end).to(q.device)  # [T, max degree], -1 padded
         visible = (table >= 0) & (table <= torch.arange(start, end, device=q.device)[:, None])
         keys = torch.where(visible, table, 0)  # future keys are not in the cache yet
-        if state.key_padding_mask is not None:
-            visible = visible & state.key_padding_mask[:, keys]
+        if state.key_mask is not None:
+            visible = visible & state.key_mask[:, keys]
         out = self._over_edges(q, state.k[:, :, keys], state.v[:, :, keys], visible)
         return nan_rows_of_non_finite_queries(out, q), state
 

@@ -142,11 +142,11 @@ def _pool_tree(x: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
 
 def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalConfig, args: AttendArgs) -> Tensor:
     """The fast path: gather ``S = O(k log N)`` node keys / values per token; never ``N x N``.
-    ``cfg.k`` and ``cfg.scale``, ``args.causal`` and ``args.key_padding_mask`` are read."""
+    ``cfg.k`` and ``cfg.scale``, ``args.causal`` and ``args.key_mask`` are read."""
     b, _, n, d = q.shape
     dt = compute_dtype(q)
     qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-    real = real_tokens(args.key_padding_mask, b, n, q.device).to(dt)
+    real = real_tokens(args.key_mask, b, n, q.device).to(dt)
     k_nodes, counts = _pool_tree(kc, real)
     v_nodes, _ = _pool_tree(vc, real)
     index, valid = _graph_index(n, cfg.k, args.causal)
@@ -208,7 +208,7 @@ def reference_hierarchical(
     q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalConfig, args: AttendArgs, return_weights: bool = False
 ) -> Weighted:
     """The dense oracle: masked softmax over the whole extended key set ``[tokens; all nodes]``
-    (``cfg.k``, ``cfg.scale``, ``args.causal``, ``args.key_padding_mask`` read).
+    (``cfg.k``, ``cfg.scale``, ``args.causal``, ``args.key_mask`` read).
 
     With ``return_weights`` also returns the ``(B, H, N, N)`` implied attention matrix (each
     node's weight spread evenly over the real tokens it covers).
@@ -216,7 +216,7 @@ def reference_hierarchical(
     b, _, n, d = q.shape
     dt = compute_dtype(q)
     qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-    real = real_tokens(args.key_padding_mask, b, n, q.device).to(dt)
+    real = real_tokens(args.key_mask, b, n, q.device).to(dt)
     member = dense_membership(n, q.device).to(dt)[None] * real[:, None, :]  # (B, T, N)
     counts = member.sum(dim=-1)
     pool = member / counts.clamp(min=1)[..., None]
@@ -238,7 +238,7 @@ def reference_hierarchical(
     summary="BP-Transformer: tokens attend to nearby leaves and to mean-pooled spans of growing size further away.",
     paper="Ye et al. 2019, BP-Transformer: Modelling Long-Range Context via Binary Partitioning, "
     "https://arxiv.org/abs/1911.04070",
-    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True),
+    capabilities=Capabilities(causal=True, key_mask=True, decode_step=True),
     complexity=Complexity(time="O(k N log N D)", memory="O(k N log N)", subquadratic_memory=True),
     notes=(
         "span node key/value = mean over the real (unpadded) tokens it covers; all-padding spans are invisible",
@@ -273,7 +273,7 @@ class HierarchicalAttention(Attention):
     def _step(self, state: SpanTree, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, SpanTree]:
         """The new tokens' rows of the causal forward from the spans seen so far; a first step
         (a prompt) runs the forward and keeps the spans it leaves."""
-        real = real_tokens(args.key_padding_mask, q.shape[0], q.shape[2], q.device)
+        real = real_tokens(args.key_mask, q.shape[0], q.shape[2], q.device)
         if state.seen == 0:
             out, state = hierarchical_attention(q, k, v, self.config, args), state.prefilled(k, v, real)
         else:

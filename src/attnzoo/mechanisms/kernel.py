@@ -99,7 +99,7 @@ def kernel_attention(
             ``normalizer`` and ``eps`` (see ``normalise``), ``chunk``: the causal chunk length L
             (quadratic inside a chunk, sums carried across chunks).
         args: ``causal``: query ``i`` (end-aligned) sees keys ``j <= i + N_kv - N_q``.
-            ``key_padding_mask``: bool ``(B, N_kv)``, True = real. Padded keys have their
+            ``key_mask``: bool ``(B, N_kv)``, True = real. Padded keys have their
             features, values and decay zeroed, so they never enter ``S`` or ``z``.
         state: causal only: sums of earlier keys (decoding); default empty.
 
@@ -112,7 +112,7 @@ def kernel_attention(
         m E) live memory. Causal: O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory.
         Never N x N. ``z`` rides along ``S`` as an extra all-ones value column.
     """
-    real = None if args.key_padding_mask is None else args.key_padding_mask[:, None]  # [B, 1, N_kv]
+    real = None if args.key_mask is None else args.key_mask[:, None]  # [B, 1, N_kv]
     if real is not None:  # 0 * (inf or NaN in a padded value) would leak
         v = torch.where(real[..., None], v, 0.0)
     if not args.causal:
@@ -249,7 +249,7 @@ def reference_kernel_attention(
     v: Tensor,
     *,
     causal: bool,
-    key_padding_mask: Tensor | None,
+    key_mask: Tensor | None,
     log_decay: Tensor | None = None,
     eps: float = 1e-6,
     normalizer: Normalizer = "rows",
@@ -259,7 +259,7 @@ def reference_kernel_attention(
 
     Args:
         phi_q ``(B, H, N_q, m)``, phi_k ``(B, H, N_kv, m)``, v ``(B, H, N_kv, E)``: features and
-            values. causal, key_padding_mask, eps, normalizer: as ``kernel_attention``.
+            values. causal, key_mask, eps, normalizer: as ``kernel_attention``.
         log_decay: ``(B, H, N_kv)``: the weight of key ``j`` for the query at position ``p >= j``
             is multiplied by ``prod_{t=j+1..p} exp(a_t)`` (padded ``t`` count as 1), which is what
             the recurrence ``S_t = exp(a_t) S_{t-1} + phi(k_t) v_t^T`` unrolls to.
@@ -274,17 +274,17 @@ def reference_kernel_attention(
     visible = torch.ones(1, 1, n_q, n_kv, dtype=torch.bool, device=phi_q.device)
     if causal:
         visible = visible & (torch.arange(n_kv, device=phi_q.device) <= pos)
-    if key_padding_mask is not None:
-        visible = visible & key_padding_mask[:, None, None, :]
-        phi_k = torch.where(key_padding_mask[:, None, :, None], phi_k, 0.0)
-        v = torch.where(key_padding_mask[:, None, :, None], v, 0.0)
+    if key_mask is not None:
+        visible = visible & key_mask[:, None, None, :]
+        phi_k = torch.where(key_mask[:, None, :, None], phi_k, 0.0)
+        v = torch.where(key_mask[:, None, :, None], v, 0.0)
     if normalizer == "keys":
         z = phi_k.sum(2, keepdim=True)
         phi_k = phi_k / torch.where(z > 0, z, 1.0)
     a = phi_q @ phi_k.transpose(-1, -2)  # [B, H, N_q, N_kv]
     if log_decay is not None:
-        if key_padding_mask is not None:
-            log_decay = torch.where(key_padding_mask[:, None], log_decay, 0.0)
+        if key_mask is not None:
+            log_decay = torch.where(key_mask[:, None], log_decay, 0.0)
         cum = log_decay.cumsum(-1)
         gap = cum[..., pos] - cum[..., None, :]  # sum of a_t over j < t <= pos
         a = a * gap.masked_fill(~visible, -math.inf).exp()

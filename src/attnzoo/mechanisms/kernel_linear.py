@@ -78,14 +78,14 @@ class KernelAttention(Attention):
         """The same function through ``reference_kernel_attention`` (same features, dense): the
         normalised ``phi(Q) phi(K)^T`` as an explicit matrix."""
         qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
-        mask = args.key_padding_mask
+        mask = args.key_mask
         f = self.key_features(kc, None if mask is None else mask[:, None], causal=args.causal)
         return reference_kernel_attention(
             self.query_features(qc),
             f.phi,
             vc,
             causal=args.causal,
-            key_padding_mask=mask,
+            key_mask=mask,
             log_decay=f.log_decay,
             eps=self.eps,
             normalizer=self.normalizer,
@@ -123,7 +123,7 @@ def register_kernel(
 ) -> Callable[[type], type]:
     """Register a member of the kernel family: key padding and cross-attention always; a causal
     member also decodes (the recurrence on ``(S, z)``) and its notes follow the core's."""
-    caps = Capabilities(causal=causal, key_padding=True, decode_step=causal, cross_attention=True)
+    caps = Capabilities(causal=causal, key_mask=True, decode_step=causal, cross_attention=True)
     notes = _CORE_NOTES + notes if causal else notes
     about = dict(family="kernel", summary=summary, paper=paper, notes=notes)
     return register(name, config=config, capabilities=caps, complexity=complexity, **about)

@@ -20,26 +20,26 @@ from attnzoo.spec import Capabilities, Complexity
 
 
 def linformer_attention(
-    q: Tensor, k: Tensor, v: Tensor, e: Tensor, f: Tensor, *, key_padding_mask: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, e: Tensor, f: Tensor, *, key_mask: Tensor | None = None
 ) -> Tensor:
     """Linformer, fast: SDPA over the k projected keys and values (shapes as ``linformer_weights``;
     v ``(B, H, N_kv, D_v)`` -> ``(B, H, N_q, D_v)``)."""
     ct, (heads, n) = compute_dtype(q), k.shape[1:3]
-    kc, vc = (zero_padding(t.to(ct), key_padding_mask) for t in (k, v))
+    kc, vc = (zero_padding(t.to(ct), key_mask) for t in (k, v))
     e_n, f_n = (p[:, :, :n].to(kc).expand(heads, -1, -1) for p in (e, f))  # (H, k, N)
     k_bar = torch.einsum("hcn,bhnd->bhcd", e_n, kc)  # (B, H, k, D)
     v_bar = torch.einsum("hcn,bhnd->bhcd", f_n, vc)  # (B, H, k, D_v)
     return F.scaled_dot_product_attention(q.to(ct), k_bar, v_bar).to(q.dtype)
 
 
-def linformer_weights(q: Tensor, k: Tensor, e: Tensor, f: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+def linformer_weights(q: Tensor, k: Tensor, e: Tensor, f: Tensor, *, key_mask: Tensor | None = None) -> Tensor:
     """Linformer head by head, eq. (7) of the paper: ``P_h = softmax(Q_h (E_h K_h)^T / sqrt(d))``,
     ``E_h = E[:, :N_kv]``; the output ``P_h (F_h V_h)`` is ``(P_h F_h) V_h``, these weights times V.
 
     Args:
         q, k: ``(B, H, N_q, D)``, ``(B, H, N_kv, D)``; N_kv <= max_len.
         e, f: ``(G, k, max_len)``, G = 1 (shared by the heads) or H (one per head).
-        key_padding_mask: ``(B, N_kv)``, True = real.
+        key_mask: ``(B, N_kv)``, True = real.
 
     Returns:
         ``(B, H, N_q, N_kv)`` in the compute dtype.
@@ -50,7 +50,7 @@ def linformer_weights(q: Tensor, k: Tensor, e: Tensor, f: Tensor, *, key_padding
     """
     ct, n = compute_dtype(q), k.shape[2]
     scale = q.shape[-1] ** -0.5
-    keep = real_tokens(key_padding_mask, q.shape[0], n, q.device).to(ct)  # (B, N)
+    keep = real_tokens(key_mask, q.shape[0], n, q.device).to(ct)  # (B, N)
     weights = []
     for h in range(q.shape[1]):
         e_h, f_h = e[h % e.shape[0], :, :n].to(ct), f[h % f.shape[0], :, :n].to(ct)  # (k, N)
@@ -94,7 +94,7 @@ class LinformerConfig(Config):
     family="low_rank",
     summary="Linformer: keys and values projected along the sequence to k learned mixtures.",
     paper="Wang et al. 2020, Linformer: Self-Attention with Linear Complexity, https://arxiv.org/abs/2006.04768",
-    capabilities=Capabilities(causal=False, key_padding=True, cross_attention=True),
+    capabilities=Capabilities(causal=False, key_mask=True, cross_attention=True),
     complexity=Complexity(time="O(N k D)", memory="O(N k)", subquadratic_memory=True),
     notes=(
         "swapped in untrained: projections E, F randomly initialised (xavier, seed 0), not trained",
@@ -126,11 +126,11 @@ class LinformerAttention(LowRankAttention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         self._check(q, k)
-        return linformer_attention(q, k, v, self.proj[0], self.proj[-1], key_padding_mask=args.key_padding_mask)
+        return linformer_attention(q, k, v, self.proj[0], self.proj[-1], key_mask=args.key_mask)
 
     def _weights(self, q: Tensor, k: Tensor, args: AttendArgs) -> Tensor:
         self._check(q, k)
-        return linformer_weights(q, k, self.proj[0], self.proj[-1], key_padding_mask=args.key_padding_mask)
+        return linformer_weights(q, k, self.proj[0], self.proj[-1], key_mask=args.key_mask)
 
     def _check(self, q: Tensor, k: Tensor) -> None:
         if k.shape[2] > self.config.max_len:

@@ -94,7 +94,7 @@ def reference_lsh(
     rotation: Tensor,
     *,
     causal: bool = False,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LSH attention as the paper reads, densely, under ``rotation (n_hashes, H, D, n_buckets
@@ -103,11 +103,7 @@ def reference_lsh(
     log-sum-exp. A row that sees nothing attends to itself (zero if it is padding). Keys are
     the unit-normalised queries (shared QK). ``return_weights`` also gives the combined
     ``(B, H, N, N)`` attention matrix."""
-    real = (
-        torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
-        if key_padding_mask is None
-        else key_padding_mask
-    )
+    real = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device) if key_mask is None else key_mask
     keys = F.normalize(q, dim=-1)
     scale = default_scale(config.scale, q.shape[-1])
     compute = compute_dtype(q)
@@ -133,7 +129,7 @@ def reference_lsh(
     summary="Reformer LSH attention: hash to buckets, sort, attend within chunks of a bucket.",
     paper="Kitaev et al. 2020, Reformer, https://arxiv.org/abs/2001.04451",
     capabilities=Capabilities(
-        causal=True, key_padding=True, decode_step=True, backends=("blocked", "reference"), independent_queries=False
+        causal=True, key_mask=True, decode_step=True, backends=("blocked", "reference"), independent_queries=False
     ),
     complexity=Complexity(time="O(n_hashes N c D)", memory="O(n_hashes N c)", subquadratic_memory=True),
     notes=(
@@ -173,7 +169,7 @@ class LSHAttention(Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         cfg, (batch, heads, n, dim) = self.config, q.shape
-        real = real_tokens(args.key_padding_mask, batch, n, q.device)
+        real = real_tokens(args.key_mask, batch, n, q.device)
         qc, vc = q.to(compute_dtype(q)), v.to(compute_dtype(q))
         keys = F.normalize(qc, dim=-1)
         with torch.no_grad():
@@ -183,7 +179,7 @@ class LSHAttention(Attention):
             keys,
             vc,
             table,
-            args.key_padding_mask,
+            args.key_mask,
             n_buckets=cfg.n_buckets,
             chunk=cfg.chunk,
             causal=args.causal,
@@ -197,7 +193,7 @@ class LSHAttention(Attention):
         """``reference_lsh`` under this module's rotations. k is not read: LSH attention shares
         QK, its keys are the unit-normalised queries."""
         rotation = self.rotations(q.shape[1], q.shape[-1], q.device)
-        kw = dict(causal=args.causal, key_padding_mask=args.key_padding_mask, return_weights=return_weights)
+        kw = dict(causal=args.causal, key_mask=args.key_mask, return_weights=return_weights)
         return reference_lsh(q, v, self.config, rotation, **kw)
 
     def _init_state(self, spec: StateSpec) -> LSHState:

@@ -224,7 +224,7 @@ def chunked_lsh(
     keys: Tensor,
     v: Tensor,
     table: list[Tensor],
-    key_padding_mask: Tensor | None,
+    key_mask: Tensor | None,
     *,
     n_buckets: int,
     chunk: int,
@@ -247,5 +247,5 @@ def chunked_lsh(
     # The flash kernel needs one head size for q, k and v: zero columns change no score.
     width = max(q.shape[-1], v.shape[-1])
     pad = lambda x: x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))  # noqa: E731
-    out, total = _Rounds.apply(pad(q), pad(keys), pad(v), rounds, key_padding_mask, chunk, scale)
+    out, total = _Rounds.apply(pad(q), pad(keys), pad(v), rounds, key_mask, chunk, scale)
     return out[..., : v.shape[-1]], total

@@ -70,9 +70,9 @@ def step(attn: LSHAttention, state: LSHState, q: Tensor, v: Tensor, args: Attend
     """The new tokens' rows ``(B, H, T, D_v)`` of the causal forward, ``BLOCK`` tokens at a time;
     a prompt longer than that before any real token is the causal forward itself (its fast path)."""
     check_fixed_rotations(attn)
-    mask, outs = args.key_padding_mask, []
+    mask, outs = args.key_mask, []
     if q.shape[2] > BLOCK and not bool(state.windows.count.any()):  # nothing seen can be attended
-        return attn(q, q, v, causal=True, key_padding_mask=mask), _appended(attn, state, q, v, mask)[0]
+        return attn(q, q, v, causal=True, key_mask=mask), _appended(attn, state, q, v, mask)[0]
     for lo in range(0, q.shape[2], BLOCK):
         block = slice(lo, lo + BLOCK)
         new, group, rank = _appended(

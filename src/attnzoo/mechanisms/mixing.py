@@ -6,7 +6,7 @@ heads) and returns ``(B, N, dim)``. Use them through
 ``attnzoo.nn.TransformerEncoderLayer(dim, heads, "fnet")`` (which builds them with its ``dim``
 and applies ``x + mixer(LayerNorm(x))``), or build one directly with ``attnzoo.build``.
 
-Padding convention shared by all three: padded tokens (``key_padding_mask`` False) are zeroed
+Padding convention shared by all three: padded tokens (``key_mask`` False) are zeroed
 before mixing, and the outputs at padded positions are zero.
 """
 
@@ -23,8 +23,8 @@ from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
 
-def _zero_padding(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-    return x if key_padding_mask is None else x.masked_fill(~key_padding_mask[..., None], 0)
+def _zero_padding(x: Tensor, key_mask: Tensor | None) -> Tensor:
+    return x if key_mask is None else x.masked_fill(~key_mask[..., None], 0)
 
 
 def _check_length(name: str, n: int, max_len: int) -> None:
@@ -44,7 +44,7 @@ class _MixerConfig(Config):
 
 
 #: fnet and mixer: every output depends on every token.
-_NOT_CAUSAL = Capabilities(causal=False, key_padding=True, kind="mixer")
+_NOT_CAUSAL = Capabilities(causal=False, key_mask=True, kind="mixer")
 
 
 # --------------------------------------------------------------------------------------- FNet
@@ -79,7 +79,7 @@ class FNet(TokenMixer):
         config: ``FNetConfig`` (``dim`` only; the mixer has no parameters).
 
     Shapes:
-        ``x (B, N, dim)``, ``key_padding_mask (B, N)`` bool (True = real) -> ``(B, N, dim)``.
+        ``x (B, N, dim)``, ``key_mask (B, N)`` bool (True = real) -> ``(B, N, dim)``.
 
     Notes:
         Not causal (``causal=True`` raises). Padded tokens are zeroed before the transform and
@@ -91,11 +91,11 @@ class FNet(TokenMixer):
 
     config: FNetConfig
 
-    def _mix(self, x: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
-        x = _zero_padding(x, key_padding_mask)
+    def _mix(self, x: Tensor, *, causal: bool, key_mask: Tensor | None) -> Tensor:
+        x = _zero_padding(x, key_mask)
         work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         out = torch.fft.fft(torch.fft.fft(work, dim=-1), dim=-2).real.to(x.dtype)
-        return _zero_padding(out, key_padding_mask)
+        return _zero_padding(out, key_mask)
 
 
 # --------------------------------------------------------------------------------------- gMLP
@@ -125,7 +125,7 @@ class GMLPConfig(_MixerConfig):
     family="mixing",
     summary="gMLP spatial gating unit: u * (W_spatial LayerNorm(v) + b), W ≈ 0 and b = 1 at init.",
     paper="Liu et al. 2021, Pay Attention to MLPs, https://arxiv.org/abs/2105.08050",
-    capabilities=Capabilities(causal=True, key_padding=True, kind="mixer"),
+    capabilities=Capabilities(causal=True, key_mask=True, kind="mixer"),
     complexity=Complexity(
         time="O(N dim ff + N^2 dim ff)",
         memory="O(max_len^2) parameters, O(N dim ff) activations",
@@ -147,7 +147,7 @@ class GMLP(TokenMixer):
         config: ``GMLPConfig`` (``dim``, ``max_len``, ``ff_mult``, ``init_eps``).
 
     Shapes:
-        ``x (B, N, dim)`` with ``N <= max_len``, ``key_padding_mask (B, N)`` bool -> ``(B, N, dim)``.
+        ``x (B, N, dim)`` with ``N <= max_len``, ``key_mask (B, N)`` bool -> ``(B, N, dim)``.
         Parameters: ``proj_in (dim -> 2 ff_mult dim)``, ``norm (ff_mult dim)``,
         ``spatial_weight (max_len, max_len)``, ``spatial_bias (max_len,)``,
         ``proj_out (ff_mult dim -> dim)``.
@@ -173,16 +173,16 @@ class GMLP(TokenMixer):
         self.spatial_bias = nn.Parameter(torch.ones(config.max_len))
         self.proj_out = nn.Linear(hidden, config.dim)
 
-    def _mix(self, x: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    def _mix(self, x: Tensor, *, causal: bool, key_mask: Tensor | None) -> Tensor:
         n = x.shape[1]
         _check_length("gmlp", n, self.config.max_len)
         u, v = F.gelu(self.proj_in(x)).chunk(2, dim=-1)
-        v = _zero_padding(self.norm(v), key_padding_mask)
+        v = _zero_padding(self.norm(v), key_mask)
         weight = self.spatial_weight[:n, :n]
         if causal:
             weight = weight.tril()
         v = torch.einsum("mn,bnc->bmc", weight.to(v.dtype), v) + self.spatial_bias[:n, None].to(v.dtype)
-        return _zero_padding(self.proj_out(u * v), key_padding_mask)
+        return _zero_padding(self.proj_out(u * v), key_mask)
 
 
 # -------------------------------------------------------------------------------- MLP-Mixer
@@ -229,7 +229,7 @@ class Mixer(TokenMixer):
         config: ``MixerConfig`` (``dim``, ``max_len``, ``token_hidden``).
 
     Shapes:
-        ``x (B, N, dim)`` with ``N <= max_len``, ``key_padding_mask (B, N)`` bool -> ``(B, N, dim)``.
+        ``x (B, N, dim)`` with ``N <= max_len``, ``key_mask (B, N)`` bool -> ``(B, N, dim)``.
         Parameters: ``w1 (token_hidden, max_len)``, ``b1 (token_hidden,)``,
         ``w2 (max_len, token_hidden)``, ``b2 (max_len,)``.
 
@@ -252,11 +252,11 @@ class Mixer(TokenMixer):
         self.w1, self.b1 = first.weight, first.bias
         self.w2, self.b2 = second.weight, second.bias
 
-    def _mix(self, x: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    def _mix(self, x: Tensor, *, causal: bool, key_mask: Tensor | None) -> Tensor:
         n = x.shape[1]
         _check_length("mixer", n, self.config.max_len)
-        x = _zero_padding(x, key_padding_mask)
+        x = _zero_padding(x, key_mask)
         w1, w2 = self.w1[:, :n].to(x.dtype), self.w2[:n].to(x.dtype)
         h = F.gelu(torch.einsum("hn,bnc->bhc", w1, x) + self.b1[:, None].to(x.dtype))
         out = torch.einsum("nh,bhc->bnc", w2, h) + self.b2[:n, None].to(x.dtype)
-        return _zero_padding(out, key_padding_mask)
+        return _zero_padding(out, key_mask)

@@ -53,7 +53,7 @@ def _segment_means(x: Tensor, seg: Tensor, m: int, real: Tensor) -> tuple[Tensor
 
 
 def nystrom_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, landmarks: int, pinv_iters: int, key_padding_mask: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, *, landmarks: int, pinv_iters: int, key_mask: Tensor | None = None
 ) -> Tensor:
     """Nyströmformer, fast: ``F (Z (B V))`` by two SDPA calls (args as ``nystrom_weights``; v
     ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``)."""
@@ -61,10 +61,10 @@ def nystrom_attention(
     scale = dim**-0.5
     qc, kc, vc = (t.to(ct) for t in (q, k, v))
     seg, m = landmark_segments(n, landmarks, q.device)
-    real = real_tokens(key_padding_mask, b, n, q.device)
+    real = real_tokens(key_mask, b, n, q.device)
     (q_l, ok), (k_l, _) = _segment_means(qc, seg, m, real), _segment_means(kc, seg, m, real)  # (B, H, m, D)
     a = normalize_scores(q_l @ k_l.transpose(-1, -2) * scale, ok[:, None, :, None] & ok[:, None, None, :], "softmax")
-    padded = key_padding_mask is not None
+    padded = key_mask is not None
     bv = F.scaled_dot_product_attention(  # softmax(Q~ K^T) V: (B, H, m, D_v)
         q_l, kc, vc, attn_mask=(ok[:, None, :, None] & real[:, None, None, :]) if padded else None, scale=scale
     )
@@ -74,7 +74,7 @@ def nystrom_attention(
 
 
 def nystrom_weights(
-    q: Tensor, k: Tensor, *, landmarks: int, pinv_iters: int | None, key_padding_mask: Tensor | None = None
+    q: Tensor, k: Tensor, *, landmarks: int, pinv_iters: int | None, key_mask: Tensor | None = None
 ) -> Tensor:
     """Nyströmformer, dense (eq. 15): ``S^ = softmax(Q K~^T s) A^+ softmax(Q~ K^T s)``,
     ``A = softmax(Q~ K~^T s)``; the output is ``S^ V``.
@@ -84,7 +84,7 @@ def nystrom_weights(
         landmarks: segments (``landmark_segments``); ``Q~, K~ = (m, N) averaging matrix @ Q, K``.
         pinv_iters: steps of ``iterative_pinv``; None: ``torch.linalg.pinv`` in float64, the exact
             pseudo-inverse (its gradient is not meant for rank-deficient A).
-        key_padding_mask: padded positions are left out of the means and masked in the third
+        key_mask: padded positions are left out of the means and masked in the third
             softmax; a segment of padding only is an invalid landmark, masked everywhere (A is then
             block-diagonal with a zero block, whose pseudo-inverse is zero there).
 
@@ -95,7 +95,7 @@ def nystrom_weights(
     scale = dim**-0.5
     qc, kc = q.to(ct), k.to(ct)
     seg, m = landmark_segments(n, landmarks, q.device)
-    real = real_tokens(key_padding_mask, b, n, q.device)
+    real = real_tokens(key_mask, b, n, q.device)
     member = (seg == torch.arange(m, device=q.device)[:, None]) & real[:, None, :]  # (B, m, N)
     counts = member.sum(-1, keepdim=True)
     average = (member.to(ct) / counts.clamp(min=1).to(ct))[:, None]  # (B, 1, m, N)
@@ -137,7 +137,7 @@ class NystromConfig(Config):
     summary="Nyströmformer: softmax attention rebuilt from segment-mean landmarks and a pseudo-inverse.",
     paper="Xiong et al. 2021, Nyströmformer: A Nyström-Based Algorithm for Approximating Self-Attention, "
     "https://arxiv.org/abs/2102.03902",
-    capabilities=Capabilities(causal=False, key_padding=True, cross_attention=False, independent_queries=False),
+    capabilities=Capabilities(causal=False, key_mask=True, cross_attention=False, independent_queries=False),
     complexity=Complexity(time="O(N m D + iters m^3)", memory="O(N m + m^2)", subquadratic_memory=True),
     notes=(
         "representative keys: m landmarks, means of m contiguous segments of floor(N/m) or ceil(N/m) keys "
@@ -154,9 +154,9 @@ class NystromAttention(LowRankAttention):
     config: NystromConfig
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        cfg, mask = self.config, args.key_padding_mask
-        return nystrom_attention(q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=mask)
+        cfg, mask = self.config, args.key_mask
+        return nystrom_attention(q, k, v, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_mask=mask)
 
     def _weights(self, q: Tensor, k: Tensor, args: AttendArgs) -> Tensor:
-        cfg, mask = self.config, args.key_padding_mask
-        return nystrom_weights(q, k, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_padding_mask=mask)
+        cfg, mask = self.config, args.key_mask
+        return nystrom_weights(q, k, landmarks=cfg.landmarks, pinv_iters=cfg.pinv_iters, key_mask=mask)

@@ -71,7 +71,7 @@ class PatternAttention(Attention):
         cfg = self.config
         pattern = resolve_pattern(self.pattern, q.shape[1], args.causal)
         scale = default_scale(cfg.scale, q.shape[-1])
-        return Call(q, k, v, pattern, args.key_padding_mask, args.score_mod, scale, cfg.block)
+        return Call(q, k, v, pattern, args.key_mask, args.score_mod, scale, cfg.block)
 
     def _init_state(self, spec: StateSpec) -> Any:
         """The cache the pattern needs (``pattern_decode``): the keys a later row can still see
@@ -116,7 +116,7 @@ def register_pattern(
         notes = (*notes, decode)
     capabilities = Capabilities(
         causal=True,
-        key_padding=True,
+        key_mask=True,
         decode_step=not no_decode,
         cross_attention=cross,
         score_mod=True,

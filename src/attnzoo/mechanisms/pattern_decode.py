@@ -112,11 +112,11 @@ def step(
     attn: PatternAttention, state: KeptKeys | KVCache, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs
 ) -> tuple[Tensor, KeptKeys | KVCache]:
     """The new tokens' rows of ``attn``'s causal forward over the keys in ``state``."""
-    mask = args.key_padding_mask
+    mask = args.key_mask
     if isinstance(state, KVCache):
         new_state = state.append(k, v, mask)
         positions = torch.arange(new_state.length, device=k.device)
-        span = _Span(new_state.k, new_state.v, positions, new_state.key_padding_mask)
+        span = _Span(new_state.k, new_state.v, positions, new_state.key_mask)
     else:
         new = torch.arange(state.seen, state.seen + k.shape[2], device=k.device)
         real = None
@@ -165,7 +165,7 @@ def _attend_span(attn: PatternAttention, q: Tensor, span: _Span, score_mod: Scor
             return inner(score, b, h, positions[q_idx.clamp(max=last)], positions[kv_idx.clamp(max=last)])
 
     if contiguous:  # the forward's own (end-aligned) pattern is the same over a shifted span
-        return attn(q, k, v, causal=True, key_padding_mask=span.real, score_mod=score_mod)
+        return attn(q, k, v, causal=True, key_mask=span.real, score_mod=score_mod)
     rows = positions[n_kv - n_q :, None]
     visible = _visible(attn, q.shape[1], rows, positions[None, :])
 
@@ -173,7 +173,7 @@ def _attend_span(attn: PatternAttention, q: Tensor, span: _Span, score_mod: Scor
         return visible[h if visible.shape[0] > 1 else 0, q_idx - (n_kv - n_q), kv_idx]
 
     out = reference_attention(
-        q, k, v, key_padding_mask=span.real, score_mod=score_mod, scale=attn.config.scale, mask_mod=mask_mod
+        q, k, v, key_mask=span.real, score_mod=score_mod, scale=attn.config.scale, mask_mod=mask_mod
     )
     return nan_rows_of_non_finite_queries(out, q)
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import Tensor
 
-from attnzoo._checks import check_key_padding_mask, check_qkv
+from attnzoo._checks import check_key_mask, check_qkv
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import routing_decode
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
@@ -138,7 +138,7 @@ def reference_routing(
     config: RoutingConfig,
     *,
     causal: bool = False,
-    key_padding_mask: Tensor | None = None,
+    key_mask: Tensor | None = None,
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Routing attention as dense attention under the masks the routing implies (the oracle):
@@ -150,7 +150,7 @@ def reference_routing(
         config: read for ``window`` (None: ``ceil(N / C)``; clipped to N), ``scale`` and
             ``share_qk`` (keys are the unit queries, ``k`` is ignored: ``RoutingConfig``).
         causal: per-token routing with a window of w recent same-cluster keys (module docstring).
-        key_padding_mask: bool ``(B, N)``, True = real; it marks padded queries too.
+        key_mask: bool ``(B, N)``, True = real; it marks padded queries too.
         return_weights: also return the ``(B, H, N, N)`` effective weights.
 
     Notes:
@@ -159,7 +159,7 @@ def reference_routing(
     """
     check_qkv(q, k, v, cross_attention=False)
     b, _, n, _ = q.shape
-    real = check_key_padding_mask(key_padding_mask, b, n, q.device)
+    real = check_key_mask(key_mask, b, n, q.device)
     real = real_tokens(real, b, n, q.device)
     real = real[:, None, :].expand(-1, q.shape[1], -1)
     compute = compute_dtype(q)
@@ -199,7 +199,7 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
     summary="Routing Transformer: online k-means clusters of q and k, attention inside clusters.",
     paper="Roy et al. 2020, Efficient Content-Based Sparse Attention with Routing Transformers, "
     "https://arxiv.org/abs/2003.05997",
-    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True, independent_queries=False),
+    capabilities=Capabilities(causal=True, key_mask=True, decode_step=True, independent_queries=False),
     complexity=Complexity(time="O(N (w + C) D), w = N / C", memory="O(N (w + C))", subquadratic_memory=True),
     notes=(
         "swapped in untrained: k-means centroids at their random initial value (no EMA updates in eval)",
@@ -260,7 +260,7 @@ class RoutingAttention(Attention):
         b, h, n, d = q.shape
         qc, kc, vc = (x.to(compute_dtype(q)) for x in (q, k, v))
         qc, kc, scale = attention_inputs(qc, kc, self.config)
-        real = real_tokens(args.key_padding_mask, b, n, q.device)
+        real = real_tokens(args.key_mask, b, n, q.device)
         sims = similarities(qc, kc, self.centroids_for(h, d, q.device), real)
         real = real[:, None, :].expand(-1, h, -1)
         w = min(math.ceil(n / self.config.n_clusters) if self.config.window is None else self.config.window, n)
@@ -277,7 +277,7 @@ class RoutingAttention(Attention):
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """``reference_routing`` under the current centroids (no EMA update)."""
         centroids = self.centroids_for(q.shape[1], q.shape[3], q.device)
-        kw = dict(causal=args.causal, key_padding_mask=args.key_padding_mask, return_weights=return_weights)
+        kw = dict(causal=args.causal, key_mask=args.key_mask, return_weights=return_weights)
         return reference_routing(q, k, v, centroids, self.config, **kw)
 
     def _init_state(self, spec: StateSpec) -> RoutingState:

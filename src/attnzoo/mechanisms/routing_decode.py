@@ -70,10 +70,10 @@ def step(
     """The new tokens' rows ``(B, H, T, D_v)`` of the causal forward, ``BLOCK`` tokens at a time;
     a prompt longer than that before any real key is the causal forward itself (its fast path)."""
     check_eval(attn)
-    mask, outs = args.key_padding_mask, []
+    mask, outs = args.key_mask, []
     if q.shape[2] > BLOCK and not bool(state.windows.count.any()):  # nothing seen can be attended
         new = _routed(attn, state, q, k, v, mask)
-        return attn(q, k, v, causal=True, key_padding_mask=mask), RoutingState(new.windows)
+        return attn(q, k, v, causal=True, key_mask=mask), RoutingState(new.windows)
     for lo in range(0, q.shape[2], BLOCK):
         block = slice(lo, lo + BLOCK)
         new = _routed(attn, state, *(x[:, :, block] for x in (q, k, v)), None if mask is None else mask[:, block])

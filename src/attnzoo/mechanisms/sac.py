@@ -119,13 +119,13 @@ def sac_attention(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, cfg: SACConfi
         q, k, v: ``(B, H, N, D)``, ``(B, H, N, D)``, ``(B, H, N, D_v)`` (self-attention).
         weight: the predictor's ``(D, D)`` matrix W.
         cfg: ``topk``, ``candidates``, ``n_random``, ``seed``, ``scale`` (see ``SACConfig``).
-        args: the checked ``causal`` and ``key_padding_mask``.
+        args: the checked ``causal`` and ``key_mask``.
 
     Shapes:
         -> ``(B, H, N, D_v)`` in the dtype of ``q``. Memory O(N (c + r) D), never N x N.
     """
     cand, valid = sac_candidates(q.shape[2], cfg, args.causal, q.device)
-    mask = args.key_padding_mask
+    mask = args.key_mask
     visible = valid[None] if mask is None else valid & mask[:, cand]  # (B or 1, N, C)
     return _attend_candidates(q, k, v, weight, cand, visible, cfg)
 
@@ -150,10 +150,8 @@ def reference_sac(
     cand, valid = sac_candidates(n, cfg, args.causal, q.device)
     graph = torch.zeros(n, n, dtype=torch.bool, device=q.device)
     graph[torch.arange(n, device=q.device)[:, None].expand_as(cand)[valid], cand[valid]] = True
-    mask_mod, mask = (lambda b, h, i, j: graph[i, j]), args.key_padding_mask
-    visible = visible_pairs(
-        batch, heads, n, n, causal=args.causal, key_padding_mask=mask, mask_mod=mask_mod, device=q.device
-    )
+    mask_mod, mask = (lambda b, h, i, j: graph[i, j]), args.key_mask
+    visible = visible_pairs(batch, heads, n, n, causal=args.causal, key_mask=mask, mask_mod=mask_mod, device=q.device)
     scores = torch.einsum("bhid,bhjd->bhij", qc, kc) * scale
     edges = torch.einsum("bhie,bhje->bhij", qc.detach() @ weight.to(qc.dtype), kc.detach()) * scale
     keep = topk_mask(edges.detach(), visible, cfg.topk)
@@ -228,13 +226,13 @@ class SACAttention(Attention):
         """The new tokens' rows of the causal forward: their candidates (positions ``t .. t + T
         - 1`` with the generator's next ``T`` rows of random numbers) over the cached keys."""
         cfg, start = self._checked_config(q), state.cache.length
-        cache = state.cache.append(k, v, args.key_padding_mask)
+        cache = state.cache.append(k, v, args.key_mask)
         generator = torch.Generator()
         generator.set_state(state.rng)
         u = torch.rand(q.shape[2], cfg.n_random, generator=generator, dtype=torch.float64)
         rows = torch.arange(start, cache.length)[:, None]
         cand, valid = (x.to(q.device) for x in _candidate_rows(rows, u, cache.length, cfg.candidates, True))
-        mask = cache.key_padding_mask
+        mask = cache.key_mask
         visible = valid[None] if mask is None else valid & mask[:, cand]
         out = _attend_candidates(q, cache.k, cache.v, self.predictor, cand, visible, cfg)
         return nan_rows_of_non_finite_queries(out, q), SACState(cache, generator.get_state())

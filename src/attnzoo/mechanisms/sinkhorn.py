@@ -69,11 +69,11 @@ class SinkhornConfig(Config):
             raise ValueError(f"sortcut must be None or in [1, max_blocks={self.max_blocks}], got {self.sortcut}")
 
 
-def real_blocks(key_padding_mask: Tensor | None, batch: int, n: int, block: int, device: torch.device) -> Tensor:
+def real_blocks(key_mask: Tensor | None, batch: int, n: int, block: int, device: torch.device) -> Tensor:
     """``(B, n_blocks, block)`` bool: True where a block slot holds a real token (not key
     padding, not the positions added to reach a multiple of ``block``)."""
     n_blocks = -(-n // block)
-    real = real_tokens(key_padding_mask, batch, n, device)
+    real = real_tokens(key_mask, batch, n, device)
     real = F.pad(real, (0, n_blocks * block - n), value=False)
     return rearrange(real, "b (n w) -> b n w", w=block)
 
@@ -158,7 +158,7 @@ def sinkhorn_attention(
     """
     (b, h, n, d), block, causal, sortcut = q.shape, cfg.block, args.causal, cfg.sortcut
     compute, scale = compute_dtype(q), default_scale(cfg.scale, d)
-    real = real_blocks(args.key_padding_mask, b, n, block, q.device)  # [B, nb, w]
+    real = real_blocks(args.key_mask, b, n, block, q.device)  # [B, nb, w]
     qb = to_blocks(q.to(compute), block)  # [B, H, nb, w, D]
     kb, vb = (torch.where(real[:, None, :, :, None], to_blocks(x.to(compute), block), 0) for x in (k, v))
     P = P.to(compute).tril(-1) if causal else P.to(compute)
@@ -217,7 +217,7 @@ def reference_sinkhorn(q: Tensor, k: Tensor, v: Tensor, P: Tensor, cfg: Sinkhorn
             (None, or s: every query attends only to sorted blocks ``0 .. s-1``, ``min(s,
             n_blocks)`` of them, no own block) are read; the sort network's fields are not.
         args: ``causal``: own-block keys ``t <= s`` only, and the sort uses only blocks
-            ``j < i`` (entries of P with ``j >= i`` are ignored); ``key_padding_mask``: bool
+            ``j < i`` (entries of P with ``j >= i`` are ignored); ``key_mask``: bool
             ``(B, N)``, True = real, or None.
 
     Returns:
@@ -230,7 +230,7 @@ def reference_sinkhorn(q: Tensor, k: Tensor, v: Tensor, P: Tensor, cfg: Sinkhorn
     """
     (b, h, n, d), block, causal, sortcut = q.shape, cfg.block, args.causal, cfg.sortcut
     compute, scale = compute_dtype(q), default_scale(cfg.scale, d)
-    real = real_blocks(args.key_padding_mask, b, n, block, q.device)  # [B, nb, w]
+    real = real_blocks(args.key_mask, b, n, block, q.device)  # [B, nb, w]
     # Padded slots hold zeros: they add nothing to a sorted block, and are never visible.
     qb, kb, vb = (to_blocks(x.to(compute), block) for x in (q, k, v))
     kb, vb = (torch.where(real[:, None, :, :, None], x, 0) for x in (kb, vb))
@@ -278,7 +278,7 @@ def implied_matrix(weights: Tensor, P: Tensor, real: Tensor, *, n: int, causal: 
     family="content",
     summary="Sparse Sinkhorn attention: own block + a block softly sorted by a learned Sinkhorn permutation.",
     paper="Tay et al. 2020, Sparse Sinkhorn Attention, https://arxiv.org/abs/2002.11296",
-    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True),
+    capabilities=Capabilities(causal=True, key_mask=True, decode_step=True),
     complexity=Complexity(
         time="O(N (block + n_blocks) D)",
         memory="O(N block + n_blocks^2); SortCut O(N sortcut block)",
@@ -343,13 +343,13 @@ class SinkhornAttention(Attention):
         u = torch.rand(like.shape, generator=generator, device=like.device, dtype=like.dtype)
         return -torch.log(-torch.log(u.clamp(min=torch.finfo(like.dtype).tiny)))
 
-    def permutation(self, k: Tensor, key_padding_mask: Tensor | None = None, causal: bool = False) -> Tensor:
+    def permutation(self, k: Tensor, key_mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """The soft permutation ``P (B, H, n_blocks, n_blocks)`` the forward uses (Gumbel noise
         included in training mode): row i says how much of key block j is sorted to block i."""
         cfg = self.config
         b, _, n, d = k.shape
         self._check(n, d, causal)
-        real = real_blocks(key_padding_mask, b, n, cfg.block, k.device)  # [B, nb, w]
+        real = real_blocks(key_mask, b, n, cfg.block, k.device)  # [B, nb, w]
         summary = block_summaries(to_blocks(k.to(compute_dtype(k)), cfg.block), real, causal=causal)  # [B, H, nb, D]
         return self.sort(summary, sortable(real, causal=causal), causal=causal)
 
@@ -363,7 +363,7 @@ class SinkhornAttention(Attention):
         return sinkhorn(logits / self.config.temperature, allowed, self.config.n_iters, causal=causal)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        return sinkhorn_attention(q, k, v, self.permutation(k, args.key_padding_mask, args.causal), self.config, args)
+        return sinkhorn_attention(q, k, v, self.permutation(k, args.key_mask, args.causal), self.config, args)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """``reference_sinkhorn`` (block by block, as the paper reads) under one drawn
@@ -371,12 +371,12 @@ class SinkhornAttention(Attention):
         (``implied_matrix``), so ``output == weights @ v``. In training mode each call draws new
         Gumbel noise: compare with ``forward`` in eval mode."""
         cfg = self.config
-        P = self.permutation(k, args.key_padding_mask, args.causal)
+        P = self.permutation(k, args.key_mask, args.causal)
         out = reference_sinkhorn(q, k, v, P, cfg, args)
         if not return_weights:
             return out
         _, slots = sinkhorn_attention(q, k, v, P, cfg, args, return_weights=True)
-        real = real_blocks(args.key_padding_mask, q.shape[0], q.shape[2], cfg.block, q.device)
+        real = real_blocks(args.key_mask, q.shape[0], q.shape[2], cfg.block, q.device)
         return out, implied_matrix(slots, P, real, n=q.shape[2], causal=args.causal, sortcut=cfg.sortcut)
 
     def _init_state(self, spec: StateSpec) -> sinkhorn_decode.SinkhornState:

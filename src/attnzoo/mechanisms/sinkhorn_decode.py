@@ -59,7 +59,7 @@ def step(
 ) -> tuple[Tensor, SinkhornState]:
     """The new tokens' rows of ``attn``'s causal forward, a block at a time (a long prefill
     visits each of its blocks once)."""
-    cache = state.cache.append(k, v, args.key_padding_mask)
+    cache = state.cache.append(k, v, args.key_mask)
     block, start = attn.config.block, state.cache.length
     sorted_block, outs = state.sorted, []
     for i in range(start // block, (cache.length - 1) // block + 1):
@@ -77,7 +77,7 @@ def sort_block(attn: SinkhornAttention, cache: KVCache, i: int) -> SortedBlock:
     block, n = attn.config.block, i * attn.config.block
     compute = compute_dtype(cache.k)
     kb, vb = (rearrange(x[:, :, :n].to(compute), "b h (n w) d -> b h n w d", w=block) for x in (cache.k, cache.v))
-    real = real_tokens(cache.key_padding_mask, cache.k.shape[0], cache.length, cache.k.device)[:, :n]
+    real = real_tokens(cache.key_mask, cache.k.shape[0], cache.length, cache.k.device)[:, :n]
     real = rearrange(real, "b (n w) -> b n w", w=block)
     # Padded tokens reach the cache as zeros: the sum over all keys is the sum over the real ones.
     summary = kb.sum((2, 3)) / real.sum((1, 2)).clamp(min=1)[:, None, None].to(compute)  # [B, H, D]
@@ -92,8 +92,8 @@ def _rows(attn: SinkhornAttention, q: Tensor, cache: KVCache, sorted_block: Sort
     first, compute = sorted_block.index * attn.config.block, sorted_block.k.dtype
     own = torch.arange(lo, hi, device=q.device)[:, None] >= torch.arange(first, hi, device=q.device)  # [T, m]
     own = own.expand(q.shape[0], q.shape[1], *own.shape)
-    if cache.key_padding_mask is not None:
-        own = own & cache.key_padding_mask[:, None, None, first:hi]
+    if cache.key_mask is not None:
+        own = own & cache.key_mask[:, None, None, first:hi]
     visible = torch.cat([own, sorted_block.real[:, :, None, :].expand(-1, -1, hi - lo, -1)], dim=-1)
     keys = torch.cat([cache.k[:, :, first:hi].to(compute), sorted_block.k], dim=2)  # [B, H, m + block, D]
     values = torch.cat([cache.v[:, :, first:hi].to(compute), sorted_block.v], dim=2)

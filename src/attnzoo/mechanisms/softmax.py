@@ -43,7 +43,7 @@ class SoftmaxConfig(Config):
     paper="Vaswani et al. 2017, Attention Is All You Need, https://arxiv.org/abs/1706.03762",
     capabilities=Capabilities(
         causal=True,
-        key_padding=True,
+        key_mask=True,
         decode_step=True,
         cross_attention=True,
         score_mod=True,
@@ -73,25 +73,7 @@ class SoftmaxAttention(KVCacheDecode, Attention):
         if not self.uses_fast_path(score_mod=args.score_mod):
             k, v = self._kv_heads(q, k, v, native=False)  # the dense reference takes H K/V heads
             return self._reference(q, k, v, args, return_weights=False)
-        return sdpa_attention(
-            q, k, v, causal=args.causal, key_padding_mask=args.key_padding_mask, scale=self.config.scale
-        )
-
-    def forward_with_weights(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool = False,
-        key_padding_mask: Tensor | None = None,
-        score_mod: ScoreMod | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """``(output, weights (B, H, N_q, N_kv))`` from the dense reference, for position
-        encodings that need the weights (Shaw relative values)."""
-        return self.reference(
-            q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod, return_weights=True
-        )
+        return sdpa_attention(q, k, v, causal=args.causal, key_mask=args.key_mask, scale=self.config.scale)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         return reference_attention(
@@ -99,7 +81,7 @@ class SoftmaxAttention(KVCacheDecode, Attention):
             k,
             v,
             causal=args.causal,
-            key_padding_mask=args.key_padding_mask,
+            key_mask=args.key_mask,
             score_mod=args.score_mod,
             scale=self.config.scale,
             normalizer=self.config.normalizer,
@@ -108,7 +90,7 @@ class SoftmaxAttention(KVCacheDecode, Attention):
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None, scale: float | None
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None, scale: float | None
 ) -> Tensor:
     """Exact softmax attention through ``F.scaled_dot_product_attention``.
 
@@ -118,7 +100,7 @@ def sdpa_attention(
     """
     n_q, n_kv = q.shape[2], k.shape[2]
     gqa = k.shape[1] != q.shape[1]  # grouped K/V heads: SDPA indexes them, nothing is repeated
-    if key_padding_mask is None and (not causal or n_q == n_kv):
+    if key_mask is None and (not causal or n_q == n_kv):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
     mask = visible_pairs(
         q.shape[0],
@@ -126,7 +108,7 @@ def sdpa_attention(
         n_q,
         n_kv,
         causal=causal,
-        key_padding_mask=key_padding_mask,
+        key_mask=key_mask,
         mask_mod=None,
         device=q.device,
     )

@@ -119,7 +119,7 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
     summary="Synthesizer: softmax of synthesized (dense, random, factorized or mixed) scores times V.",
     paper="Tay et al. 2020, Synthesizer: Rethinking Self-Attention in Transformer Models, "
     "https://arxiv.org/abs/2005.00743",
-    capabilities=Capabilities(causal=True, key_padding=True, decode_step=True),
+    capabilities=Capabilities(causal=True, key_mask=True, decode_step=True),
     complexity=Complexity(
         time="O(N^2 D) (dense also O(N D max_len) to synthesize)",
         memory="O(N^2) scores; parameters O(H max_len^2) for random",
@@ -233,14 +233,14 @@ class SynthesizerAttention(Attention):
         return s
 
     def _weighted(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         """``(output (B, H, N_q, D_v), weights (B, H, N_q, N_kv))``: the softmax of ``scores``
         over the visible keys, and v weighed by it (N_q < N_kv only from ``step``: the last rows)."""
         (batch, heads, n_q, _), n_kv = q.shape, k.shape[2]
         scores = self.scores(q, k).expand(batch, heads, n_q, n_kv)
         visible = visible_pairs(
-            batch, heads, n_q, n_kv, causal=causal, key_padding_mask=key_padding_mask, mask_mod=None, device=q.device
+            batch, heads, n_q, n_kv, causal=causal, key_mask=key_mask, mask_mod=None, device=q.device
         )
         weights = normalize_scores(scores, visible, "softmax")
         return torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype), weights
@@ -251,7 +251,7 @@ class SynthesizerAttention(Attention):
         return self._reference(q, k, v, args, return_weights=False)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
-        out, weights = self._weighted(q, k, v, args.causal, args.key_padding_mask)
+        out, weights = self._weighted(q, k, v, args.causal, args.key_mask)
         return (out, weights) if return_weights else out
 
     def _init_state(self, spec: StateSpec) -> KVCache:
@@ -270,27 +270,21 @@ class SynthesizerAttention(Attention):
                 f"synthesizer: step() would reach position {end - 1}, past max_len={self.config.max_len} "
                 "(the synthesized scores are defined for max_len positions); build it with a larger max_len"
             )
-        state = state.append(k[..., : state.k_buffer.shape[-1]], v, args.key_padding_mask)
-        out, _ = self._weighted(q, state.k, state.v, True, state.key_padding_mask)
+        state = state.append(k[..., : state.k_buffer.shape[-1]], v, args.key_mask)
+        out, _ = self._weighted(q, state.k, state.v, True, state.key_mask)
         return nan_rows_of_non_finite_queries(out, q), state
 
 
-def reference_synthesizer(
-    scores: Tensor, v: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-) -> Tensor:
+def reference_synthesizer(scores: Tensor, v: Tensor, *, causal: bool = False, key_mask: Tensor | None = None) -> Tensor:
     """Plain row-by-row ``softmax(scores + masks) V`` for given pre-mask ``scores``
     ``(B or 1, H, N, N)`` and ``v (B, H, N, D_v)``: query ``i`` sees keys ``j`` with ``j <= i``
-    (when causal) and ``key_padding_mask[b, j]`` True; a row with no visible key gives zeros."""
+    (when causal) and ``key_mask[b, j]`` True; a row with no visible key gives zeros."""
     batch, heads, n, d_v = v.shape
     out = torch.zeros(batch, heads, n, d_v, dtype=torch.float64)
     for b in range(batch):
         for h in range(heads):
             for i in range(n):
-                keys = [
-                    j
-                    for j in range(n)
-                    if (not causal or j <= i) and (key_padding_mask is None or bool(key_padding_mask[b, j]))
-                ]
+                keys = [j for j in range(n) if (not causal or j <= i) and (key_mask is None or bool(key_mask[b, j]))]
                 if not keys:
                     continue
                 row = scores[min(b, scores.shape[0] - 1), h, i, keys].double()

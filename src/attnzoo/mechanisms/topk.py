@@ -98,15 +98,15 @@ def sparse_softmax(
 
 
 def _chunk_visible(
-    start: int, stop: int, n_q: int, n_kv: int, causal: bool, key_padding_mask: Tensor | None, device: torch.device
+    start: int, stop: int, n_q: int, n_kv: int, causal: bool, key_mask: Tensor | None, device: torch.device
 ) -> Tensor | None:
     """Visible pairs of query rows ``start:stop``, broadcastable to ``(B, H, stop - start, N_kv)``."""
     visible = None
     if causal:
         q_idx = torch.arange(start, stop, device=device) + (n_kv - n_q)
         visible = torch.arange(n_kv, device=device) <= q_idx[:, None]  # (c, N_kv)
-    if key_padding_mask is not None:
-        real = rearrange(key_padding_mask, "b n -> b 1 1 n")
+    if key_mask is not None:
+        real = rearrange(key_mask, "b n -> b 1 1 n")
         visible = real if visible is None else visible & real
     return visible
 
@@ -155,7 +155,7 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: Atten
     for start in range(0, n_q, cfg.chunk):
         stop = min(start + cfg.chunk, n_q)
         q_c = qc[:, :, start:stop]  # (B, H, c, D)
-        visible = _chunk_visible(start, stop, n_q, n_kv, args.causal, args.key_padding_mask, q.device)
+        visible = _chunk_visible(start, stop, n_q, n_kv, args.causal, args.key_mask, q.device)
         with torch.no_grad():
             scores = torch.matmul(q_c * scale, kc.transpose(-1, -2))  # (B, H, c, N_kv)
             idx, valid = select_topk(scores, visible, kk)  # (B, H, c, kk)
@@ -177,7 +177,7 @@ def reference_topk(
         q, k, v: ``(B, H, N_q, D)``, ``(B, H, N_kv, D)``, ``(B, H, N_kv, D_v)``.
         cfg: ``topk`` (keys kept per query) and ``scale`` (default ``1 / sqrt(D)``).
         args: the checked call options: ``causal`` (query i sees keys ``j <= i + N_kv - N_q``),
-            ``key_padding_mask`` ``(B, N_kv)``, True = real.
+            ``key_mask`` ``(B, N_kv)``, True = real.
         return_weights: also return the ``(B, H, N_q, N_kv)`` weights.
 
     Notes:
@@ -187,10 +187,8 @@ def reference_topk(
     qc, kc, vc = (t.to(compute_dtype(q)) for t in (q, k, v))
     (batch, heads, n_q, _), n_kv = q.shape, k.shape[2]
     scores = torch.einsum("bhid,bhjd->bhij", qc, kc) * default_scale(cfg.scale, q.shape[-1])
-    mask = args.key_padding_mask
-    visible = visible_pairs(
-        batch, heads, n_q, n_kv, causal=args.causal, key_padding_mask=mask, mask_mod=None, device=q.device
-    )
+    mask = args.key_mask
+    visible = visible_pairs(batch, heads, n_q, n_kv, causal=args.causal, key_mask=mask, mask_mod=None, device=q.device)
     keep = topk_mask(scores.detach(), visible, cfg.topk)
     weights = normalize_scores(scores, keep, "softmax")
     out = torch.einsum("bhij,bhjd->bhid", weights, vc).to(q.dtype)
@@ -202,7 +200,7 @@ def register_selective(
 ) -> Callable[[type], type]:
     """Register a mechanism that attends each query over a selection of keys it keeps (``topk``,
     ``sac``): family "content"; causal, key padding and decoding; no ``score_mod``."""
-    caps = Capabilities(causal=True, key_padding=True, decode_step=True, cross_attention=cross, score_mod=False)
+    caps = Capabilities(causal=True, key_mask=True, decode_step=True, cross_attention=cross, score_mod=False)
     about = dict(family="content", summary=summary, paper=paper, notes=notes)
     return register(name, config=config, capabilities=caps, complexity=complexity, **about)
 

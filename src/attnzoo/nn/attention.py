@@ -10,10 +10,10 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnzoo._checks import check_key_padding_mask, check_module_input, check_positive_int, check_tensor
+from attnzoo._checks import check_key_mask, check_module_input, check_positive_int, check_tensor, renamed_key_mask
 from attnzoo.mechanisms.base import Attention
 from attnzoo.positional import PositionalEncoding, build_positional
-from attnzoo.registry import build
+from attnzoo.registry import EXACT, build
 from attnzoo.spec import Shape
 
 
@@ -58,7 +58,7 @@ class MultiHeadAttention(nn.Module):
         **mechanism_config: the mechanism's config (only with a name); unknown keys raise.
 
     Shapes:
-        ``x (B, N_q, dim)``, ``context (B, N_kv, kv_dim)``, ``key_padding_mask (B, N_kv)`` bool
+        ``x (B, N_q, dim)``, ``context (B, N_kv, kv_dim)``, ``key_mask (B, N_kv)`` bool
         (True = real token) -> ``(B, N_q, dim)``.
     """
 
@@ -130,8 +130,9 @@ class MultiHeadAttention(nn.Module):
             state_dict.setdefault(new + key[len(old) :], value)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    @renamed_key_mask
     def forward(
-        self, x: Tensor, context: Tensor | None = None, *, causal: bool = False, key_padding_mask: Tensor | None = None
+        self, x: Tensor, context: Tensor | None = None, *, causal: bool = False, key_mask: Tensor | None = None
     ) -> Tensor:
         check_tensor(x, "x", 3, f"(B, N, dim={self.dim})")
         if x.shape[-1] != self.dim:
@@ -145,17 +146,17 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(
                     f"context must have shape (B={x.shape[0]}, N_kv, kv_dim={self.kv_dim}), got {tuple(context.shape)}"
                 )
-        if key_padding_mask is not None and context is None:
+        if key_mask is not None and context is None:
             # Self-attention: the mask marks the padded queries too. A mechanism zeroes padded keys
             # and values, but a cross-attention-capable one leaves q as given, and a NaN query row
             # poisons the backward of every key it met: padded tokens are zeroed here, before the
             # projections, so that they are inert whatever they hold.
-            key_padding_mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
-            x = kv_in = torch.where(key_padding_mask[..., None], x, 0.0)
+            key_mask = check_key_mask(key_mask, x.shape[0], x.shape[1], x.device)
+            x = kv_in = torch.where(key_mask[..., None], x, 0.0)
         q_pos = torch.arange(x.shape[1], device=x.device)
         k_pos = torch.arange(kv_in.shape[1], device=x.device)
         q, k, v = self._project(x, kv_in, q_pos, k_pos)
-        out = self._attend(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        out = self._attend(q, k, v, causal=causal, key_mask=key_mask)
         return self._merge(out)
 
     def init_state(self, batch: int, *, device: Any = None, dtype: Any = None, capacity: int = 0) -> MHAState:
@@ -169,20 +170,21 @@ class MultiHeadAttention(nn.Module):
         )
         return MHAState(states[0] if len(states) == 1 else states, 0)
 
-    def step(self, x: Tensor, state: MHAState, *, key_padding_mask: Tensor | None = None) -> tuple[Tensor, MHAState]:
+    @renamed_key_mask
+    def step(self, x: Tensor, state: MHAState, *, key_mask: Tensor | None = None) -> tuple[Tensor, MHAState]:
         """Causal self-attention for the next ``T`` tokens ``x (B, T, dim)`` given everything
         before them in ``state``; equals the matching rows of ``forward(..., causal=True,
-        key_padding_mask=...)``. ``key_padding_mask (B, T)``: which new tokens are real (True);
+        key_mask=...)``. ``key_mask (B, T)``: which new tokens are real (True);
         padded ones (a left-padded prompt) are never attended, now or later."""
         check_tensor(x, "x", 3, f"(B, T, dim={self.dim})")
         check_module_input(self, x, "x")
-        mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
+        mask = check_key_mask(key_mask, x.shape[0], x.shape[1], x.device)
         pos = torch.arange(x.shape[1], device=x.device) + state.position
         q, k, v = self._project(x, x, pos, pos)
         if self.positional is not None and self.positional.needs_weights:
             # Shaw value embeddings need the weights: keep the KV cache here and attend densely.
             cache = state.mechanism.append(k, v, mask)
-            out = self._attend(q, cache.k, cache.v, causal=True, key_padding_mask=cache.key_padding_mask)
+            out = self._attend(q, cache.k, cache.v, causal=True, key_mask=cache.key_mask)
             mech_state = cache
         else:
             score_mod = self._score_mod(q, state.position + x.shape[1])
@@ -190,7 +192,7 @@ class MultiHeadAttention(nn.Module):
             outs, new_states = [], []
             for (attn, heads, kv, group_mod), group_state in zip(self._groups(score_mod), states):
                 out_g, state_g = attn.step(
-                    group_state, q[:, heads], k[:, kv], v[:, kv], key_padding_mask=mask, score_mod=group_mod
+                    group_state, q[:, heads], k[:, kv], v[:, kv], key_mask=mask, score_mod=group_mod
                 )
                 outs.append(out_g)
                 new_states.append(state_g)
@@ -214,22 +216,23 @@ class MultiHeadAttention(nn.Module):
     def _score_mod(self, q: Tensor, n_kv: int) -> Any:
         return None if self.positional is None else self.positional.score_mod(q, n_kv)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None) -> Tensor:
         score_mod = self._score_mod(q, k.shape[2])
         if self.positional is not None and self.positional.needs_weights:
-            out, weights = self.attn.forward_with_weights(
-                q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod
+            # Exact attention's dense twin is the same function, with its weights (the value term).
+            out, weights = self.attn.reference(
+                q, k, v, causal=causal, key_mask=key_mask, score_mod=score_mod, return_weights=True
             )
             return out + self.positional.value_term(weights).to(out.dtype)
         if len(self.mechanisms) == 1:
-            return self.attn(q, k, v, causal=causal, key_padding_mask=key_padding_mask, score_mod=score_mod)
+            return self.attn(q, k, v, causal=causal, key_mask=key_mask, score_mod=score_mod)
         outs = [
             attn(
                 q[:, heads],
                 k[:, kv],
                 v[:, kv],
                 causal=causal,
-                key_padding_mask=key_padding_mask,
+                key_mask=key_mask,
                 score_mod=group_mod,
             )
             for attn, heads, kv, group_mod in self._groups(score_mod)
@@ -303,7 +306,7 @@ def _check_positional(pe: PositionalEncoding | None, attn: Attention) -> None:
         return
     if pe.biases_scores and not attn.spec.capabilities.score_mod:
         attn._refuse(f"{type(pe).__name__} (a score bias)", "score_mod")
-    if pe.needs_weights and not callable(getattr(attn, "forward_with_weights", None)):
+    if pe.needs_weights and attn.spec.name != EXACT:
         raise ValueError(
             f"{type(pe).__name__} with value embeddings needs the attention weights, which "
             f"{attn.spec.name!r} does not expose; use mechanism='softmax', or "

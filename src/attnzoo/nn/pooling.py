@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_key_padding_mask, check_module_input, check_positive_int, check_tensor
+from attnzoo._checks import check_key_mask, check_module_input, check_positive_int, check_tensor, renamed_key_mask
 from attnzoo.backends.reference import normalize_scores
 
 _CONTEXTS = ("learned", "mean")
@@ -38,7 +38,7 @@ class LAMAPooling(nn.Module):
             the real tokens of each sequence, for a context taken from the data.
 
     Shapes:
-        ``x (B, N, dim)``, ``key_padding_mask (B, N)`` bool (True = real) -> ``(B, heads, dim)``.
+        ``x (B, N, dim)``, ``key_mask (B, N)`` bool (True = real) -> ``(B, heads, dim)``.
 
     Notes:
         Departures: no biases inside the tanh (Kim et al. allow them; the outer bias of the paper
@@ -60,26 +60,29 @@ class LAMAPooling(nn.Module):
         self.p = nn.Parameter(torch.randn(rank, heads) * rank**-0.5)
         self.c = nn.Parameter(torch.randn(dim)) if context == "learned" else None
 
-    def context_vector(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    @renamed_key_mask
+    def context_vector(self, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
         """The context c of each sequence, ``(B, dim)``."""
         if self.c is not None:
             return self.c.to(x.dtype).expand(x.shape[0], self.dim)
-        real = x.new_ones(x.shape[:2]) if key_padding_mask is None else key_padding_mask.to(x.dtype)
+        real = x.new_ones(x.shape[:2]) if key_mask is None else key_mask.to(x.dtype)
         count = real.sum(1, keepdim=True).clamp(min=1)  # an all-padding row gets c = 0
         return torch.einsum("bn,bnd->bd", real, x) / count
 
-    def weights(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    @renamed_key_mask
+    def weights(self, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
         """The pooling weights ``alpha (B, heads, N)``."""
         tokens = torch.tanh(torch.einsum("bnd,dr->bnr", x, self.u.to(x.dtype)))  # tanh(U^T x_i)
-        context = torch.tanh(self.context_vector(x, key_padding_mask) @ self.v.to(x.dtype))  # (B, r)
+        context = torch.tanh(self.context_vector(x, key_mask) @ self.v.to(x.dtype))  # (B, r)
         scores = torch.einsum("bnr,br,rh->bhn", tokens, context, self.p.to(x.dtype))
-        visible = None if key_padding_mask is None else key_padding_mask[:, None, :]
+        visible = None if key_mask is None else key_mask[:, None, :]
         return normalize_scores(scores, visible, "softmax")
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    @renamed_key_mask
+    def forward(self, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
         check_tensor(x, "x", 3, f"(B, N, dim={self.dim})")
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have width dim={self.dim}, got shape {tuple(x.shape)}")
         check_module_input(self, x, "x", dtype=False)  # the parameters are cast to x's dtype
-        key_padding_mask = check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
-        return torch.einsum("bhn,bnd->bhd", self.weights(x, key_padding_mask), x)
+        key_mask = check_key_mask(key_mask, x.shape[0], x.shape[1], x.device)
+        return torch.einsum("bhn,bnd->bhd", self.weights(x, key_mask), x)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_key_padding_mask, check_module_input, check_positive_int
+from attnzoo._checks import check_key_mask, check_module_input, check_positive_int, renamed_key_mask
 from attnzoo.mechanisms.base import Attention, TokenMixer
 from attnzoo.nn.attention import MHAState, MultiHeadAttention
 from attnzoo.nn.sampling import Picker, Sampling
@@ -77,13 +77,14 @@ class TransformerEncoderLayer(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    @renamed_key_mask
+    def forward(self, x: Tensor, *, causal: bool = False, key_mask: Tensor | None = None) -> Tensor:
         if isinstance(x, Tensor):
             check_module_input(self, x, "x")
         if self.mixer is not None:
-            x = x + self.mixer_dropout(self.mixer(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask))
+            x = x + self.mixer_dropout(self.mixer(self.norm1(x), causal=causal, key_mask=key_mask))
         else:
-            x = x + self.attn(self.norm1(x), causal=causal, key_padding_mask=key_padding_mask)
+            x = x + self.attn(self.norm1(x), causal=causal, key_mask=key_mask)
         return self._feedforward(x)
 
     def _feedforward(self, x: Tensor) -> Tensor:
@@ -93,12 +94,13 @@ class TransformerEncoderLayer(nn.Module):
         self._no_decode()
         return self.attn.init_state(batch, device=device, dtype=dtype, capacity=capacity)
 
-    def step(self, x: Tensor, state: MHAState, *, key_padding_mask: Tensor | None = None) -> tuple[Tensor, MHAState]:
+    @renamed_key_mask
+    def step(self, x: Tensor, state: MHAState, *, key_mask: Tensor | None = None) -> tuple[Tensor, MHAState]:
         """The next ``T`` tokens ``x (B, T, dim)``: the rows of ``forward(..., causal=True)``."""
         self._no_decode()
         if isinstance(x, Tensor):
             check_module_input(self, x, "x")
-        h, state = self.attn.step(self.norm1(x), state, key_padding_mask=key_padding_mask)
+        h, state = self.attn.step(self.norm1(x), state, key_mask=key_mask)
         return self._feedforward(x + h), state
 
     def _no_decode(self) -> None:
@@ -180,9 +182,10 @@ class TransformerEncoder(nn.Module):
         )
         self.norm = nn.LayerNorm(dim)
 
-    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None) -> Tensor:
+    @renamed_key_mask
+    def forward(self, x: Tensor, *, causal: bool = False, key_mask: Tensor | None = None) -> Tensor:
         for layer in self.layers:
-            x = layer(x, causal=causal, key_padding_mask=key_padding_mask)
+            x = layer(x, causal=causal, key_mask=key_mask)
         return self.norm(x)
 
 
@@ -246,10 +249,11 @@ class CausalLM(nn.Module):
         if not module.spec.capabilities.causal:
             module._refuse("causal=True (a language model is causal)", "causal")
 
-    def forward(self, tokens: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+    @renamed_key_mask
+    def forward(self, tokens: Tensor, *, key_mask: Tensor | None = None) -> Tensor:
         """``tokens (B, N)`` int64 -> logits ``(B, N, vocab_size)``."""
         x = self._embed(tokens, 0)
-        return self.head(self.decoder(x, causal=True, key_padding_mask=key_padding_mask))
+        return self.head(self.decoder(x, causal=True, key_mask=key_mask))
 
     def init_state(self, batch: int, *, device: Any = None, dtype: Any = None, capacity: int = 0) -> LMState:
         """Empty decode state; ``capacity``: the length decoding will reach, if known."""
@@ -260,43 +264,45 @@ class CausalLM(nn.Module):
         )
         return LMState(layers, 0)
 
-    def step(self, tokens: Tensor, state: LMState, *, key_padding_mask: Tensor | None = None) -> tuple[Tensor, LMState]:
+    @renamed_key_mask
+    def step(self, tokens: Tensor, state: LMState, *, key_mask: Tensor | None = None) -> tuple[Tensor, LMState]:
         """Next tokens ``(B, T)`` -> their logits ``(B, T, vocab_size)`` and the new state;
-        ``key_padding_mask (B, T)`` marks the real ones (True), as in ``forward``."""
+        ``key_mask (B, T)`` marks the real ones (True), as in ``forward``."""
         x = self._embed(tokens, state.position)
         new_states = []
         for layer, layer_state in zip(self.decoder.layers, state.layers):
-            x, layer_state = layer.step(x, layer_state, key_padding_mask=key_padding_mask)
+            x, layer_state = layer.step(x, layer_state, key_mask=key_mask)
             new_states.append(layer_state)
         logits = self.head(self.decoder.norm(x))
         return logits, LMState(tuple(new_states), state.position + tokens.shape[1])
 
     @torch.no_grad()
+    @renamed_key_mask
     def generate(
         self,
         prompt: Tensor,
         max_new_tokens: int,
         *,
-        key_padding_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
         sampling: Sampling | None = None,
         eos_token_id: int | None = None,
     ) -> Tensor:
         """Decode ``max_new_tokens`` after ``prompt (B, N)`` -> ``(B, N + generated)``.
 
         One forward-equivalent step over the prompt (a prefill), then one step per token, over
-        the mechanism's decode state (``init_state`` / ``step``). ``key_padding_mask (B, N)``
+        the mechanism's decode state (``init_state`` / ``step``). ``key_mask (B, N)``
         marks the prompt's real tokens: pad prompts on the left so each row's last token is
         real. ``sampling``: None is greedy (arg-max); else ``Sampling(temperature, top_k,
         top_p, seed)``. With ``eos_token_id``, a row that emitted it emits it again from then
         on, and decoding stops early once every row has (so fewer than ``max_new_tokens``
         columns may come back)."""
         check_positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
-        mask = check_key_padding_mask(key_padding_mask, *prompt.shape[:2], prompt.device) if prompt.ndim == 2 else None
+        mask = check_key_mask(key_mask, *prompt.shape[:2], prompt.device) if prompt.ndim == 2 else None
         if mask is not None and not bool(mask[:, -1].all()):
-            raise ValueError("key_padding_mask: every prompt's last token must be real - pad prompts on the left")
+            raise ValueError("key_mask: every prompt's last token must be real - pad prompts on the left")
         pick = Picker(sampling, prompt.device)
         state = self.init_state(prompt.shape[0], capacity=prompt.shape[1] + max_new_tokens)
-        logits, state = self.step(prompt, state, key_padding_mask=mask)
+        logits, state = self.step(prompt, state, key_mask=mask)
         out, done = [prompt], torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         for _ in range(max_new_tokens):
             token = pick(logits[:, -1])
