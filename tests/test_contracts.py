@@ -194,3 +194,28 @@ def test_grouped_kv_heads_equal_repeated_ones_forward_gradients_and_decode(name)
             out, state = attn.step(state, q[:, :, t : t + 1], k1[:, :, t : t + 1], v1[:, :, t : t + 1])
             outs.append(out)
         assert_same(torch.cat(outs, 2), attn(q, k1, v1, causal=True), what=f"{name}: grouped decode vs forward")
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_dropout_is_the_seeded_mask_the_reference_applies_or_is_refused(name):
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    q, k, v = (x.requires_grad_(True) for x in _qkv(8))
+    if not _caps(name).dropout:
+        with pytest.raises(ValueError, match="does not support attention dropout"):
+            attn(q, k, v, dropout_p=0.1)
+        return
+    for causal in _causal_modes(name):
+        torch.manual_seed(3)
+        fast = attn(q, k, v, causal=causal, key_mask=_mask(), dropout_p=0.25)
+        torch.manual_seed(3)
+        ref, weights = attn.reference(q, k, v, causal=causal, key_mask=_mask(), dropout_p=0.25, return_weights=True)
+        assert_same(fast, ref, what=f"{name} causal={causal}: dropout, fast vs reference (one seed)")
+        for got, want in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v))):
+            assert_same(got, want, what=f"{name}: dropout gradients")
+        plain = attn.reference(q, k, v, causal=causal, key_mask=_mask(), return_weights=True)[1]
+        dropped = (weights == 0) & (plain > 0)
+        assert 0.15 < dropped.sum() / (plain > 0).sum() < 0.35, f"{name}: about a quarter of the weights dropped"
+        kept = ~dropped & (plain > 0)
+        torch.testing.assert_close(weights[kept], plain[kept] / 0.75)  # the survivors rescaled by 1 / (1 - p)
+    with pytest.raises(ValueError, match="dropout_p must be a number in"):
+        attn(q, k, v, dropout_p=1.0)

@@ -97,15 +97,40 @@ def test_bad_mechanism_or_config_is_refused(minilm_setup):
         attnzoo.hf.use(model, "softmax", scale=0.1)
 
 
-def test_attention_dropout_in_training_is_refused(minilm_setup):
-    _, _, model, _, tokenized, _ = minilm_setup
-    attnzoo.hf.use(model, "softmax")
-    model.train()
-    try:
-        with pytest.raises(ValueError, match="no attention dropout"):
-            model(**tokenized[0][1])
-    finally:
-        model.eval()
+def test_attention_dropout_is_applied_in_training_by_softmax_and_refused_by_others():
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=24,
+        attention_probs_dropout_prob=0.2,
+        hidden_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = attnzoo.hf.use(transformers.BertModel(config), "softmax").train()
+    ids = torch.randint(0, 100, (4, 24), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(model(input_ids=ids).last_hidden_state)
+    assert torch.equal(runs[0], runs[1]) and not torch.allclose(runs[0], runs[2]), "dropout follows the seed"
+    optimiser = torch.optim.Adam(model.parameters(), lr=1e-2)
+    target = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(15):  # a tiny fine-tune with attention dropout on: the loss goes down
+        optimiser.zero_grad()
+        loss = (model(input_ids=ids).last_hidden_state[:, 0] - target).square().mean()
+        loss.backward()
+        optimiser.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    attnzoo.hf.use(model, "linformer", k=8)
+    with pytest.raises(ValueError, match="does not support attention dropout.*softmax"):
+        model(input_ids=ids)
+    model.eval()
+    model(input_ids=ids)  # eval mode: no dropout asked, linformer runs
 
 
 def _tiny_causal_models():

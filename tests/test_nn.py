@@ -250,3 +250,19 @@ def test_a_torch_style_key_padding_mask_gets_the_rename_error_everywhere():
     for call in calls:
         with pytest.raises(TypeError, match=r"renamed key_mask.*True where a token is real.*~key_padding_mask"):
             call()
+
+
+def test_layer_attention_dropout_acts_in_training_only_and_needs_a_mechanism_that_has_it():
+    layer = attnzoo.nn.MultiHeadAttention(16, 2, attn_dropout=0.5)
+    x = torch.randn(2, 8, 16)
+    layer.eval()
+    assert torch.equal(layer(x), layer(x))
+    layer.train()
+    torch.manual_seed(0)
+    first = layer(x)
+    torch.manual_seed(0)
+    assert torch.equal(first, layer(x)) and not torch.allclose(first, layer.eval()(x))
+    with pytest.raises(ValueError, match="does not support attention dropout"):
+        attnzoo.nn.MultiHeadAttention(16, 2, "local", attn_dropout=0.1)
+    with pytest.raises(ValueError, match="dropout_p must be a number in"):
+        attnzoo.nn.MultiHeadAttention(16, 2, attn_dropout=1.5)

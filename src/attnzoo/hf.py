@@ -38,8 +38,10 @@ Notes:
       state on the mechanism between calls (greedy and sampled generation; beam search, which
       reorders the cache, is not supported for these); one without a decode step (``random``,
       ``bigbird``, ...) refuses a call with cached keys.
-    - Attention-probability dropout is not implemented by attnzoo mechanisms: a training-mode
-      call with ``dropout > 0`` raises. Attention weights are not returned (``None``, as SDPA).
+    - Attention-probability dropout (the model's, in training mode) is applied by mechanisms with
+      ``Capabilities.dropout`` (``softmax``) and refused, naming them, by the others (set the
+      model's attention dropout to 0 to train those). Attention weights are not returned
+      (``None``, as SDPA).
 """
 
 from __future__ import annotations
@@ -285,11 +287,9 @@ def attention(
     extra = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
     if extra:
         raise ValueError(f"the attnzoo attention function does not support {', '.join(extra)} (given by the model)")
-    if dropout and module.training:
-        raise ValueError(
-            f"attnzoo mechanisms have no attention dropout (the model asks for p={dropout}); call model.eval(), "
-            "or load the model with its attention dropout set to 0 (BERT: attention_probs_dropout_prob=0.0)"
-        )
+    # transformers passes the model's attention dropout in training and 0 in eval: honoured by
+    # mechanisms with Capabilities.dropout (softmax), refused by the others with their names.
+    dropout = float(dropout) if module.training else 0.0
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)
     head_dim = query.shape[-1]
@@ -317,8 +317,10 @@ def attention(
         mech._refuse(
             "decoding with a cache (transformers' generate; use_cache=False recomputes instead)", "decode_step"
         )
-    if causal and caps.decode_step and not caps.cross_attention:
+    if causal and caps.decode_step and not caps.cross_attention and not dropout:
         out = _stepped(mech, query, key, value, key_mask)
+    elif dropout:
+        out = mech(query, key, value, causal=causal, key_mask=key_mask, dropout_p=dropout)
     else:
         out = mech(query, key, value, causal=causal, key_mask=key_mask)  # (B, H, N_q, D_v)
     return out.transpose(1, 2).contiguous(), None

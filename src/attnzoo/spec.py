@@ -39,6 +39,8 @@ class Capabilities:
         decode_step: has ``init_state`` / ``step`` for O(state) autoregressive decoding.
         cross_attention: accepts ``N_q != N_kv`` (keys/values from another sequence).
         score_mod: accepts a ``score_mod`` (position biases such as ALiBi, Shaw relative).
+        dropout: honours ``dropout_p`` (attention-probability dropout with a seeded mask that
+            the reference reproduces).
         gqa: attends K/V with fewer heads than q (``H_kv`` dividing ``H``, grouped-query
             attention) without repeating them. Every mechanism accepts such K/V; one without
             this flag gets them repeated to ``H`` heads first (``Attention.forward``).
@@ -58,6 +60,7 @@ class Capabilities:
     cross_attention: bool = False
     score_mod: bool = False
     gqa: bool = False
+    dropout: bool = False
     backends: tuple[str, ...] = ()
     kind: Kind = "attention"
     independent_queries: bool = True

@@ -8,6 +8,8 @@ tests (``tests/test_contracts.py``) to hold.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from einops import rearrange
 from torch import Tensor
@@ -64,3 +66,18 @@ def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:
     b, h, m, d = x.shape
     offset = torch.arange(b * h, device=x.device).view(b, h, *(1,) * (index.dim() - 2)) * m
     return x.reshape(b * h * m, d).index_select(0, (index + offset).flatten()).view(*index.shape, d)
+
+
+def dropout_keep(seed: int, shape: tuple[int, int, int, int], p: float, device: torch.device) -> Tensor:
+    """Bool ``(B, H, N_q, N_kv)``: which attention weights survive dropout with probability
+    ``p``, a pure function of ``seed`` and each weight's flat index (a 64-bit mix, splitmix64's
+    finaliser, in int64 arithmetic that wraps), so any path that knows the seed - the fast
+    path, the reference, a backward - draws the same mask without storing it."""
+    x = torch.arange(math.prod(shape), device=device, dtype=torch.int64).view(shape)
+    offset = (seed * 0x9E3779B97F4A7C15) % 2**64  # seed times the golden-ratio odd constant, mod 2^64
+    x = x + (offset - 2**64 if offset >= 2**63 else offset)
+    for shift, mult in ((30, -4658895280553007687), (27, -7723592293110705685)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult  # logical shift on int64
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    uniform = ((x >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
+    return uniform >= p

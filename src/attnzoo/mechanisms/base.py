@@ -60,6 +60,7 @@ class AttendArgs:
     causal: bool
     key_mask: Tensor | None
     score_mod: ScoreMod | None
+    dropout: Dropout | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,17 @@ class StateSpec:
     device: Any
     dtype: Any
     capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dropout:
+    """Attention-probability dropout for one call: drop each weight with probability ``p`` and
+    scale the rest by ``1 / (1 - p)``; which weights drop is a function of ``seed`` and the
+    weight's (b, h, i, j) (``_ops.dropout_keep``), so the fast path and the reference drop the
+    same ones, and a backward recomputes them instead of storing a mask."""
+
+    p: float
+    seed: int
 
 
 class Mechanism(nn.Module):
@@ -132,8 +144,12 @@ class Attention(Mechanism):
         causal: bool = False,
         key_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
+        dropout_p: float = 0.0,
     ) -> Tensor:
-        args = self._checked(q, k, v, causal, key_mask, score_mod)
+        """``dropout_p``: attention-probability dropout for this call (applied whenever > 0, as
+        SDPA's ``dropout_p``; layers pass it only in training), where the mechanism declares
+        ``Capabilities.dropout``; its mask is drawn from a seed taken from torch's global RNG."""
+        args = self._checked(q, k, v, causal, key_mask, score_mod, dropout_p)
         k, v = self._kv_heads(q, k, v, native=self.spec.capabilities.gqa)
         if q.shape[0] == 0 or q.shape[2] == 0:
             # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
@@ -153,12 +169,15 @@ class Attention(Mechanism):
         key_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
         return_weights: bool = False,
+        dropout_p: float = 0.0,
     ) -> Weighted:
         """The dense twin of ``forward``: the same function, computed the plain way (the N x N
         weights built explicitly), with the same checks and the same zeroed padding. With
         ``return_weights``: ``(output, weights (B, H, N_q, N_kv))``, ``output == weights @ v``
-        up to rounding for every mechanism whose output is linear in v."""
-        args = self._checked(q, k, v, causal, key_mask, score_mod)
+        up to rounding for every mechanism whose output is linear in v. With ``dropout_p``, the
+        same seed as a ``forward`` call (``torch.manual_seed`` before each) drops the same
+        weights; the weights returned are those applied (dropped and rescaled)."""
+        args = self._checked(q, k, v, causal, key_mask, score_mod, dropout_p)
         k, v = self._kv_heads(q, k, v, native=False)  # the paper's form: one K/V per query head
         if q.shape[0] == 0 or q.shape[2] == 0:
             weights = q @ k.transpose(-1, -2)  # empty, on the graph
@@ -183,6 +202,7 @@ class Attention(Mechanism):
         causal: bool,
         key_mask: Tensor | None,
         score_mod: ScoreMod | None,
+        dropout_p: float = 0.0,
     ) -> AttendArgs:
         """Validate a call against the declared capabilities; return what ``_attend`` and
         ``_reference`` receive: the normalised ``causal`` and ``key_mask`` (None when
@@ -197,7 +217,16 @@ class Attention(Mechanism):
             self._refuse("key_mask", "key_mask")
         if score_mod is not None and not caps.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
-        return AttendArgs(causal, key_mask, score_mod)
+        return AttendArgs(causal, key_mask, score_mod, self._dropout(dropout_p))
+
+    def _dropout(self, p: float) -> Dropout | None:
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
+            raise ValueError(f"dropout_p must be a number in [0, 1), got {p!r}")
+        if p == 0:
+            return None
+        if not self.spec.capabilities.dropout:
+            self._refuse(f"attention dropout (dropout_p={p})", "dropout")
+        return Dropout(float(p), int(torch.randint(0, 2**62, ())))
 
     @staticmethod
     def _kv_heads(q: Tensor, k: Tensor, v: Tensor, *, native: bool) -> tuple[Tensor, Tensor]:

@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.backends.reference import reference_attention, visible_pairs
+from attnzoo.mechanisms._ops import dropout_keep
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
 from attnzoo.registry import Config, bounded, register
@@ -48,6 +50,7 @@ class SoftmaxConfig(Config):
         cross_attention=True,
         score_mod=True,
         gqa=True,
+        dropout=True,
         backends=("sdpa", "reference"),
     ),
     complexity=Complexity(time="O(N^2 D)", memory="O(N D) SDPA, O(N^2) reference"),
@@ -56,6 +59,8 @@ class SoftmaxConfig(Config):
         "a query with no visible key returns zeros and passes zero gradient",
         "bf16/fp16 inputs are accumulated in float32",
         "grouped-query K/V (H_kv dividing H) go to SDPA as they are (enable_gqa), never repeated",
+        "dropout_p > 0 runs the dense path (O(N^2) memory): the mask is a seeded function of (b, h, i, j) "
+        "that the reference reproduces, which SDPA's internal dropout is not",
         "decode step: a KV cache (preallocated to the final length when known, else grown by doubling; "
         "grouped K/V kept at H_kv heads), the new rows attended over it: O(t) per token",
     ),
@@ -66,27 +71,27 @@ class SoftmaxAttention(KVCacheDecode, Attention):
 
     config: SoftmaxConfig
 
-    def uses_fast_path(self, *, score_mod: ScoreMod | None = None) -> bool:
-        return self.config.normalizer == "softmax" and score_mod is None
+    def uses_fast_path(self, *, score_mod: ScoreMod | None = None, dropout: bool = False) -> bool:
+        return self.config.normalizer == "softmax" and score_mod is None and not dropout
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        if not self.uses_fast_path(score_mod=args.score_mod):
+        if not self.uses_fast_path(score_mod=args.score_mod, dropout=args.dropout is not None):
             k, v = self._kv_heads(q, k, v, native=False)  # the dense reference takes H K/V heads
             return self._reference(q, k, v, args, return_weights=False)
         return sdpa_attention(q, k, v, causal=args.causal, key_mask=args.key_mask, scale=self.config.scale)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
-        return reference_attention(
-            q,
-            k,
-            v,
-            causal=args.causal,
-            key_mask=args.key_mask,
-            score_mod=args.score_mod,
-            scale=self.config.scale,
-            normalizer=self.config.normalizer,
-            return_weights=return_weights,
-        )
+        options = {"causal": args.causal, "key_mask": args.key_mask, "score_mod": args.score_mod}
+        options |= {"scale": self.config.scale, "normalizer": self.config.normalizer}
+        if args.dropout is None:
+            return reference_attention(q, k, v, return_weights=return_weights, **options)
+        # Dropout on the probabilities (Vaswani et al. 2017, 5.4): the seeded mask, rescaled.
+        weights = reference_attention(q, k, v, return_weights=True, **options)[1]
+        p = args.dropout.p
+        keep = dropout_keep(args.dropout.seed, tuple(weights.shape), p, weights.device)
+        weights = torch.where(keep, weights / (1 - p), 0.0)
+        out = weights.to(v.dtype) @ v
+        return (out, weights) if return_weights else out
 
 
 def sdpa_attention(

@@ -49,6 +49,8 @@ class MultiHeadAttention(nn.Module):
             a ``attnzoo.positional.PositionalEncoding``. Absolute encodings given here are added
             to the query and key inputs (not the values).
         dropout: dropout on the output projection. Default 0.
+        attn_dropout: attention-probability dropout in training mode (the mechanism's
+            ``dropout_p``, for mechanisms with ``Capabilities.dropout``: ``softmax``); default 0.
         bias: whether the projections have biases. Default True.
         max_len: the longest sequence the layer will see, if known; default None. With the
             heads and head width it makes the ``attnzoo.Shape`` the layer builds each mechanism
@@ -73,6 +75,7 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         positional: str | PositionalEncoding | None = None,
         dropout: float = 0.0,
+        attn_dropout: float = 0.0,
         bias: bool = True,
         max_len: int | None = None,
         **mechanism_config: Any,
@@ -104,6 +107,9 @@ class MultiHeadAttention(nn.Module):
         self.positional = build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim)
         for attn in self.mechanisms:
             _check_positional(self.positional, attn)
+            if attn_dropout:
+                attn._dropout(attn_dropout)  # refuses a mechanism without dropout, and a bad value
+        self.attn_dropout = float(attn_dropout)
         if len(groups) > 1 and self.positional is not None and self.positional.needs_weights:
             raise ValueError(
                 "Shaw relative value embeddings need one dense mechanism for all heads; "
@@ -218,14 +224,15 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None) -> Tensor:
         score_mod = self._score_mod(q, k.shape[2])
+        p = self.attn_dropout if self.training else 0.0
         if self.positional is not None and self.positional.needs_weights:
             # Exact attention's dense twin is the same function, with its weights (the value term).
             out, weights = self.attn.reference(
-                q, k, v, causal=causal, key_mask=key_mask, score_mod=score_mod, return_weights=True
+                q, k, v, causal=causal, key_mask=key_mask, score_mod=score_mod, return_weights=True, dropout_p=p
             )
             return out + self.positional.value_term(weights).to(out.dtype)
         if len(self.mechanisms) == 1:
-            return self.attn(q, k, v, causal=causal, key_mask=key_mask, score_mod=score_mod)
+            return self.attn(q, k, v, causal=causal, key_mask=key_mask, score_mod=score_mod, dropout_p=p)
         outs = [
             attn(
                 q[:, heads],
@@ -234,6 +241,7 @@ class MultiHeadAttention(nn.Module):
                 causal=causal,
                 key_mask=key_mask,
                 score_mod=group_mod,
+                dropout_p=p,
             )
             for attn, heads, kv, group_mod in self._groups(score_mod)
         ]
