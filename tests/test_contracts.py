@@ -219,3 +219,35 @@ def test_dropout_is_the_seeded_mask_the_reference_applies_or_is_refused(name):
         torch.testing.assert_close(weights[kept], plain[kept] / 0.75)  # the survivors rescaled by 1 / (1 - p)
     with pytest.raises(ValueError, match="dropout_p must be a number in"):
         attn(q, k, v, dropout_p=1.0)
+
+
+def _general_masks() -> tuple[torch.Tensor, torch.Tensor]:
+    """A bool (B, 1, N, N) mask with one row that sees nothing, and an additive (1, H, N, N)
+    bias with -inf entries."""
+    g = torch.Generator().manual_seed(9)
+    allowed = torch.rand(B, 1, N, N, generator=g) > 0.3
+    allowed[1, 0, 5] = False
+    bias = torch.randn(1, HEADS, N, N, generator=g, dtype=torch.float64)
+    return allowed, bias.masked_fill(torch.rand(1, HEADS, N, N, generator=g) > 0.8, -torch.inf)
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_a_general_attn_mask_is_what_the_reference_applies_or_is_refused(name):
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    q, k, v = (x.requires_grad_(True) for x in _qkv(10))
+    allowed, bias = _general_masks()
+    if not _caps(name).attn_mask:
+        with pytest.raises(ValueError, match="does not support a general attn_mask"):
+            attn(q, k, v, attn_mask=allowed)
+        return
+    for causal in _causal_modes(name):
+        for mask in (allowed, bias):
+            fast = attn(q, k, v, causal=causal, key_mask=_mask(), attn_mask=mask)
+            ref, weights = attn.reference(q, k, v, causal=causal, key_mask=_mask(), attn_mask=mask, return_weights=True)
+            assert_same(fast, ref, what=f"{name} causal={causal} attn_mask {mask.dtype}: fast vs reference")
+            for got, want in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v))):
+                assert_same(got, want, what=f"{name}: attn_mask gradients")
+            blocked = ~allowed if mask.dtype == torch.bool else torch.isinf(bias)
+            assert not weights.masked_select(blocked.expand_as(weights)).any(), "masked pairs get no weight"
+        emptied = attn(q, k, v, causal=causal, key_mask=_mask(), attn_mask=allowed)[1, :, 5]
+        assert not emptied.any(), f"{name}: a row the mask empties is zero"

@@ -115,3 +115,19 @@ def test_bad_input_gets_a_clear_error(case):
         attnzoo.build("softmax")(*args, **kwargs)
     with pytest.raises(error):
         reference_attention(*args, **kwargs)
+
+
+def test_attn_mask_bool_and_additive_equal_a_hand_computation():
+    q, k, v = (torch.randn(2, 3, 6, 4, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(2, 1, 6, 6, dtype=torch.float64)
+    bias[0, 0, 2, :] = -torch.inf  # a row that sees nothing
+    allowed = torch.rand(1, 3, 6, 6) > 0.4
+    allowed[..., 0] = True
+    scores = q @ k.transpose(-1, -2) / 2.0  # scale 1/sqrt(4)
+    for mask, added in ((bias, scores + bias), (allowed, scores.masked_fill(~allowed, -torch.inf))):
+        want = torch.nan_to_num(added.softmax(-1), nan=0.0) @ v
+        assert_same(attnzoo.build("softmax")(q, k, v, attn_mask=mask), want)
+    with pytest.raises(ValueError, match=r"attn_mask must have shape \(B or 1, H or 1, N_q, N_kv\)"):
+        attnzoo.build("softmax")(q, k, v, attn_mask=allowed[:, :, :5])
+    with pytest.raises(TypeError, match="bool .* or floating"):
+        attnzoo.build("softmax")(q, k, v, attn_mask=allowed.long())

@@ -151,3 +151,21 @@ def renamed_key_mask(fn: F) -> F:
         return fn(*args, **kwargs)
 
     return checked  # type: ignore[return-value]
+
+
+def check_attn_mask(mask: object, q: Tensor, k: Tensor) -> None:
+    """``attn_mask`` is ``(B | 1, H | 1, N_q, N_kv)``: bool (True = may attend) or floating
+    (an additive bias on the scaled scores, ``-inf`` = masked)."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attn_mask must be a tensor (B | 1, H | 1, N_q, N_kv) or None, got {type(mask).__name__}")
+    b, h, n_q, n_kv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    ok = mask.ndim == 4 and mask.shape[0] in (1, b) and mask.shape[1] in (1, h) and mask.shape[2:] == (n_q, n_kv)
+    if not ok:
+        raise ValueError(
+            f"attn_mask must have shape (B or 1, H or 1, N_q, N_kv) = ({b} or 1, {h} or 1, {n_q}, {n_kv}), "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = may attend) or floating (additive), got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"attn_mask is on {mask.device} but q, k, v are on {q.device}; move it with .to()")

@@ -39,6 +39,7 @@ class Capabilities:
         decode_step: has ``init_state`` / ``step`` for O(state) autoregressive decoding.
         cross_attention: accepts ``N_q != N_kv`` (keys/values from another sequence).
         score_mod: accepts a ``score_mod`` (position biases such as ALiBi, Shaw relative).
+        attn_mask: honours a general ``attn_mask (B | 1, H | 1, N_q, N_kv)``, bool or additive.
         dropout: honours ``dropout_p`` (attention-probability dropout with a seeded mask that
             the reference reproduces).
         gqa: attends K/V with fewer heads than q (``H_kv`` dividing ``H``, grouped-query
@@ -61,6 +62,7 @@ class Capabilities:
     score_mod: bool = False
     gqa: bool = False
     dropout: bool = False
+    attn_mask: bool = False
     backends: tuple[str, ...] = ()
     kind: Kind = "attention"
     independent_queries: bool = True

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnzoo._checks import check_causal, check_key_mask, check_qkv, check_tensor, renamed_key_mask
+from attnzoo._checks import check_attn_mask, check_causal, check_key_mask, check_qkv, check_tensor, renamed_key_mask
 from attnzoo.mechanisms._ops import compute_dtype, zero_padding
 from attnzoo.registry import names, spec_of_config
 from attnzoo.spec import ScoreMod, Spec
@@ -61,6 +61,7 @@ class AttendArgs:
     key_mask: Tensor | None
     score_mod: ScoreMod | None
     dropout: Dropout | None = None
+    attn_mask: Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +146,15 @@ class Attention(Mechanism):
         key_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
         dropout_p: float = 0.0,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         """``dropout_p``: attention-probability dropout for this call (applied whenever > 0, as
         SDPA's ``dropout_p``; layers pass it only in training), where the mechanism declares
-        ``Capabilities.dropout``; its mask is drawn from a seed taken from torch's global RNG."""
-        args = self._checked(q, k, v, causal, key_mask, score_mod, dropout_p)
+        ``Capabilities.dropout``; its mask is drawn from a seed taken from torch's global RNG.
+        ``attn_mask``: a general mask ``(B | 1, H | 1, N_q, N_kv)``, bool (True = may attend) or
+        additive float (added to the scaled scores), on top of ``causal`` and ``key_mask``, where
+        the mechanism declares ``Capabilities.attn_mask``; elsewhere refused."""
+        args = self._checked(q, k, v, causal, key_mask, score_mod, dropout_p, attn_mask)
         k, v = self._kv_heads(q, k, v, native=self.spec.capabilities.gqa)
         if q.shape[0] == 0 or q.shape[2] == 0:
             # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
@@ -170,6 +175,7 @@ class Attention(Mechanism):
         score_mod: ScoreMod | None = None,
         return_weights: bool = False,
         dropout_p: float = 0.0,
+        attn_mask: Tensor | None = None,
     ) -> Weighted:
         """The dense twin of ``forward``: the same function, computed the plain way (the N x N
         weights built explicitly), with the same checks and the same zeroed padding. With
@@ -177,7 +183,7 @@ class Attention(Mechanism):
         up to rounding for every mechanism whose output is linear in v. With ``dropout_p``, the
         same seed as a ``forward`` call (``torch.manual_seed`` before each) drops the same
         weights; the weights returned are those applied (dropped and rescaled)."""
-        args = self._checked(q, k, v, causal, key_mask, score_mod, dropout_p)
+        args = self._checked(q, k, v, causal, key_mask, score_mod, dropout_p, attn_mask)
         k, v = self._kv_heads(q, k, v, native=False)  # the paper's form: one K/V per query head
         if q.shape[0] == 0 or q.shape[2] == 0:
             weights = q @ k.transpose(-1, -2)  # empty, on the graph
@@ -203,6 +209,7 @@ class Attention(Mechanism):
         key_mask: Tensor | None,
         score_mod: ScoreMod | None,
         dropout_p: float = 0.0,
+        attn_mask: Tensor | None = None,
     ) -> AttendArgs:
         """Validate a call against the declared capabilities; return what ``_attend`` and
         ``_reference`` receive: the normalised ``causal`` and ``key_mask`` (None when
@@ -217,7 +224,11 @@ class Attention(Mechanism):
             self._refuse("key_mask", "key_mask")
         if score_mod is not None and not caps.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
-        return AttendArgs(causal, key_mask, score_mod, self._dropout(dropout_p))
+        if attn_mask is not None:
+            check_attn_mask(attn_mask, q, k)
+            if not caps.attn_mask:
+                self._refuse("a general attn_mask (only causal and key_mask)", "attn_mask")
+        return AttendArgs(causal, key_mask, score_mod, self._dropout(dropout_p), attn_mask)
 
     def _dropout(self, p: float) -> Dropout | None:
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:

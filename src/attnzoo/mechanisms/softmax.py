@@ -8,6 +8,7 @@ the double-loop oracle in ``tests/oracles.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,6 +52,7 @@ class SoftmaxConfig(Config):
         score_mod=True,
         gqa=True,
         dropout=True,
+        attn_mask=True,
         backends=("sdpa", "reference"),
     ),
     complexity=Complexity(time="O(N^2 D)", memory="O(N D) SDPA, O(N^2) reference"),
@@ -78,11 +80,15 @@ class SoftmaxAttention(KVCacheDecode, Attention):
         if not self.uses_fast_path(score_mod=args.score_mod, dropout=args.dropout is not None):
             k, v = self._kv_heads(q, k, v, native=False)  # the dense reference takes H K/V heads
             return self._reference(q, k, v, args, return_weights=False)
+        if args.attn_mask is not None:
+            return sdpa_with_attn_mask(q, k, v, args, scale=self.config.scale)
         return sdpa_attention(q, k, v, causal=args.causal, key_mask=args.key_mask, scale=self.config.scale)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         options = {"causal": args.causal, "key_mask": args.key_mask, "score_mod": args.score_mod}
         options |= {"scale": self.config.scale, "normalizer": self.config.normalizer}
+        if args.attn_mask is not None:
+            options |= attn_mask_mods(args.attn_mask, args.score_mod)
         if args.dropout is None:
             return reference_attention(q, k, v, return_weights=return_weights, **options)
         # Dropout on the probabilities (Vaswani et al. 2017, 5.4): the seeded mask, rescaled.
@@ -118,3 +124,41 @@ def sdpa_attention(
         device=q.device,
     )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def attn_mask_mods(attn_mask: Tensor, score_mod: ScoreMod | None) -> dict[str, object]:
+    """A general ``attn_mask`` as the reference's ``mask_mod`` (which pairs are visible: True,
+    or a finite bias) and, for an additive mask, a ``score_mod`` adding its finite values to the
+    scores (after ``score_mod``'s own bias, if any)."""
+
+    def at(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        b = b if attn_mask.shape[0] > 1 else torch.zeros_like(b)
+        h = h if attn_mask.shape[1] > 1 else torch.zeros_like(h)
+        return attn_mask[b, h, q_idx, kv_idx]
+
+    if attn_mask.dtype == torch.bool:
+        return {"mask_mod": at}
+
+    def bias(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        score = score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
+        added = at(b, h, q_idx, kv_idx).to(score.dtype)
+        return score + torch.where(torch.isfinite(added), added, 0.0)
+
+    return {"mask_mod": lambda b, h, i, j: at(b, h, i, j) > -math.inf, "score_mod": bias}
+
+
+def sdpa_with_attn_mask(q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, *, scale: float | None) -> Tensor:
+    """SDPA with a general ``attn_mask`` combined with ``causal`` and ``key_mask`` (one bool or
+    additive mask); a row that sees nothing gets zeros, not SDPA's NaN."""
+    b, h, n_q, n_kv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    visible = visible_pairs(b, h, n_q, n_kv, causal=args.causal, key_mask=args.key_mask, mask_mod=None, device=q.device)
+    mask = args.attn_mask
+    if mask.dtype == torch.bool:
+        mask = mask if visible is None else mask & visible
+        seen = mask.any(-1, keepdim=True)
+    else:
+        mask = mask.to(q.dtype)
+        mask = mask if visible is None else mask.masked_fill(~visible, -math.inf)
+        seen = (mask > -math.inf).any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != h)
+    return torch.where(seen, out, 0.0)
