@@ -98,17 +98,9 @@ def test_bad_mechanism_or_config_is_refused(minilm_setup):
 
 
 def test_attention_dropout_is_applied_in_training_by_softmax_and_refused_by_others():
-    config = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=24,
-        attention_probs_dropout_prob=0.2,
-        hidden_dropout_prob=0.0,
-    )
     torch.manual_seed(0)
+    config = _tiny_bert().config
+    config.attention_probs_dropout_prob, config.hidden_dropout_prob = 0.2, 0.0
     model = attnzoo.hf.use(transformers.BertModel(config), "softmax").train()
     ids = torch.randint(0, 100, (4, 24), generator=torch.Generator().manual_seed(0))
     runs = []

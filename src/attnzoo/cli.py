@@ -241,6 +241,11 @@ def cmd_bench_decode(console: Console, args: argparse.Namespace) -> None:
     console.print(table)
 
 
+def _mechanism_option(parser: argparse.ArgumentParser, default: str) -> None:
+    help = f"repeatable; default: {default} with its defaults"
+    parser.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]", help=help)
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
@@ -314,13 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--out", help="output PNG (or folder with --all)")
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     sp = bench.add_parser("speed", help="time and memory of mechanisms vs dense SDPA in the same run")
-    sp.add_argument(
-        "--mechanism",
-        action="append",
-        default=[],
-        metavar="NAME[:key=value,...]",
-        help="repeatable; default: every registered attention mechanism with its defaults",
-    )
+    _mechanism_option(sp, "every registered attention mechanism")
     sp.add_argument("--backend", default="auto", help="comma-separated: auto,blocked,flex,reference")
     sp.add_argument("--n", default="1024,4096,16384", help="comma-separated sequence lengths")
     sp.add_argument("--batch", type=int, default=1)
@@ -344,13 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--sdpa-max-n", type=int, default=16384, help="skip the dense SDPA reference above this N")
     sp.add_argument("--out", help="write JSON lines here")
     dp = bench.add_parser("decode", help="time of one decoding step and the state's size at given positions")
-    dp.add_argument(
-        "--mechanism",
-        action="append",
-        default=[],
-        metavar="NAME[:key=value,...]",
-        help="repeatable; default: every causal attention mechanism with its defaults",
-    )
+    _mechanism_option(dp, "every causal attention mechanism")
     dp.add_argument("--positions", default="1024,4096,16384", help="comma-separated positions (tokens already seen)")
     dp.add_argument("--heads", type=int, default=8)
     dp.add_argument("--dim", type=int, default=64)
