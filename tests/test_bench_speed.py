@@ -23,7 +23,7 @@ def test_parse_mechanism_reads_literals():
 
 def test_run_reports_ratios_checks_and_errors():
     setting = speed.Setting(
-        mechanisms=(("local", {"left": 8, "right": 8, "block": 64}), ("block2d", {})),
+        mechanisms=(("local", {"left": 8, "right": 8, "tile": 64}), ("block2d", {})),
         backends=("blocked",),
         sizes=(256,),
         heads=2,
@@ -56,7 +56,7 @@ def test_cli_writes_json_lines(tmp_path, capsys):
             "bench",
             "speed",
             "--mechanism",
-            "local:left=4,right=4,block=32",
+            "local:left=4,right=4,tile=32",
             "--n",
             "128",
             "--heads",
@@ -117,7 +117,7 @@ def test_fitted_exponents():
     assert speed.fitted_exponent([1000], [3.0]) is None
     assert speed.fitted_exponent([1000, 2000], [0, 5.0]) is None  # unmeasured memory is skipped
     setting = speed.Setting(
-        mechanisms=(("local", {"left": 4, "right": 4, "block": 32}),),
+        mechanisms=(("local", {"left": 4, "right": 4, "tile": 32}),),
         sizes=(64, 128),
         heads=1,
         dim=16,

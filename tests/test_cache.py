@@ -80,7 +80,7 @@ def test_window_decode_keeps_o_window_state_and_equals_the_causal_forward():
         ("local", dict(left=6, right=2)),
         ("dilated", dict(left=3, right=1, dilation=2)),
         ("sinks", dict(sinks=3, left=6, right=2)),
-        ("longformer", dict(window=6, global_indices=(0, 5))),
+        ("longformer", dict(left=6, right=6, global_indices=(0, 5))),
     )
     kept_keys = {"local": 6, "dilated": 6, "sinks": 9, "longformer": 12}
     for (mechanism, config), positional in itertools.product(windows, ("alibi", None)):

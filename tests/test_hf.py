@@ -63,7 +63,7 @@ def test_narrow_window_really_runs(minilm_setup):
 
 def test_padding_positions_are_ignored(minilm_setup):
     tokenizer, _, model, texts, tokenized, _ = minilm_setup
-    attnzoo.hf.use(model, "longformer", window=8, global_indices=(0,))
+    attnzoo.hf.use(model, "longformer", left=8, right=8, global_indices=(0,))
     batched = fidelity.embed(model, tokenized, len(texts))
     for i in (0, 3):  # the shortest passage (most padding) and one other
         alone = fidelity.embed(model, fidelity.batches(tokenizer, [texts[i]], max_length=128, batch=1), 1)

@@ -148,9 +148,9 @@ def test_heterogeneous_heads_equal_each_group_run_separately():
     # 2 local + 1 strided + 1 global + 4 softmax heads, with ALiBi: each group must see the
     # layer's own head indices (so slopes match the heads), and the outputs are concatenated.
     groups = [
-        ("local", {"left": 2, "right": 2, "block": 16}, 2),
-        ("strided", {"stride": 5, "block": 16}, 1),
-        ("global", {"indices": (0,), "block": 16}, 1),
+        ("local", {"left": 2, "right": 2, "tile": 16}, 2),
+        ("strided", {"stride": 5, "tile": 16}, 1),
+        ("global", {"indices": (0,), "tile": 16}, 1),
         ("softmax", {}, 4),
     ]
     mha = attnzoo.nn.MultiHeadAttention(64, 8, groups, positional="alibi").double()
@@ -179,7 +179,7 @@ def test_heterogeneous_heads_equal_each_group_run_separately():
 
 
 def test_heterogeneous_heads_forward_and_decode_step():
-    groups = [("local", {"left": 3, "right": 0, "block": 16}, 2), ("linear", {}, 2), ("softmax", {}, 4)]
+    groups = [("local", {"left": 3, "right": 0, "tile": 16}, 2), ("linear", {}, 2), ("softmax", {}, 4)]
     mha = attnzoo.nn.MultiHeadAttention(64, 8, groups).double().eval()
     x = torch.randn(2, 20, 64, dtype=torch.float64)
     out = mha(x, causal=True)

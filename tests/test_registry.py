@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import attnzoo
-from attnzoo.registry import Config, config_fields, register
+from attnzoo.registry import Config, check_values, config_fields, register
 from attnzoo.spec import Capabilities, Complexity
 
 ALL = attnzoo.names()
@@ -42,6 +42,23 @@ def test_unknown_key_names_the_valid_ones():
         ValueError, match=r"unknown config key\(s\) 'bogus' for 'softmax'; valid keys: normalizer, scale"
     ):
         attnzoo.build("softmax", bogus=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new"),
+    [("longformer", "window", "left and right"), ("etc", "window", "left and right"), ("local", "block", "tile")]
+    + [("block_local", "size", "block"), ("block_local", "block", None), ("bigbird", "block", None)],
+)
+def test_renamed_keys_are_refused_with_the_new_name(name, old, new):
+    # A renamed key says what replaced it, through build and check_values (the command line's
+    # path); a base's renames apply to subclasses, unless the old name is a field again there
+    # (``block`` is a semantic block in block_local and bigbird, the tile in SparseConfig).
+    if new is None:
+        attnzoo.build(name, **{old: 4})
+        return
+    for call in (lambda: attnzoo.build(name, **{old: 4}), lambda: check_values(name, {old: 4})):
+        with pytest.raises(ValueError, match=rf"{name!r}: config key {old!r} was renamed: use {new}"):
+            call()
 
 
 def test_wrong_types_and_values_are_rejected():
@@ -156,7 +173,7 @@ def test_for_length_defaults_to_the_defaults_and_sized_reads_it():
 @pytest.mark.parametrize(
     ("name", "values", "message"),
     [
-        ("local", {"block": 0}, "LocalConfig: block must be >= 1, got 0"),
+        ("local", {"tile": 0}, "LocalConfig: tile must be >= 1, got 0"),
         ("topk", {"scale": -1.0}, r"TopKConfig: scale must be > 0 or None \(for 1/sqrt\(D\)\), got -1.0"),
         ("routing", {"decay": 1.5}, r"RoutingConfig: decay must be in \[0.0, 1.0\], got 1.5"),
         ("routing", {"window": 0}, r"RoutingConfig: window must be >= 1 or None \(for ceil\(N / n_clusters\)\), got 0"),

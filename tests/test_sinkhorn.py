@@ -86,7 +86,7 @@ def test_identity_permutation_is_block_local(causal, padded):
     mask = _mask(padded)
     q, k, v = make_qkv(B, H, N, N, D, requires_grad=False)
     identity = torch.eye(NB, dtype=q.dtype).expand(B, H, NB, NB)
-    local = attnzoo.build("block_local", size=BLOCK, backend="reference")(q, k, v, causal=causal, key_mask=mask)
+    local = attnzoo.build("block_local", block=BLOCK, backend="reference")(q, k, v, causal=causal, key_mask=mask)
     cfg, args = SinkhornConfig(block=BLOCK, head_dim=D), AttendArgs(causal, mask, None)
     for fn in (sinkhorn_attention, reference_sinkhorn):
         assert_same(fn(q, k, v, identity, cfg, args), local)

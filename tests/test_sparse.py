@@ -26,9 +26,9 @@ def _inputs(dtype, requires_grad=True):
 def _build(name, backend):
     # Each mechanism sized for N by its own config (a quarter of the keys; grids and graphs
     # fitted to N = 75 = 5 x 15), so a new sparse mechanism is covered without editing this file.
-    # Tiles of 16 leave a ragged last tile; bigbird's tile is its own block (75 // 8 = 9).
+    # Tiles of 16 leave a ragged last tile; on bigbird (blocks of 75 // 8 = 9) they cut its blocks.
     cfg = attnzoo.describe(name).config.length_values(N)
-    return attnzoo.build(name, backend=backend, **{"block": 16, **cfg})
+    return attnzoo.build(name, backend=backend, **{"tile": 16, **cfg})
 
 
 @pytest.mark.parametrize("name", SPARSE)
@@ -94,14 +94,14 @@ def test_flex_equals_reference_all(name):
 
 def test_window_covering_the_sequence_equals_full_attention():
     q, k, v = _inputs(torch.float64, requires_grad=False)
-    out = attnzoo.build("local", left=N, right=N, block=16)(q, k, v, causal=True)
+    out = attnzoo.build("local", left=N, right=N, tile=16)(q, k, v, causal=True)
     full = attnzoo.build("softmax")(q, k, v, causal=True)
     torch.testing.assert_close(out, full)
 
 
 def test_heads_use_different_patterns_inside_multi_head_attention():
     heads = P.per_head([P.local(1), P.global_tokens([0])])
-    mha = attnzoo.nn.MultiHeadAttention(32, 4, "pattern", pattern=heads, block=16)
+    mha = attnzoo.nn.MultiHeadAttention(32, 4, "pattern", pattern=heads, tile=16)
     x = torch.randn(2, 30, 32, requires_grad=True)
     y = mha(x, causal=True)
     y.sum().backward()
@@ -114,7 +114,7 @@ def test_heads_use_different_patterns_inside_multi_head_attention():
 
 def test_global_tokens_prepend_and_strip_for_etc():
     tokens = attnzoo.nn.GlobalTokens(32, n=2)
-    layer = attnzoo.nn.MultiHeadAttention(32, 4, "etc", window=2, n_global=2, block=16)
+    layer = attnzoo.nn.MultiHeadAttention(32, 4, "etc", left=2, right=2, n_global=2, tile=16)
     x = torch.randn(2, 20, 32)
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, 15:] = False
@@ -146,7 +146,7 @@ def test_no_n_by_n_allocation_on_the_blocked_path():
 
 def test_alibi_score_mod_through_a_sparse_layer_equals_softmax_with_the_same_bias():
     torch.manual_seed(0)
-    local = attnzoo.nn.MultiHeadAttention(32, 4, "local", left=N, right=N, block=16, positional="alibi")
+    local = attnzoo.nn.MultiHeadAttention(32, 4, "local", left=N, right=N, tile=16, positional="alibi")
     torch.manual_seed(0)
     dense = attnzoo.nn.MultiHeadAttention(32, 4, "softmax", positional="alibi")
     x = torch.randn(2, N, 32, dtype=torch.float64)

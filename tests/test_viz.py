@@ -48,8 +48,9 @@ def test_draw_weights_of_implied_attention(tmp_path):
 def test_gallery_configs_come_from_the_mechanisms():
     assert not hasattr(viz, "GALLERY_CONFIGS")  # no table keyed by mechanism name to keep in step
     sized = {name: attnzoo.describe(name).config.length_values(64) for name in attnzoo.names(family="sparse")}
-    # Only bigbird's kernel tile is its pattern block; the others use the default kernel block.
-    assert [name for name, cfg in sized.items() if "block" in cfg] == ["bigbird"]
+    # Only bigbird's kernel tile defaults to its pattern block; the others use the default tile.
+    tiles = {name: attnzoo.build(name, **cfg).config.tile for name, cfg in sized.items()}
+    assert [name for name, tile in tiles.items() if tile is None] == ["bigbird"]
 
 
 def test_mechanism_pattern():

@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("name", nargs="?", help="a registered mechanism")
     show.add_argument("--n", type=int, default=64, help="sequence length drawn (default 64)")
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config values (repeatable)")
-    show.add_argument("--grid", type=int, help="overlay the kernel's tile grid of this block size")
+    show.add_argument("--grid", type=int, help="overlay the backend's tile grid of this tile size (a config's tile=)")
     show.add_argument("--causal", action="store_true")
     show.add_argument("--all", action="store_true", help="write a gallery of every sparse mechanism and index.html")
     show.add_argument("--out", help="output PNG (or folder with --all)")

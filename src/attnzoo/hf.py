@@ -3,7 +3,7 @@ model, without retraining, through transformers' ``AttentionInterface``.
 
 >>> import attnzoo.hf
 >>> model = AutoModel.from_pretrained(path).eval()
->>> attnzoo.hf.use(model, "longformer", window=64, global_indices=(0,))   # CLS token global
+>>> attnzoo.hf.use(model, "longformer", left=64, right=64, global_indices=(0,))  # CLS token global
 >>> out = model(**batch)                                   # every self-attention layer runs it
 
 ``use`` registers ``"attnzoo"`` with ``AttentionInterface`` (and a mask function with

@@ -25,7 +25,7 @@ import difflib
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from torch import nn
 
@@ -72,7 +72,13 @@ class Config:
     annotation and its range against its ``bounded`` declaration, then runs ``validate``.
 
     ``for_length(n)`` gives the config for sequences of length ``n``; a mechanism with a setting
-    that should follow the length overrides ``length_values``."""
+    that should follow the length overrides ``length_values``.
+
+    ``renamed`` maps a field's old name to what replaced it (``{"window": "left and right"}``):
+    ``build`` refuses the old name with the new one in the message. A class declares only its
+    own renames; those of its bases apply too, and a name that is a field again is not refused."""
+
+    renamed: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -245,8 +251,15 @@ def check_values(name: str, values: dict[str, Any]) -> None:
 
 
 def _check_keys(name: str, values: dict[str, Any]) -> None:
-    fields = [f.name for f in dataclasses.fields(describe(name).config)]
+    config = describe(name).config
+    fields = [f.name for f in dataclasses.fields(config)]
     unknown = sorted(set(values) - set(fields))
+    renamed = {old: new for klass in reversed(config.__mro__) for old, new in vars(klass).get("renamed", {}).items()}
+    for old in unknown:
+        if old in renamed:
+            raise ValueError(
+                f"{name!r}: config key {old!r} was renamed: use {renamed[old]} (valid keys: {', '.join(fields)})"
+            )
     if unknown:
         raise ValueError(
             f"unknown config key(s) {', '.join(map(repr, unknown))} for {name!r}; "

@@ -172,10 +172,11 @@ def _show_config(config: dict[str, Any]) -> str:
 
 def gallery(out_dir: str | Path, *, n: int = 64, block: int = 8) -> list[Path]:
     """Draw every registered sparse mechanism, each with the config it gives itself for ``n``
-    tokens (``Config.for_length``), into ``out_dir/<name>.png`` (tile grid ``block``; bigbird
-    uses its own block), plus ``softmax.png`` (full) and ``causal.png``, and ``index.html``
-    showing them in a grid. Returns the PNG paths, then the index. The configs come from the
-    mechanisms, so a new sparse mechanism appears here without touching this module."""
+    tokens (``Config.for_length``), into ``out_dir/<name>.png`` (tile grid ``block``; a
+    mechanism whose ``tile`` defaults to its own blocks, bigbird, draws those), plus
+    ``softmax.png`` (full) and ``causal.png``, and ``index.html`` showing them in a grid.
+    Returns the PNG paths, then the index. The configs come from the mechanisms, so a new
+    sparse mechanism appears here without touching this module."""
     out_dir = Path(out_dir)
     sparse = names(family="sparse")
     entries = [
@@ -184,11 +185,12 @@ def gallery(out_dir: str | Path, *, n: int = 64, block: int = 8) -> list[Path]:
     ]
     for name in sparse:
         config = describe(name).config.length_values(n)
+        built = build(name, **config).config
         entries.append(
             (
                 name,
                 mechanism_pattern(name, n, **config),
-                config.get("block", block),
+                built.backend_tile() if built.tile is None else block,
                 describe(name).summary,
                 _show_config(config),
             )

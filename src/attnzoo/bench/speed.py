@@ -291,9 +291,10 @@ def _run_mixer(
 
 
 def _blocks_ms(module: torch.nn.Module, n: int) -> float | None:
-    pattern, block = getattr(module, "pattern", None), getattr(getattr(module, "config", None), "block", None)
-    if pattern is None or block is None:
+    pattern, config = getattr(module, "pattern", None), getattr(module, "config", None)
+    if pattern is None or not hasattr(config, "backend_tile"):
         return None
+    block = config.backend_tile()
     from attnzoo.patterns.atomic import sample_without_replacement
 
     sample_without_replacement.cache_clear()  # time a cold call, random tables included

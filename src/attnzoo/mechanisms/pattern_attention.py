@@ -35,16 +35,23 @@ class SparseConfig(Config):
 
     Args:
         backend: how to compute (see ``attnzoo.attend``). Default ``"auto"``.
-        block: tile size of the blocked tile plan and of flex (the structured path picks its own). Default 128.
+        tile: tile size of the blocked tile plan and of flex (the structured path picks its own);
+            a cost setting, never the pattern's meaning (a pattern's own blocks are ``block``). Default 128.
         scale: score scale; default ``1 / sqrt(D)``.
     """
 
+    renamed = {"block": "tile (the backend's tile size; `block` is a pattern's own block where it has one)"}
+
     backend: Backend = "auto"
-    block: int = bounded(128, ge=1)
+    tile: int = bounded(128, ge=1)
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
 
     def make_pattern(self) -> P.Pattern:
         raise NotImplementedError
+
+    def backend_tile(self) -> int:
+        """The tile size the backends use: ``tile`` (a pattern with blocks of its own may default to them)."""
+        return self.tile
 
     def validate(self) -> None:
         self.make_pattern()  # the pattern factory checks its own arguments
@@ -71,7 +78,7 @@ class PatternAttention(Attention):
         cfg = self.config
         pattern = resolve_pattern(self.pattern, q.shape[1], args.causal)
         scale = default_scale(cfg.scale, q.shape[-1])
-        return Call(q, k, v, pattern, args.key_mask, args.score_mod, scale, cfg.block)
+        return Call(q, k, v, pattern, args.key_mask, args.score_mod, scale, cfg.backend_tile())
 
     def _init_state(self, spec: StateSpec) -> Any:
         """The cache the pattern needs (``pattern_decode``): the keys a later row can still see

@@ -126,17 +126,19 @@ class RandomConfig(SparseConfig):
 )
 @dataclass(frozen=True, kw_only=True)
 class BlockLocalConfig(SparseConfig):
-    """``block_local(size)``: ``i // size == j // size``."""
+    """``block_local(block)``: ``i // block == j // block``."""
 
-    size: int = 128
+    renamed = {"size": "block"}
+
+    block: int = 128
 
     @classmethod
     def length_values(cls, n: int) -> dict[str, Any]:
         """Blocks of a quarter of the sequence."""
-        return dict(size=quarter(n))
+        return dict(block=quarter(n))
 
     def make_pattern(self) -> P.Pattern:
-        return P.block_local(self.size)
+        return P.block_local(self.block)
 
 
 @register_pattern(
@@ -152,20 +154,31 @@ class BlockLocalConfig(SparseConfig):
 )
 @dataclass(frozen=True, kw_only=True)
 class LongformerConfig(SparseConfig):
-    """``longformer(window, global_indices, dilation)``; a tuple of dilations gives one head
-    group per dilation."""
+    """``dilated(left, right, dilation) | global_tokens(global_indices)`` (``longformer(w)`` is
+    ``left = right = w``); a tuple of dilations gives one head group per dilation."""
 
-    window: int = 64
+    renamed = {"window": "left and right (keys on each side; window=w was left=w, right=w)"}
+
+    left: int = 64
+    right: int = 64
     global_indices: tuple[int, ...] = (0,)
     dilation: int | tuple[int, ...] = 1
 
     @classmethod
     def length_values(cls, n: int) -> dict[str, Any]:
-        """A window of a quarter of the keys and a global first token."""
-        return dict(window=quarter(n), global_indices=(0,))
+        """A quarter of the keys on each side and a global first token."""
+        q = quarter(n)
+        return dict(left=q, right=q, global_indices=(0,))
 
     def make_pattern(self) -> P.Pattern:
-        return P.longformer(self.window, self.global_indices, self.dilation)
+        glob = P.global_tokens(self.global_indices) if self.global_indices else None
+        dilations = (self.dilation,) if isinstance(self.dilation, int) else self.dilation
+        bands = [
+            P.sliding_window(self.left, self.right) if d == 1 else P.dilated(self.left, self.right, d)
+            for d in dilations
+        ]
+        groups = [band if glob is None else band | glob for band in bands]
+        return groups[0] if isinstance(self.dilation, int) else P.per_head(groups)
 
 
 @register_pattern(
@@ -177,9 +190,10 @@ class LongformerConfig(SparseConfig):
 @dataclass(frozen=True, kw_only=True)
 class BigBirdConfig(SparseConfig):
     """``bigbird(block, window_blocks, global_blocks, random_blocks, seed)``; the kernel tile is
-    the BigBird block, so every tile is full."""
+    the BigBird block unless ``tile`` is set, so every tile is full."""
 
     block: int = bounded(64, ge=1)
+    tile: int | None = bounded(None, ge=1, none="the BigBird block")
     window_blocks: int = 3
     global_blocks: int = 2
     random_blocks: int = 3
@@ -192,6 +206,9 @@ class BigBirdConfig(SparseConfig):
 
     def make_pattern(self) -> P.Pattern:
         return P.bigbird(self.block, self.window_blocks, self.global_blocks, self.random_blocks, self.seed)
+
+    def backend_tile(self) -> int:
+        return self.block if self.tile is None else self.tile
 
 
 @register_pattern(
@@ -223,18 +240,23 @@ class StarConfig(SparseConfig):
 )
 @dataclass(frozen=True, kw_only=True)
 class ETCConfig(SparseConfig):
-    """``etc(window, n_global)``: the first ``n_global`` positions are global."""
+    """``global_tokens(range(n_global)) | sliding_window(left, right)`` (``etc(w, n_global)`` is
+    ``left = right = w``): the first ``n_global`` positions are global."""
 
-    window: int = 64
-    n_global: int = 1
+    renamed = LongformerConfig.renamed
+
+    left: int = 64
+    right: int = 64
+    n_global: int = bounded(1, ge=1)
 
     @classmethod
     def length_values(cls, n: int) -> dict[str, Any]:
-        """A window of a quarter of the keys and one global token."""
-        return dict(window=quarter(n), n_global=1)
+        """A quarter of the keys on each side and one global token."""
+        q = quarter(n)
+        return dict(left=q, right=q, n_global=1)
 
     def make_pattern(self) -> P.Pattern:
-        return P.etc(self.window, self.n_global)
+        return P.global_tokens(range(self.n_global)) | P.sliding_window(self.left, self.right)
 
 
 @register_pattern(
