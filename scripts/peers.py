@@ -10,7 +10,7 @@ dependencies (they need only torch and einops, which the venv has) and put it on
 Pairs (B=1, H=8, D=64, fp32, eval mode, non-causal):
 
 - ``lsh``: reformer-pytorch's ``LSHAttention(bucket_size=64, n_hashes=1)`` (N / 64 buckets,
-  each chunk attends itself and the previous one) against ``lsh:n_hashes=1,n_buckets=N/64,chunk=64``.
+  each chunk attends itself and the previous one) against ``lsh:n_hashes=1,n_buckets=N/64,block=64``.
 - ``sinkhorn``: sinkhorn-transformer's ``SinkhornAttention(bucket_size=256, sinkhorn_iter=7)``
   against ``sinkhorn:block=256,n_iters=7``.
 
@@ -37,7 +37,7 @@ def _pairs(n: int) -> dict[str, tuple[Callable, Callable]]:
     from sinkhorn_transformer.sinkhorn_transformer import SinkhornAttention
 
     reformer = LSHAttention(bucket_size=64, n_hashes=1).eval()
-    ours_lsh = attnzoo.build("lsh", n_hashes=1, n_buckets=n // 64, chunk=64).eval()
+    ours_lsh = attnzoo.build("lsh", n_hashes=1, n_buckets=n // 64, block=64).eval()
     peer_sinkhorn = SinkhornAttention(
         bucket_size=256, dim=512, dim_heads=64, heads=8, max_seq_len=n, sinkhorn_iter=7
     ).eval()

@@ -14,7 +14,7 @@ from attnzoo.mechanisms.lsh import reference_lsh
 from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same
 
-CONFIG = dict(n_hashes=3, n_buckets=4, chunk=8, seed=0)
+CONFIG = dict(n_hashes=3, n_buckets=4, block=8, seed=0)
 
 
 def build(**kwargs) -> torch.nn.Module:
@@ -47,7 +47,7 @@ def test_fp32_within_policy():
 
 def test_one_bucket_and_one_chunk_is_full_attention_without_self():
     q, k, v = make_qkv(2, 2, 30, 30, requires_grad=False)
-    lsh = build(n_hashes=2, n_buckets=1, chunk=64)
+    lsh = build(n_hashes=2, n_buckets=1, block=64)
     keys = torch.nn.functional.normalize(q, dim=-1)
     not_self = lambda b, h, i, j: i != j  # noqa: E731
     assert_same(lsh(q, k, v), reference_attention(q, keys, v, mask_mod=not_self))
@@ -65,9 +65,9 @@ def test_error_shrinks_as_hashing_rounds_grow():
         256, 16, generator=g, dtype=torch.float64
     )
     q, v = q.view(1, 1, 256, 16), torch.randn(1, 1, 256, 16, generator=g, dtype=torch.float64)
-    full = build(n_buckets=1, chunk=256)(q, q, v)
+    full = build(n_buckets=1, block=256)(q, q, v)
     errors = [
-        float((build(n_hashes=h, n_buckets=16, chunk=32)(q, q, v) - full).norm() / full.norm()) for h in (1, 2, 4, 8)
+        float((build(n_hashes=h, n_buckets=16, block=32)(q, q, v) - full).norm() / full.norm()) for h in (1, 2, 4, 8)
     ]
     assert errors == sorted(errors, reverse=True) and errors[-1] < 0.5 * errors[0], errors
 
@@ -75,8 +75,8 @@ def test_error_shrinks_as_hashing_rounds_grow():
 def test_config_errors():
     with pytest.raises(ValueError, match="n_buckets must be 1 or even"):
         attnzoo.build("lsh", n_buckets=3)
-    with pytest.raises(ValueError, match="chunk must be >= 1"):
-        attnzoo.build("lsh", chunk=0)
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        attnzoo.build("lsh", block=0)
     with pytest.raises(ValueError, match="self-attention only"):
         attnzoo.build("lsh")(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))
 
@@ -117,7 +117,7 @@ def test_causal_under_fresh_rotations():
 
 def test_dedupe_false_weighs_a_key_once_per_round():
     q, k, v = make_qkv(1, 2, 40, 40, requires_grad=False)
-    union, multiset = build(n_hashes=4, chunk=4), build(n_hashes=4, chunk=4, dedupe=False)
+    union, multiset = build(n_hashes=4, block=4), build(n_hashes=4, block=4, dedupe=False)
     w_union, w_multi = union.implied_attention(q, k), multiset.implied_attention(q, k)
     assert_same(w_union.sum(-1), torch.ones_like(w_union.sum(-1)))
     assert_same(w_multi.sum(-1), torch.ones_like(w_multi.sum(-1)))
@@ -133,7 +133,7 @@ def test_rounds_combine_as_the_independent_union_oracle(causal, padded, dedupe):
 
     q, k, v = make_qkv(2, 2, 21, 21, d=4, d_v=3)
     mask = padding_mask(2, 21) if padded else None
-    lsh = build(n_hashes=3, n_buckets=4, chunk=3, dedupe=dedupe)
+    lsh = build(n_hashes=3, n_buckets=4, block=3, dedupe=dedupe)
     real = torch.ones(2, 21, dtype=torch.bool) if mask is None else mask
     keys = torch.nn.functional.normalize(q.detach(), dim=-1)
     table = torch.stack([buckets(keys, rot, real) for rot in lsh.rotations(2, 4)])  # [R, B, H, N]
@@ -150,7 +150,7 @@ def test_no_n_by_n_tensor_forward_or_backward(causal):
 
     n = 2048
     q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
-    lsh = build(n_hashes=2, n_buckets=16, chunk=32)
+    lsh = build(n_hashes=2, n_buckets=16, block=32)
     with LargestTensor() as probe:
         lsh(q, k, v, causal=causal).sum().backward()
     # Each round holds (chunks, c, 2c) mask entries per head: about 2 c N, far below N x N.
@@ -175,9 +175,9 @@ def steps(lsh, q, v, sizes, mask=None):
 @pytest.mark.parametrize(
     "config",
     [
-        dict(n_hashes=3, n_buckets=4, chunk=3),
-        dict(n_buckets=1, chunk=5),
-        dict(n_hashes=4, n_buckets=2, chunk=1, dedupe=False),
+        dict(n_hashes=3, n_buckets=4, block=3),
+        dict(n_buckets=1, block=5),
+        dict(n_hashes=4, n_buckets=2, block=1, dedupe=False),
     ],
 )
 def test_steps_of_any_size_equal_the_causal_forward(config):
@@ -201,7 +201,7 @@ def test_a_step_attends_the_same_number_of_keys_at_any_position(monkeypatch):
         decode, "attend_gathered", lambda q, k, *a: attended.append(k.shape[-2]) or real_attend(q, k, *a)
     )
     q, _, v = make_qkv(1, 2, 600, 600, requires_grad=False)
-    lsh = build(chunk=4)
+    lsh = build(block=4)
     steps(lsh, q, v, [*[1] * 20, 560, *[1] * 20], torch.ones(1, 600, dtype=torch.bool))
     assert attended[:20] == attended[-20:] == [3 * (2 * 4 + 1)] * 20  # n_hashes (2c + 1), at t < 20 and t > 580
 

@@ -38,7 +38,9 @@ class LSHConfig(Config):
     Args:
         n_hashes: hashing rounds. Default 2.
         n_buckets: buckets per round: even, or 1 (no hashing: every token in one bucket). Default 8.
-        chunk: chunk size c (positions ranked within a bucket). Default 64.
+        block: chunk size c, the Reformer's chunk (positions ranked within a bucket): it changes
+            which keys a query sees, so it is a ``block`` here (``chunk`` elsewhere only sets how
+            much is computed at once). Default 64.
         seed: seed of the rotations used in eval mode (and in training with ``resample=False``);
             None draws one seed per module from torch's global RNG at construction (every layer
             differs; reproducible after ``torch.manual_seed``; saved in the state dict as the
@@ -51,9 +53,11 @@ class LSHConfig(Config):
         scale: score scale; default ``1 / sqrt(D)``.
     """
 
+    renamed = {"chunk": "block (the Reformer's chunk: it changes the result, so it is a block)"}
+
     n_hashes: int = bounded(2, ge=1)
     n_buckets: int = bounded(8, ge=1)
-    chunk: int = bounded(64, ge=1)
+    block: int = bounded(64, ge=1)
     seed: int | None = None
     resample: bool = True
     dedupe: bool = True
@@ -62,7 +66,7 @@ class LSHConfig(Config):
     @classmethod
     def length_values(cls, n: int) -> dict[str, Any]:
         """Four buckets, chunks of an eighth: 8 buckets of 64 would put a short sequence in one chunk."""
-        return dict(n_buckets=4, chunk=eighth(n))
+        return dict(n_buckets=4, block=eighth(n))
 
     def validate(self) -> None:
         if self.n_buckets % 2 and self.n_buckets != 1:
@@ -108,7 +112,7 @@ def reference_lsh(
     scale = default_scale(config.scale, q.shape[-1])
     compute = compute_dtype(q)
     scores = torch.einsum("bhid,bhjd->bhij", q.to(compute), keys.to(compute)) * scale
-    masks = [visible(buckets(keys, rot, real), real, config.chunk, causal) for rot in rotation.to(q.device)]
+    masks = [visible(buckets(keys, rot, real), real, config.block, causal) for rot in rotation.to(q.device)]
     found = torch.stack(masks).sum(0).clamp(min=1).to(compute)  # N_ij
     if config.dedupe:
         scores = scores - found.log()
@@ -142,9 +146,9 @@ def reference_lsh(
         "Reformer Appendix A); dedupe=False weighs a key found in several rounds once per round",
         "rotations are drawn per round and head; fresh every forward pass in training (resample), "
         "fixed by the module's seed in eval mode",
-        "decode step: hashes each new token in every round and attends the < 2 chunk keys its bucket's rank-chunks "
-        "show it, O(n_hashes chunk D) per token at any position; memory O(t (D + D_v)) (every unit key and value, "
-        "a KV cache) plus the positions of each bucket's last 2 chunk tokens, O(n_hashes n_buckets chunk); "
+        "decode step: hashes each new token in every round and attends the < 2 block keys its bucket's rank-chunks "
+        "show it, O(n_hashes block D) per token at any position; memory O(t (D + D_v)) (every unit key and value, "
+        "a KV cache) plus the positions of each bucket's last 2 block tokens, O(n_hashes n_buckets block); "
         "refused in training mode with resample=True (fresh rotations every forward)",
     ),
 )
@@ -181,7 +185,7 @@ class LSHAttention(Attention):
             table,
             args.key_mask,
             n_buckets=cfg.n_buckets,
-            chunk=cfg.chunk,
+            chunk=cfg.block,
             causal=args.causal,
             dedupe=cfg.dedupe,
             scale=default_scale(cfg.scale, dim),

@@ -60,7 +60,7 @@ def check_fixed_rotations(attn: LSHAttention) -> None:
 def init_state(attn: LSHAttention, spec: StateSpec) -> LSHState:
     """An empty ``LSHState`` under the module's rotations."""
     check_fixed_rotations(attn)
-    groups, keep = attn.config.n_hashes * attn.config.n_buckets, 2 * attn.config.chunk
+    groups, keep = attn.config.n_hashes * attn.config.n_buckets, 2 * attn.config.block
     cache = KVCache.for_state(dataclasses.replace(spec, dtype=state_dtype(spec)))
     windows = GroupWindows.for_state(spec, groups, keep, ((1, torch.long),))
     return LSHState(cache, windows, attn.rotations(spec.heads, spec.head_dim, spec.device))
@@ -105,7 +105,7 @@ def _block(attn: LSHAttention, old: LSHState, new: LSHState, q: Tensor, group: T
     """The rows of the new tokens of ``new`` (those past ``old``), each over the held keys of its
     groups in ``old`` and the new tokens before it, as the chunk rule allows."""
     cfg, (b, h, t, dim), groups = attn.config, q.shape, old.windows.groups
-    low = (rank // cfg.chunk - 1) * cfg.chunk  # the first rank a token's rank-chunk sees
+    low = (rank // cfg.block - 1) * cfg.block  # the first rank a token's rank-chunk sees
     (held,), held_rank = old.windows.recent(group.clamp(max=groups - 1))  # [B, H, T, R, 2c]
     sees_held = (held_rank >= 0) & (held_rank >= low[..., None])
     # The block's own tokens j: same group, rank in [low_i, rank_i) (so j < i).
