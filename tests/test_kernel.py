@@ -206,6 +206,19 @@ def test_performer_features_are_seeded_and_redraw_changes_them():
 
 
 @pytest.mark.parametrize("name", ["performer", "rfa"])
+def test_feature_count_follows_the_head_size_unless_set(name):
+    # features=None: m = 2 D, from head_dim (a layer's Shape) or from the first input; an int wins.
+    shaped = attnzoo.build(name, shape=attnzoo.Shape(heads=2, head_dim=24))
+    assert shaped.projection.shape == (48, 24) and shaped.num_features(24) == (48 if name == "performer" else 96)
+    lazy = attnzoo.build(name)
+    q = torch.randn(1, 2, 5, 16)
+    lazy(q, q, q)
+    assert lazy.projection.shape == (32, 16)
+    fixed = attnzoo.build(name, features=7, head_dim=16)
+    assert fixed.projection.shape == (7, 16)
+
+
+@pytest.mark.parametrize("name", ["performer", "rfa"])
 def test_lazy_buffers_and_parameters_load_into_a_module_built_with_the_shape(name):
     q, k, v = make_qkv(1, 2, 6, 6, requires_grad=False)
     first = attnzoo.build(name, seed=3).double()

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from attnzoo.mechanisms.base import AttendArgs
 from attnzoo.mechanisms.kernel import KeyFeatures, Normalizer
 from attnzoo.mechanisms.kernel_linear import KernelAttention, register_kernel
-from attnzoo.registry import Config, bounded, quarter
+from attnzoo.registry import Config, bounded
 from attnzoo.spec import Complexity
 
 #: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
@@ -32,6 +32,11 @@ _STRIDE = 1_000_003
 DRAWS_NOTE = (
     "the projection is drawn per module (its own seed from the global RNG unless config.seed is set; "
     "kept in the state dict); redraw() on demand, or by itself every redraw_every training forwards"
+)
+FEATURES_NOTE = (
+    "features=None (default): m = 2 * D random features, fixed when D is known (head_dim, a layer's Shape, "
+    "or the first input): two orthogonal blocks of D, and a cost per key in a fixed ratio to softmax's "
+    "at every head size (a fixed m = 256 was half softmax's speed at D = 64)"
 )
 #: Every random-feature member: m random features (rfa: 2m) per position, m x D_v sums.
 RANDOM_FEATURES_COST = Complexity(
@@ -93,7 +98,7 @@ class RandomFeatureAttention(KernelAttention):
 
     def _draw(self, d: int) -> Tensor:
         g = torch.Generator().manual_seed(int(self.projection_seed) + _STRIDE * int(self.draws))
-        return orthogonal_gaussian(self.config.features, d, generator=g).float()
+        return orthogonal_gaussian(self.config.features_for(d), d, generator=g).float()
 
     def projection_for(self, x: Tensor) -> Tensor:
         """The projection for inputs ``x (..., D)``, in ``x``'s dtype; drawn on first use."""
@@ -132,19 +137,25 @@ class RandomFeatureAttention(KernelAttention):
 class RandomFeatureConfig(Config):
     """The fields every ``RandomFeatureAttention`` reads (projection size and seed, redrawing,
     causal chunk, denominator eps), declared once so performer and rfa cannot drift apart;
-    each config documents them and overrides the defaults that differ."""
+    each config documents them and overrides the defaults that differ.
 
-    features: int = bounded(256, ge=1)
+    ``features`` defaults to None: m = 2 D (``features_for``), so the feature map's cost stays in
+    one ratio to softmax's whatever the head size (m D per key for the map, m D_v for the sums,
+    against N D for softmax), and the orthogonal projection is two whole blocks of D orthogonal
+    rows. A fixed m (the earlier default 256) was 4 D at D = 64, half softmax's speed there, and
+    too few at D = 256. An int sets m whatever D is. m is the estimator's sample size, not a
+    count of keys, so it does not follow the sequence length (no ``length_values``)."""
+
+    features: int | None = bounded(None, ge=1, none="for 2 * head_dim, fixed when D is known")
     head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward; a layer's Shape sets it")
     seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
     redraw_every: int | None = bounded(None, ge=1, none="never redraw")
     chunk: int = bounded(64, ge=1)
     eps: float = bounded(1e-6, gt=0)
 
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter as many features (random frequencies for rfa) as keys."""
-        return dict(features=quarter(n))
+    def features_for(self, head_dim: int) -> int:
+        """m for heads of size ``head_dim``: ``features``, or ``2 * head_dim`` when it is None."""
+        return 2 * head_dim if self.features is None else self.features
 
 
 def fourier_features(x: Tensor, w: Tensor, sigma: float) -> Tensor:
@@ -164,7 +175,8 @@ class RFAConfig(RandomFeatureConfig):
     """Config of ``rfa``.
 
     Args:
-        features: m, the number of random frequencies (``phi`` has 2m features). Default 128.
+        features: m, the number of random frequencies (``phi`` has 2m features); default None
+            for m = 2 D (128 at D = 64; see ``RandomFeatureConfig``).
         sigma: kernel width: the features estimate ``exp((q^ . k^ - 1) / sigma^2)``. Default 1.
         heads, head_dim: H and D of the gate parameters ``(H, D)``, ``(H,)`` (and D of the
             projection) to create them at construction (a layer's ``attnzoo.Shape`` sets both);
@@ -178,7 +190,6 @@ class RFAConfig(RandomFeatureConfig):
         eps: the denominator is kept at ``|phi(q)^T z| >= eps`` with its sign. Default 1e-6.
     """
 
-    features: int = bounded(128, ge=1)
     head_dim: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
     sigma: float = bounded(1.0, gt=0)
     heads: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
@@ -193,6 +204,7 @@ class RFAConfig(RandomFeatureConfig):
     (
         "swapped in untrained: random Fourier features on unit-normalised q, k: not softmax attention",
         DRAWS_NOTE,
+        FEATURES_NOTE,
         "q, k unit-normalised; phi = [sin, cos](w^T x / sigma) / sqrt(m) can be negative: "
         "|denominator| >= eps, sign kept",
         "causal: S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T, z likewise, g_t = sigmoid(w_g . k_t + b_g) per head",
@@ -248,4 +260,4 @@ class RFAAttention(RandomFeatureAttention):
         return KeyFeatures(phi * F.logsigmoid(-logit).exp()[..., None], F.logsigmoid(logit))
 
     def num_features(self, head_dim: int) -> int:
-        return 2 * self.config.features
+        return 2 * self.config.features_for(head_dim)

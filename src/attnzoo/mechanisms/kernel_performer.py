@@ -18,6 +18,7 @@ from torch import Tensor
 from attnzoo.mechanisms.kernel import KeyFeatures
 from attnzoo.mechanisms.kernel_features import (
     DRAWS_NOTE,
+    FEATURES_NOTE,
     RANDOM_FEATURES_COST,
     RandomFeatureAttention,
     RandomFeatureConfig,
@@ -141,7 +142,8 @@ class PerformerConfig(RandomFeatureConfig):
     """Config of ``performer``.
 
     Args:
-        features: m, the number of random features. Default 256.
+        features: m, the number of random features; default None for m = 2 D (128 at D = 64),
+            fixed when D is known (see ``RandomFeatureConfig`` for why).
         head_dim: D to draw the projection for at construction (a layer's ``attnzoo.Shape``
             sets it); default None draws it on the first forward (see ``RandomFeatureAttention``).
         seed: seed of the projection; None (default) draws one per module from torch's global
@@ -163,6 +165,7 @@ class PerformerConfig(RandomFeatureConfig):
     (
         "swapped in untrained: random features (seed 0): an unbiased estimate of softmax attention",
         DRAWS_NOTE,
+        FEATURES_NOTE,
         "q and k are scaled by D^-1/4, so phi(q).phi(k) estimates exp(q.k / sqrt(D))",
         "stabilisers: per query row max; keys: max over real keys (causal: running max, carried in the state)",
     ),
@@ -186,4 +189,4 @@ class PerformerAttention(RandomFeatureAttention):
         return favor_keys(k * k.shape[-1] ** -0.25, self.projection_for(k), real, causal=causal, c0=c0)
 
     def num_features(self, head_dim: int) -> int:
-        return self.config.features
+        return self.config.features_for(head_dim)
