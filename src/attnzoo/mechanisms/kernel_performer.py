@@ -60,8 +60,11 @@ class _MaxExponent(torch.autograd.Function):
             index, w = ctx.saved_tensors
             return grad[..., None] * w.to(grad.dtype)[index], None, None, None
         x, w = ctx.saved_tensors
-        rows = grad.nonzero(as_tuple=True)  # few: the rows that won a maximum
         w = w.to(x.dtype)
+        if torch.compiler.is_compiling():
+            # No data-dependent row count in a graph: the arg-max of every row (dense, exact).
+            return grad[..., None].to(x.dtype) * w[(x @ w.T).argmax(-1)], None, None, None
+        rows = grad.nonzero(as_tuple=True)  # few: the rows that won a maximum
         winners = w[(x[rows] @ w.T).argmax(-1)]  # [rows, D]
         grad_x = torch.zeros_like(x)
         grad_x[rows] = grad[rows][:, None].to(x.dtype) * winners
