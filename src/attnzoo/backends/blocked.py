@@ -210,17 +210,23 @@ def _chunks(ctx: Context, q: Tensor) -> list[Piece]:
     return [c for p in ctx.plan.pieces for c in _row_chunks(p, ctx, q.shape[0] * p.heads.numel())]
 
 
+def _padded(plan: Plan) -> tuple[int, int]:
+    """``(n_q, n_kv)`` rounded up to whole blocks. Not through ``TileGrid``'s properties: dynamo
+    cannot read a property of the constant plan inside an ``autograd.Function``."""
+    return -(-plan.n_q // plan.block) * plan.block, -(-plan.n_kv // plan.block) * plan.block
+
+
 class BlockedAttention(torch.autograd.Function):
     """Forward over pieces merged by log-sum-exp; backward recomputes each piece."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, data: Context) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         plan, batch, heads = data.plan, q.shape[0], q.shape[1]
-        n_kv_pad = plan.n_kv_blocks * plan.block
-        qp, kp, vp = _pad(q, plan.n_q_blocks * plan.block), _pad(k, n_kv_pad), _pad(v, n_kv_pad)
+        n_q_pad, n_kv_pad = _padded(plan)
+        qp, kp, vp = _pad(q, n_q_pad), _pad(k, n_kv_pad), _pad(v, n_kv_pad)
         cd = compute_dtype(q)
         # Running output and log-sum-exp per head and query block: [H, QB, B, block, (Dv)].
-        acc = torch.zeros(heads, plan.n_q_blocks, batch, plan.block, v.shape[-1], dtype=cd, device=q.device)
+        acc = torch.zeros(heads, n_q_pad // plan.block, batch, plan.block, v.shape[-1], dtype=cd, device=q.device)
         acc_lse = torch.full(acc.shape[:-1], float("-inf"), dtype=cd, device=q.device)
         for piece in _chunks(data, q):
             out, lse = piece_forward(piece, data, qp, kp, vp)
@@ -249,13 +255,14 @@ class BlockedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         data: Context = ctx.data
         plan, batch = data.plan, q.shape[0]
-        n_q_pad, n_kv_pad = plan.n_q_blocks * plan.block, plan.n_kv_blocks * plan.block
+        n_q_pad, n_kv_pad = _padded(plan)
         qp, kp, vp = _pad(q, n_q_pad), _pad(k, n_kv_pad), _pad(v, n_kv_pad)
         op, gp = _pad(out, n_q_pad), _pad(grad_out.contiguous(), n_q_pad)
         cd = compute_dtype(q)
         delta = (gp.to(cd) * op.to(cd)).sum(-1)  # [B, H, Nq_pad]
         # d lse_i / d s_ij = p_ij, so a gradient on the lse enters exactly like -delta.
-        lse_grad = grad_lse is not None and bool((grad_lse != 0).any())
+        # Compiled, a graph cannot branch on the values: take the lse path (exact either way).
+        lse_grad = grad_lse is not None and (torch.compiler.is_compiling() or bool((grad_lse != 0).any()))
         if lse_grad:
             delta = delta - torch.nan_to_num(grad_lse.to(cd), nan=0.0)
         lse = torch.where(torch.isinf(lse), float("inf"), lse)  # rows that saw no key: probabilities 0

@@ -41,7 +41,13 @@ class Call:
 
     def sizes(self) -> tuple[int, int, int]:
         """``(n_q, n_kv, heads)``: with the pattern and the block, what a plan depends on."""
-        return self.q.shape[2], self.k.shape[2], self.q.shape[1]
+        sizes = self.q.shape[2], self.k.shape[2], self.q.shape[1]
+        if torch.compiler.is_compiling():
+            # Plans are built from Python ints: a size dynamo made symbolic (automatic dynamic
+            # shapes, after a second length) is specialised to its value by len(range(.)),
+            # under a guard (another length recompiles); int(.) would stay symbolic.
+            return len(range(sizes[0])), len(range(sizes[1])), len(range(sizes[2]))
+        return sizes
 
     def mask_mod(self) -> MaskMod:
         """The pattern's pair predicate at this call's lengths (queries end-aligned)."""
@@ -51,8 +57,33 @@ class Call:
 def resolve_pattern(pattern: Pattern, heads: int, causal: bool) -> Pattern:
     """The pattern a ``Call`` holds: ``pattern`` for ``heads`` heads, and-ed with ``causal()``
     when ``causal``."""
+    if torch.compiler.is_compiling():
+        # The pattern algebra is plain Python that dynamo cannot trace: it runs once per
+        # compilation instead (``_resolved_name``), and the graph reads the result as an
+        # attribute of ``_RESOLVED``, a source dynamo can guard on and pass on to the plan
+        # caches' constant functions (the constant itself it cannot).
+        return getattr(_RESOLVED, _resolved_name(pattern, heads, causal))
     pattern = pattern.resolve_heads(heads)
     return pattern & causal_pattern() if causal else pattern
+
+
+class _Resolved:
+    """Patterns resolved under ``torch.compile``, one attribute per (pattern, heads, causal)."""
+
+    names: ClassVar[dict[tuple[Pattern, int, bool], str]] = {}
+
+
+_RESOLVED = _Resolved()
+
+
+@torch.compiler.assume_constant_result
+def _resolved_name(pattern: Pattern, heads: int, causal: bool) -> str:
+    key = (pattern, heads, causal)
+    if key not in _Resolved.names:
+        name = _Resolved.names[key] = f"pattern_{len(_Resolved.names)}"
+        resolved = pattern.resolve_heads(heads)
+        setattr(_RESOLVED, name, resolved & causal_pattern() if causal else resolved)
+    return _Resolved.names[key]
 
 
 class Backend:

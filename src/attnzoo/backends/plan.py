@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attnzoo.backends import structured
-from attnzoo.backends.call import Call, PlanCache, masked_key_blocks, plan_key
+from attnzoo.backends.call import Call, PlanCache, masked_key_blocks
 from attnzoo.patterns.algebra import BlockList, Pattern, TileGrid, evaluate_tiles
 
 #: How each tile is computed: no mask, causal, causal on reversed rows, or an explicit mask.
@@ -110,17 +110,38 @@ def structure_for(call: Call) -> structured.Structure | None:
     q, v = call.q, call.v
     if call.score_mod is not None or q.shape[-1] != v.shape[-1] or q.dtype not in FLASH_DTYPES:
         return None
-    return STRUCTURES.get((call.pattern, *call.sizes()), lambda: structured.structure(call.pattern, *call.sizes()))
+    return _structure(call.pattern, *call.sizes())
+
+
+@torch.compiler.assume_constant_result
+def _structure(pattern: Pattern, n_q: int, n_kv: int, heads: int) -> structured.Structure | None:
+    # A constant under torch.compile: dynamo calls it once while tracing and bakes the plan in
+    # (its tensors become constants of the graph), so plan building never enters the graph.
+    return STRUCTURES.get((pattern, n_q, n_kv, heads), lambda: structured.structure(pattern, n_q, n_kv, heads))
 
 
 def plan_for(call: Call) -> Plan:
     """The tile plan for this call, cached by ``plan_key`` (pattern value, sizes, block, masked
-    key blocks) so repeated calls skip ``blocks()``."""
+    key blocks) so repeated calls skip ``blocks()``. Under ``torch.compile`` the padded key
+    blocks are data a graph cannot read: with a ``key_mask``, every key block runs under an
+    explicit mask (exact, slower)."""
+    n_q, n_kv, heads = call.sizes()
+    if torch.compiler.is_compiling():
+        n_kb = -(-n_kv // call.block)
+        masked = None if call.key_mask is None else (True,) * n_kb
+    else:
+        masked = tuple(masked_key_blocks(n_kv, call.block, call.key_mask).tolist())
+    return _plan(call.pattern, n_q, n_kv, heads, call.block, masked)
 
+
+@torch.compiler.assume_constant_result
+def _plan(pattern: Pattern, n_q: int, n_kv: int, heads: int, block: int, masked: tuple[bool, ...] | None) -> Plan:
+    # A constant under torch.compile, like ``_structure``. ``masked`` None: the ragged block only.
     def build() -> Plan:
-        n_q, n_kv, _ = call.sizes()
-        masked = masked_key_blocks(n_kv, call.block, call.key_mask)
-        tiles = call.pattern.blocks(n_q, n_kv, call.block)
-        return make_plan(tiles, call.head_groups, pattern=call.pattern, masked_blocks=masked)
+        forced = masked_key_blocks(n_kv, block) if masked is None else torch.tensor(masked)
+        groups = pattern.head_groups() if pattern.per_head else torch.zeros(heads, dtype=torch.long)
+        tiles = pattern.blocks(n_q, n_kv, block)
+        return make_plan(tiles, groups, pattern=pattern, masked_blocks=forced)
 
-    return PLANS.get(plan_key(call), build)
+    key = (pattern, n_q, n_kv, heads, block, masked or tuple(masked_key_blocks(n_kv, block).tolist()))
+    return PLANS.get(key, build)

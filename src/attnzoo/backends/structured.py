@@ -48,7 +48,7 @@ class Windows:
     """Query blocks of ``block`` rows, each attending ``width`` keys from ``start`` (both
     multiples of ``block``) relative to the block's first row, on sub-sequences of stride
     ``stride``. ``allowed (1, blocks, block, width)`` is the additive pattern mask (0 / -inf),
-    None when every pair in every window is allowed; ``dense`` parts (``width == 0``) attend
+    None when every pair in every window is allowed; dense parts (``width == 0``) attend
     the whole sub-sequence, causally when ``causal``."""
 
     stride: int
@@ -57,10 +57,6 @@ class Windows:
     width: int = 0
     allowed: Tensor | None = None
     causal: bool = False
-
-    @property
-    def dense(self) -> bool:
-        return self.width == 0
 
 
 @dataclass(frozen=True)

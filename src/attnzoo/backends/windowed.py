@@ -127,7 +127,7 @@ def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -
     n, sub = q.shape[2], -(-q.shape[2] // w.stride)
     qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
     valid = _split_keys(opts.key_valid, q.shape[0], n, w.stride, sub)
-    if w.dense:
+    if w.width == 0:  # dense
         mask = _dense_mask(w, valid, sub, q.dtype)
         is_causal = w.causal and mask is None and w.allowed is None
         out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=opts.scale)[:2]
@@ -145,7 +145,7 @@ def _to_kernel(x: Tensor, w: Windows, saved: _Saved) -> Tensor:
     """``(B, H, N, D)`` rows -> the kernel layout of ``saved.out`` (zero rows where padded)."""
     sub = -(-x.shape[2] // w.stride)
     x = _split(x, w.stride, sub)
-    if w.dense:
+    if w.width == 0:  # dense
         return x
     return F.pad(x, (0, 0, 0, saved.q.shape[1] * w.block - sub)).reshape(saved.out.shape[:-1] + (x.shape[-1],))
 
@@ -164,7 +164,7 @@ def _part_backward(
     dq, dk, dv = flash_attention_cpu_backward(
         g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0, saved.is_causal, attn_mask=saved.mask, scale=scale
     )
-    if w.dense:
+    if w.width == 0:  # dense
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
     bb = dq.shape[0] // heads
     dq = dq.reshape(bb, heads, -1, dq.shape[-1])[:, :, :sub]
@@ -178,7 +178,7 @@ def _part_lse(w: Windows, saved: _Saved, n: int, heads: int) -> Tensor:
     lse = saved.lse
     if saved.mask is not None:
         lse = lse.masked_fill((saved.mask == float("-inf")).all(-1).expand_as(lse), float("-inf"))
-    if w.dense:
+    if w.width == 0:  # dense
         return _merge(lse[..., None], w.stride, n)[..., 0]
     sub = -(-n // w.stride)
     bb = lse.shape[0] // heads
