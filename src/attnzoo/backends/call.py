@@ -37,7 +37,7 @@ class Call:
     @property
     def head_groups(self) -> Tensor:
         """``(H,)``: the tile group of every head (all zeros unless the pattern is per head)."""
-        return self.pattern.head_groups() if self.pattern.per_head else torch.zeros(self.q.shape[1], dtype=torch.long)
+        return head_groups(self.pattern, self.q.shape[1])
 
     def sizes(self) -> tuple[int, int, int]:
         """``(n_q, n_kv, heads)``: with the pattern and the block, what a plan depends on."""
@@ -52,6 +52,11 @@ class Call:
     def mask_mod(self) -> MaskMod:
         """The pattern's pair predicate at this call's lengths (queries end-aligned)."""
         return self.pattern.mask_mod_for(self.q.shape[2], self.k.shape[2])
+
+
+def head_groups(pattern: Pattern, heads: int) -> Tensor:
+    """``(H,)``: the tile group of every head of a resolved ``pattern``."""
+    return pattern.head_groups() if pattern.per_head else torch.zeros(heads, dtype=torch.long)
 
 
 def resolve_pattern(pattern: Pattern, heads: int, causal: bool) -> Pattern:

@@ -4,8 +4,12 @@ make a repeated call skip ``Pattern.blocks()``.
 Two kinds of plan: the *structured* plan (``structured.structure``: windows and sub-sequences,
 run by ``windowed.py``) for patterns with window structure, else the generic *tile plan*
 (``make_plan``: pieces of tiles, run by ``blocked.py``). Both are cached by the pattern's
-*value* and the sizes (``call.plan_key``), so ``local(64) & causal()`` rebuilt on every call
-reuses its plan; ``PLANS.cache_info()`` and ``STRUCTURES.cache_info()`` count hits and misses.
+*value* and the sizes, so ``local(64) & causal()`` rebuilt on every call reuses its plan;
+``PLANS.cache_info()`` and ``STRUCTURES.cache_info()`` count hits and misses.
+
+Under ``torch.compile`` the lookups (``_structure``, ``_plan``) are ``assume_constant_result``
+functions of Python values: dynamo calls them once per compilation and bakes the plan into the
+graph, so no plan building (host reads, data-dependent shapes) is ever traced.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from torch import Tensor
 
 from attnzoo.backends import structured
-from attnzoo.backends.call import Call, PlanCache, masked_key_blocks
+from attnzoo.backends.call import Call, PlanCache, head_groups, masked_key_blocks
 from attnzoo.patterns.algebra import BlockList, Pattern, TileGrid, evaluate_tiles
 
 #: How each tile is computed: no mask, causal, causal on reversed rows, or an explicit mask.
@@ -121,10 +125,10 @@ def _structure(pattern: Pattern, n_q: int, n_kv: int, heads: int) -> structured.
 
 
 def plan_for(call: Call) -> Plan:
-    """The tile plan for this call, cached by ``plan_key`` (pattern value, sizes, block, masked
-    key blocks) so repeated calls skip ``blocks()``. Under ``torch.compile`` the padded key
-    blocks are data a graph cannot read: with a ``key_mask``, every key block runs under an
-    explicit mask (exact, slower)."""
+    """The tile plan for this call, cached by the pattern's value, the sizes, the block and the
+    masked key blocks (``masked_key_blocks``) so repeated calls skip ``blocks()``. Under
+    ``torch.compile`` the padded key blocks are data a graph cannot read: with a ``key_mask``,
+    every key block runs under an explicit mask (exact, slower)."""
     n_q, n_kv, heads = call.sizes()
     if torch.compiler.is_compiling():
         n_kb = -(-n_kv // call.block)
@@ -139,9 +143,8 @@ def _plan(pattern: Pattern, n_q: int, n_kv: int, heads: int, block: int, masked:
     # A constant under torch.compile, like ``_structure``. ``masked`` None: the ragged block only.
     def build() -> Plan:
         forced = masked_key_blocks(n_kv, block) if masked is None else torch.tensor(masked)
-        groups = pattern.head_groups() if pattern.per_head else torch.zeros(heads, dtype=torch.long)
         tiles = pattern.blocks(n_q, n_kv, block)
-        return make_plan(tiles, groups, pattern=pattern, masked_blocks=forced)
+        return make_plan(tiles, head_groups(pattern, heads), pattern=pattern, masked_blocks=forced)
 
     key = (pattern, n_q, n_kv, heads, block, masked or tuple(masked_key_blocks(n_kv, block).tolist()))
     return PLANS.get(key, build)

@@ -83,7 +83,11 @@ class RandomFeatureAttention(KernelAttention):
         ``config.redraw_every = n``: in training mode a forward pass that comes after ``n``
         training forward passes on the current projection first calls ``redraw()`` (the buffer
         ``forwards`` counts them; ``redraw()`` resets it). Eval mode and ``step()`` neither
-        count nor redraw. The check reads the counter on the host once per training forward.
+        count nor redraw. The check reads the counter on the host once per training forward: under
+        ``torch.compile`` that is a graph break (``fullgraph=True`` fails), so a compiled model
+        leaves ``redraw_every`` unset and calls ``redraw()`` itself between compiled steps. A
+        module built without ``head_dim`` draws its projection on the host at its first
+        forward: run it once eagerly (or give it ``head_dim``) before compiling.
     """
 
     def __init__(self, config: Any) -> None:
