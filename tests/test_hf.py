@@ -125,16 +125,20 @@ def test_attention_dropout_is_applied_in_training_by_softmax_and_refused_by_othe
     model(input_ids=ids)  # eval mode: no dropout asked, linformer runs
 
 
+#: A tiny grouped-query decoder (Llama, Mistral): 4 query heads, 2 K/V heads.
+TINY_DECODER = {
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
 def _tiny_causal_models():
-    llama = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    llama = transformers.LlamaConfig(**TINY_DECODER)
     gpt2 = transformers.GPT2Config(
         vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
     )
@@ -355,16 +359,7 @@ def test_load_says_when_the_checkpoint_lacks_the_mechanism_tensors(tmp_path):
 
 
 def test_sliding_window_model_runs_local_and_equals_eager_attention():
-    config = transformers.MistralConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=5,
-    )
+    config = transformers.MistralConfig(**TINY_DECODER, sliding_window=5)
     eager = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
     eager.set_attn_implementation("eager")
     model = transformers.MistralForCausalLM(copy.deepcopy(config)).eval()
