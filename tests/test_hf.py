@@ -220,16 +220,8 @@ def test_fidelity_run_rows(minilm_setup):
 
 
 def test_model_scale_reaches_mechanisms_with_and_without_a_scale_key():
-    config = transformers.GPT2Config(
-        vocab_size=100,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        scale_attn_weights=False,
-    )  # scaling 1, not 1/4
+    config = copy.deepcopy(_tiny_causal_models()[1][1])
+    config.scale_attn_weights = False  # scaling 1, not 1/4
     eager = transformers.GPT2Model(copy.deepcopy(config)).eval()
     eager.set_attn_implementation("eager")
     model = transformers.GPT2Model(copy.deepcopy(config)).eval()

@@ -36,6 +36,8 @@ class KVCache:
         length: T.
         _written: shared by every cache on these buffers: how far they hold data. A cache whose
             ``length`` is behind it has been appended to already, so it copies before writing.
+        real_buffer: ``(B, 1, capacity, 1)`` bool, True = a real token; None until the first
+            padded token is appended (every token before it was real).
     """
 
     k_buffer: Tensor
