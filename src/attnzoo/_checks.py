@@ -124,9 +124,18 @@ def check_choice(value: object, name: str, choices: tuple[str, ...]) -> None:
 
 
 def check_positive_int(value: object, name: str, *, allow_zero: bool = False) -> None:
-    low = 0 if allow_zero else 1
+    check_int_at_least(value, name, 0 if allow_zero else 1)
+
+
+def check_int_at_least(value: object, name: str, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_int_fields(obj: object, **lows: int) -> None:
+    """Each named attribute of ``obj`` is an int at least its bound (a config's ``__post_init__``)."""
+    for name, low in lows.items():
+        check_int_at_least(getattr(obj, name), name, low)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnzoo._checks import check_int_fields
+
 VERSION = 1
 OP_PROB = 0.25
 OPERATORS = ("MIN", "MAX", "MED", "SM")
@@ -71,18 +73,7 @@ class Config:
     n_test: int = 2000
 
     def __post_init__(self) -> None:
-        for name, low in [
-            ("min_length", 0),
-            ("max_length", 4),
-            ("max_depth", 2),
-            ("max_args", 2),
-            ("n_train", 1),
-            ("n_val", 1),
-            ("n_test", 1),
-        ]:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int_fields(self, min_length=0, max_length=4, max_depth=2, max_args=2, n_train=1, n_val=1, n_test=1)
         if self.max_length - self.min_length < 2:
             raise ValueError(f"max_length ({self.max_length}) must exceed min_length ({self.min_length}) by at least 2")
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from attnzoo._checks import check_int_fields
+
 VERSION = 1
 _CHUNK = 4096  # rows per vectorised block: bounds memory at vocab 8192
 
@@ -70,17 +72,7 @@ class Config:
     n_test: int = 1000
 
     def __post_init__(self) -> None:
-        for name, low in [
-            ("seq_len", 4),
-            ("n_pairs", 1),
-            ("vocab_size", 6),
-            ("n_train", 1),
-            ("n_val", 1),
-            ("n_test", 1),
-        ]:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int_fields(self, seq_len=4, n_pairs=1, vocab_size=6, n_train=1, n_val=1, n_test=1)
         if isinstance(self.power_a, bool) or not isinstance(self.power_a, (int, float)) or not self.power_a > 0:
             raise ValueError(f"power_a must be a positive number, got {self.power_a!r}")
         if 4 * self.n_pairs > self.seq_len:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from attnzoo._checks import check_int_fields
+
 VERSION = 1
 BACKGROUND, CONTOUR, MARKER = 0, 160, 255
 VOCAB_SIZE = 257
@@ -77,19 +79,9 @@ class Config:
     n_test: int = 500
 
     def __post_init__(self) -> None:
-        for name, low in [
-            ("resolution", 8),
-            ("contour_length", 3),
-            ("n_distractors", 0),
-            ("dash", 0),
-            ("dash_len", 1),
-            ("n_train", 2),
-            ("n_val", 2),
-            ("n_test", 2),
-        ]:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_int_fields(
+            self, resolution=8, contour_length=3, n_distractors=0, dash=0, dash_len=1, n_train=2, n_val=2, n_test=2
+        )
         for name in ("n_train", "n_val", "n_test"):
             if getattr(self, name) % 2:
                 raise ValueError(f"{name} must be even (splits are exactly half positive), got {getattr(self, name)}")
