@@ -251,3 +251,41 @@ def test_a_general_attn_mask_is_what_the_reference_applies_or_is_refused(name):
             assert not weights.masked_select(blocked.expand_as(weights)).any(), "masked pairs get no weight"
         emptied = attn(q, k, v, causal=causal, key_mask=_mask(), attn_mask=allowed)[1, :, 5]
         assert not emptied.any(), f"{name}: a row the mask empties is zero"
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_a_per_call_scale_multiplies_the_dot_products_or_is_refused(name):
+    """``scale=s``: every weight the mechanism applies is proportional to ``exp(s q_i . k_j)`` over
+    the keys row i sees (log-weights minus ``s q_i . k_j`` constant along each row), the fast
+    path equals the reference, and decode steps equal the forward; elsewhere refused."""
+    attn = small_mechanism(name, N, heads=HEADS, head_dim=HEAD_DIM)
+    q, k, v = _qkv(11)
+    if not _caps(name).scale:
+        with pytest.raises(ValueError, match="scale"):
+            attn(q, k, v, scale=0.3)
+        return
+    for causal in _causal_modes(name):
+        fast = attn(q, k, v, causal=causal, scale=0.3)
+        out, weights = attn.reference(q, k, v, causal=causal, scale=0.3, return_weights=True)
+        assert_same(fast, out, what=f"{name} causal={causal}: fast vs reference with scale")
+        seen = weights > 0
+        shifted = torch.where(seen, weights.log() - 0.3 * q @ k.transpose(-1, -2), 0.0)
+        row_mean = shifted.sum(-1, keepdim=True) / seen.sum(-1, keepdim=True).clamp_min(1)
+        spread = torch.where(seen, shifted - row_mean, 0.0).abs().max()
+        assert spread < 1e-9, f"{name} causal={causal}: weights are not exp(scale q.k) normalised ({spread})"
+    with pytest.raises(ValueError, match="scale must be a positive"):
+        attn(q, k, v, scale=-1.0)
+    if _caps(name).decode_step:
+        state = attn.init_state(B, HEADS, HEAD_DIM, HEAD_DIM, dtype=q.dtype)
+        outs = []
+        for t in range(N):
+            out, state = attn.step(state, *(x[:, :, t : t + 1] for x in (q, k, v)), scale=0.3)
+            outs.append(out)
+        assert_same(torch.cat(outs, 2), attn(q, k, v, causal=True, scale=0.3), what=f"{name}: steps with scale")
+
+
+def test_a_per_call_scale_and_a_configured_one_are_not_combined():
+    attn = attnzoo.build("topk", topk=4, scale=0.5)
+    q, k, v = _qkv(12)
+    with pytest.raises(ValueError, match="set one of them"):
+        attn(q, k, v, scale=0.3)

@@ -42,6 +42,9 @@ class Capabilities:
         attn_mask: honours a general ``attn_mask (B | 1, H | 1, N_q, N_kv)``, bool or additive.
         dropout: honours ``dropout_p`` (attention-probability dropout with a seeded mask that
             the reference reproduces).
+        scale: honours a per-call ``scale`` on the dot products (default ``1 / sqrt(D)``): its
+            scores are ``scale * q . k``, so the base class rescales q (exact) and the mechanism
+            needs nothing else. False where q enters otherwise (feature maps, gates, routing).
         gqa: attends K/V with fewer heads than q (``H_kv`` dividing ``H``, grouped-query
             attention) without repeating them. Every mechanism accepts such K/V; one without
             this flag gets them repeated to ``H`` heads first (``Attention.forward``).
@@ -63,6 +66,7 @@ class Capabilities:
     gqa: bool = False
     dropout: bool = False
     attn_mask: bool = False
+    scale: bool = False
     backends: tuple[str, ...] = ()
     kind: Kind = "attention"
     independent_queries: bool = True

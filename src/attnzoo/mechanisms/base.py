@@ -32,6 +32,7 @@ padded queries of a self-attention-only mechanism) reach ``_attend`` holding zer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,14 +148,18 @@ class Attention(Mechanism):
         score_mod: ScoreMod | None = None,
         dropout_p: float = 0.0,
         attn_mask: Tensor | None = None,
+        scale: float | None = None,
     ) -> Tensor:
         """``dropout_p``: attention-probability dropout for this call (applied whenever > 0, as
         SDPA's ``dropout_p``; layers pass it only in training), where the mechanism declares
         ``Capabilities.dropout``; its mask is drawn from a seed taken from torch's global RNG.
         ``attn_mask``: a general mask ``(B | 1, H | 1, N_q, N_kv)``, bool (True = may attend) or
         additive float (added to the scaled scores), on top of ``causal`` and ``key_mask``, where
-        the mechanism declares ``Capabilities.attn_mask``; elsewhere refused."""
+        the mechanism declares ``Capabilities.attn_mask``; elsewhere refused. ``scale``: the
+        factor on ``q . k`` (default ``1 / sqrt(D)``), where the mechanism declares
+        ``Capabilities.scale``, as SDPA's ``scale``."""
         args = self._checked(q, k, v, causal, key_mask, score_mod, dropout_p, attn_mask)
+        q = self._rescaled(q, scale)
         k, v = self._kv_heads(q, k, v, native=self.spec.capabilities.gqa)
         if q.shape[0] == 0 or q.shape[2] == 0:
             # (B, H, N_q, D_v) with nothing in it, still on the autograd graph of q, k and v.
@@ -176,6 +181,7 @@ class Attention(Mechanism):
         return_weights: bool = False,
         dropout_p: float = 0.0,
         attn_mask: Tensor | None = None,
+        scale: float | None = None,
     ) -> Weighted:
         """The dense twin of ``forward``: the same function, computed the plain way (the N x N
         weights built explicitly), with the same checks and the same zeroed padding. With
@@ -184,6 +190,7 @@ class Attention(Mechanism):
         same seed as a ``forward`` call (``torch.manual_seed`` before each) drops the same
         weights; the weights returned are those applied (dropped and rescaled)."""
         args = self._checked(q, k, v, causal, key_mask, score_mod, dropout_p, attn_mask)
+        q = self._rescaled(q, scale)
         k, v = self._kv_heads(q, k, v, native=False)  # the paper's form: one K/V per query head
         if q.shape[0] == 0 or q.shape[2] == 0:
             weights = q @ k.transpose(-1, -2)  # empty, on the graph
@@ -229,6 +236,21 @@ class Attention(Mechanism):
             if not caps.attn_mask:
                 self._refuse("a general attn_mask (only causal and key_mask)", "attn_mask")
         return AttendArgs(causal, key_mask, score_mod, self._dropout(dropout_p), attn_mask)
+
+    def _rescaled(self, q: Tensor, scale: float | None) -> Tensor:
+        """``q`` such that the mechanism's default ``1 / sqrt(D)`` applies ``scale`` instead."""
+        if scale is None:
+            return q
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a positive finite number (None = 1 / sqrt(D)), got {scale!r}")
+        if not self.spec.capabilities.scale:
+            self._refuse(f"a per-call scale (scale={scale})", "scale")
+        if getattr(self.config, "scale", None) is not None:
+            raise ValueError(
+                f"{self.spec.name!r} was built with scale={self.config.scale}; a per-call scale={scale} would "
+                "multiply it: set one of them"
+            )
+        return q * (scale * math.sqrt(q.shape[-1]))
 
     def _dropout(self, p: float) -> Dropout | None:
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1:
@@ -314,6 +336,7 @@ class Attention(Mechanism):
         *,
         key_mask: Tensor | None = None,
         score_mod: ScoreMod | None = None,
+        scale: float | None = None,
     ) -> tuple[Tensor, Any]:
         """Attend new queries ``q (B, H, T, D)`` (usually T = 1) to everything seen so far plus
         the new ``k, v`` (``(B, H, T, D)``, ``(B, H, T, D_v)``); return ``(output (B, H, T, D_v),
@@ -321,12 +344,14 @@ class Attention(Mechanism):
 
         ``key_mask (B, T)`` marks which new tokens are real (True), as in ``forward``:
         a padded token (a left-padded prompt in a batch) is never attended, now or later; its
-        own row is what the forward gives a padded query, zeros where it sees no real key."""
+        own row is what the forward gives a padded query, zeros where it sees no real key.
+        ``scale`` as in ``forward``."""
         if not self.spec.capabilities.decode_step:
             self._refuse("a decode step", "decode_step")
         if score_mod is not None and not self.spec.capabilities.score_mod:
             self._refuse("score_mod (position biases such as ALiBi or relative positions)", "score_mod")
         check_qkv(q, k, v, cross_attention=False)
+        q = self._rescaled(q, scale)
         mask = check_key_mask(key_mask, q.shape[0], q.shape[2], q.device)
         if mask is not None and bool(mask.all()):
             mask = None  # nothing padded: the states' fast paths

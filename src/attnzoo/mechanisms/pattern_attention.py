@@ -127,6 +127,7 @@ def register_pattern(
         decode_step=not no_decode,
         cross_attention=cross,
         score_mod=True,
+        scale=True,
         backends=("blocked", "flex", "reference"),
     )
 

@@ -53,6 +53,7 @@ class SoftmaxConfig(Config):
         gqa=True,
         dropout=True,
         attn_mask=True,
+        scale=True,
         backends=("sdpa", "reference"),
     ),
     complexity=Complexity(time="O(N^2 D)", memory="O(N D) SDPA, O(N^2) reference"),

@@ -200,7 +200,7 @@ def register_selective(
 ) -> Callable[[type], type]:
     """Register a mechanism that attends each query over a selection of keys it keeps (``topk``,
     ``sac``): family "content"; causal, key padding and decoding; no ``score_mod``."""
-    caps = Capabilities(causal=True, key_mask=True, decode_step=True, cross_attention=cross, score_mod=False)
+    caps = Capabilities(causal=True, key_mask=True, decode_step=True, cross_attention=cross, scale=True)
     about = dict(family="content", summary=summary, paper=paper, notes=notes)
     return register(name, config=config, capabilities=caps, complexity=complexity, **about)
 
