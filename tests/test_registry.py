@@ -263,3 +263,12 @@ def test_every_causal_mechanism_says_how_it_decodes_or_why_not():
         notes = [n for n in spec.notes if n.startswith(("decode step: ", "no decode step: "))]
         assert len(notes) == 1, f"{name}: {len(notes)} decode notes"
         assert notes[0].startswith("decode step: ") == spec.capabilities.decode_step, name
+
+
+def test_a_list_where_a_tuple_is_declared_becomes_the_tuple():
+    cfg = attnzoo.build("longformer", left=4, right=4, global_indices=[0, 3]).config
+    assert cfg.global_indices == (0, 3) and hash(cfg) == hash(
+        attnzoo.build("longformer", left=4, right=4, global_indices=(0, 3)).config
+    )
+    with pytest.raises(TypeError, match="global_indices"):
+        attnzoo.build("longformer", left=4, right=4, global_indices=["a"])

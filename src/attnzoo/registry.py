@@ -84,6 +84,10 @@ class Config:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if isinstance(value, list) and not _matches(value, hints[f.name]) and _matches(tuple(value), hints[f.name]):
+                # A list where a tuple is declared (global_indices=[0]): the config stays hashable.
+                value = tuple(value)
+                object.__setattr__(self, f.name, value)
             if not _matches(value, hints[f.name]):
                 # A value of the right type but outside a Literal's choices is a ValueError.
                 literal = typing.get_origin(hints[f.name]) is Literal
