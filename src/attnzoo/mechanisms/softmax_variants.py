@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -184,7 +185,11 @@ def sink_softmax_attention(
     cd = compute_dtype(q)
     sink = sink_logits.to(cd).view(1, -1, 1)
     if left is None and right is None:
-        return SinkFlash.apply(*(x.to(cd) for x in (q, k, v)), sink, causal, key_mask, scale).to(q.dtype)
+        # The kernel needs one head size for q, k and v: zero channels change no score or value.
+        width = max(q.shape[-1], v.shape[-1])
+        q, k, v_wide = (F.pad(x.to(cd), (0, width - x.shape[-1])) for x in (q, k, v))
+        out = SinkFlash.apply(q, k, v_wide, sink, causal, key_mask, scale)
+        return out[..., : v.shape[-1]].to(v.dtype)
     n_kv = k.shape[2]
     band = P.sliding_window(n_kv if left is None else left, n_kv if right is None else right)
     call = Call(q, k, v, resolve_pattern(band, q.shape[1], causal), key_mask, None, scale, 128)
