@@ -85,6 +85,8 @@ def differential_attention(
     per-head norm: ``(softmax(s Q1 K1^T) - lam softmax(s Q2 K2^T)) V`` with ``Q1, Q2`` (``K1,
     K2``) the halves of q (k) along D and ``s`` the half width's scale (default ``1 / sqrt(D /
     2)``). Two SDPA calls. ``lam``: a scalar or ``(H,)``."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"differential attention splits q and k in halves: D must be even, got {q.shape[-1]}")
     half = q.shape[-1] // 2
     scale = default_scale(scale, half)
     one, two = (
@@ -105,7 +107,7 @@ class DifferentialConfig(Config):
     """Config of ``differential``.
 
     Args:
-        head_dim: D of q and k (layer geometry; even; 64): the lambda vectors have D / 2 entries.
+        head_dim: D of q and k (layer geometry; 64; must be even to run): the lambda vectors have D / 2 entries.
         value_dim: D_v, the width of the per-head norm (None: head_dim).
         layer_index: l, from 1, of the layer: ``lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1))`` (1).
         scale: of the half-width scores; default ``1 / sqrt(D / 2)``.
@@ -117,12 +119,6 @@ class DifferentialConfig(Config):
     layer_index: int = bounded(1, ge=1)
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D/2)")
     seed: int = bounded(0, ge=0)
-
-    def validate(self) -> None:
-        if self.head_dim % 2:
-            raise ValueError(
-                f"DifferentialConfig: head_dim must be even (q and k are split in halves), got {self.head_dim}"
-            )
 
 
 @register(
@@ -182,6 +178,8 @@ class DifferentialAttention(KVCacheDecode, PerHead):
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """The two maps written out; the weights returned are their difference ``A1 - lambda A2``."""
         transformed = self._values_transformed(q, v, return_weights)
+        if q.shape[-1] % 2:
+            raise ValueError(f"differential attention splits q and k in halves: D must be even, got {q.shape[-1]}")
         half, cd = q.shape[-1] // 2, compute_dtype(q)
         options = dict(causal=args.causal, key_mask=args.key_mask, scale=default_scale(self.config.scale, half))
         _, a1 = reference_attention(q[..., :half], k[..., :half], v, return_weights=True, **options)
