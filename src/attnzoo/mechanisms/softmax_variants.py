@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -41,6 +40,7 @@ from attnzoo.mechanisms.diff_gated import (
     gated_attention,
     gated_output,
     lambda_init,
+    same_width,
 )
 from attnzoo.registry import Config, bounded, register
 from attnzoo.score_mods import chain, softcap, softcap_scores
@@ -185,10 +185,7 @@ def sink_softmax_attention(
     cd = compute_dtype(q)
     sink = sink_logits.to(cd).view(1, -1, 1)
     if left is None and right is None:
-        # The kernel needs one head size for q, k and v: zero channels change no score or value.
-        width = max(q.shape[-1], v.shape[-1])
-        q, k, v_wide = (F.pad(x.to(cd), (0, width - x.shape[-1])) for x in (q, k, v))
-        out = SinkFlash.apply(q, k, v_wide, sink, causal, key_mask, scale)
+        out = SinkFlash.apply(*same_width(q.to(cd), k.to(cd), v.to(cd)), sink, causal, key_mask, scale)
         return out[..., : v.shape[-1]].to(v.dtype)
     n_kv = k.shape[2]
     band = P.sliding_window(n_kv if left is None else left, n_kv if right is None else right)
