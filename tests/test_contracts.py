@@ -71,6 +71,8 @@ def test_implied_attention_is_what_the_reference_applies(name):
         for mask in (None, _mask()):
             out, weights = attn.reference(q, k, v, causal=causal, key_mask=mask, return_weights=True)
             assert weights.shape == (B, HEADS, N, N)
+            if not _caps(name).weights_apply_to_v:
+                continue  # declared: a gate, a norm or a latent comes after (or before) the weighting
             assert_same(attn.implied_attention(q, k, causal=causal, key_mask=mask), weights)
             assert_same(weights.to(v.dtype) @ v, out, what=f"{name} causal={causal}: weights @ v vs reference")
 

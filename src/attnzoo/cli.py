@@ -20,7 +20,7 @@ from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms.base import Attention
 from attnzoo.registry import config_fields
 
-_FLAGS = ("causal", "key_mask", "decode_step", "cross_attention", "score_mod", "gqa")
+_FLAGS = ("causal", "key_mask", "decode_step", "cross_attention", "score_mod", "gqa", "scale", "dropout", "attn_mask")
 
 
 def cmd_list(console: Console, decode: bool = False) -> None:

@@ -52,6 +52,10 @@ class Capabilities:
             computation).
         kind: ``"attention"`` mechanisms take ``(q, k, v)``; ``"mixer"`` token mixers take the
             layer input ``x`` of shape ``(B, N, dim)``.
+        weights_apply_to_v: the output is ``reference``'s weights applied to v (``weights @ v``),
+            so ``implied_attention`` is the whole story. False where values are transformed after
+            the weighting (an output gate, a per-head norm) or the keys are made from the values
+            (``mla``'s shared latent, whose ``implied_attention`` is refused).
         independent_queries: output row i depends on query i alone among the queries (and on
             the keys and values). False where the definition pools or routes the queries
             together (shared-QK hashing, landmarks averaged from queries, clusters of a fixed
@@ -70,6 +74,7 @@ class Capabilities:
     backends: tuple[str, ...] = ()
     kind: Kind = "attention"
     independent_queries: bool = True
+    weights_apply_to_v: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -137,7 +137,7 @@ class DifferentialConfig(Config):
     family="exact",
     summary="Differential attention: the difference of two softmax maps, then a per-head RMSNorm.",
     paper="Ye et al. 2024, Differential Transformer, https://arxiv.org/abs/2410.05258",
-    capabilities=Capabilities(**CACHE_CAPS, gqa=True, backends=("sdpa", "reference")),
+    capabilities=Capabilities(**CACHE_CAPS, gqa=True, weights_apply_to_v=False, backends=("sdpa", "reference")),
     complexity=Complexity(time="O(N^2 D)", memory="O(N D) (SDPA, twice)"),
     notes=(
         "a head's q and k are split in halves along D (Q1, Q2, K1, K2 of width D / 2) and v is used whole: the "
@@ -243,7 +243,7 @@ class GatedConfig(Config):
     family="exact",
     summary="Softmax attention times an elementwise sigmoid gate per head (gated attention, Qwen3-Next).",
     paper="Qiu et al. 2025, Gated Attention for Large Language Models, https://arxiv.org/abs/2505.06708",
-    capabilities=Capabilities(**CACHE_CAPS, gqa=True, backends=("sdpa", "reference")),
+    capabilities=Capabilities(**CACHE_CAPS, gqa=True, weights_apply_to_v=False, backends=("sdpa", "reference")),
     complexity=Complexity(time="O(N^2 D + N D D_v)", memory="O(N D) (SDPA)"),
     notes=(
         "the paper computes the gate from the layer's hidden state (X W_theta); a mechanism sees q only, so the "

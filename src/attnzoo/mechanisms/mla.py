@@ -137,7 +137,9 @@ class MLAConfig(Config):
     family="low_rank",
     summary="Multi-head latent attention: K/V from one shared low-rank latent, cached as R + D_r per token.",
     paper="DeepSeek-AI 2024, DeepSeek-V2, https://arxiv.org/abs/2405.04434",
-    capabilities=Capabilities(causal=True, key_mask=True, decode_step=True, cross_attention=True),
+    capabilities=Capabilities(
+        causal=True, key_mask=True, decode_step=True, cross_attention=True, weights_apply_to_v=False
+    ),
     complexity=Complexity(time="O(N^2 H D + N H D R)", memory="O(N H D) (SDPA)"),
     notes=(
         "the latent is a learned down-projection of the layer's k (first D - rope_dim channels) and v of every "
