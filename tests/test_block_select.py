@@ -14,6 +14,7 @@ import attnzoo
 from attnzoo.mechanisms.block_select import moba
 from attnzoo.mechanisms.nsa import nsa
 from conftest import grads, largest_tensor
+from oracles_modern import oracle_moba, oracle_nsa
 from tolerances import assert_same
 
 B, H, N, D, BLOCK = 2, 3, 37, 8, 8
@@ -44,10 +45,9 @@ def _nsa_extras(n: int = N, seed: int = 2) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("topk", [1, 3])
 def test_moba_matches_the_oracle_forward_and_gradients(causal, topk, tied):
-    oracle = pytest.importorskip("oracles_modern").oracle_moba
     inputs = _tied_qkv() if tied else _qkv()
     kw = dict(block=BLOCK, topk=topk, causal=causal, scale=D**-0.5)
-    fast, want = moba(*inputs, **kw), oracle(*inputs, **kw)
+    fast, want = moba(*inputs, **kw), oracle_moba(*inputs, **kw)
     assert_same(fast, want, what=f"moba causal={causal} topk={topk} tied={tied}")
     for got, ref, name in zip(grads(fast, inputs), grads(want, inputs), "qkv"):
         assert_same(got, ref, what=f"moba gradient {name}")
@@ -56,12 +56,11 @@ def test_moba_matches_the_oracle_forward_and_gradients(causal, topk, tied):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize(("n_select", "window"), [(2, 1), (3, 5), (6, 40)])
 def test_nsa_matches_the_oracle_forward_and_gradients(n_select, window, tied):
-    oracle = pytest.importorskip("oracles_modern").oracle_nsa
     inputs = (*(_tied_qkv() if tied else _qkv()), *_nsa_extras())
     if tied:  # equal compressed keys: the compressed branch's probabilities tie
         inputs[3].data.copy_(inputs[3].data[:, :, :1].expand_as(inputs[3]))
     kw = dict(block=BLOCK, n_select=n_select, window=window, scale=D**-0.5)
-    fast, want = nsa(*inputs, **kw), oracle(*inputs, **kw)
+    fast, want = nsa(*inputs, **kw), oracle_nsa(*inputs, **kw)
     assert_same(fast, want, what=f"nsa n_select={n_select} window={window} tied={tied}")
     wrt = inputs[:5]
     for got, ref, name in zip(grads(fast, wrt), grads(want, wrt), ("q", "k", "v", "k_cmp", "v_cmp")):
