@@ -405,7 +405,7 @@ def oracle_moba(
 
     def row(b: int, h: int, i: int, s: Tensor) -> Tensor:
         qi = q[b, h, i].to(F64)
-        gates = [float(qi @ kf[b, h, c * block : (c + 1) * block].mean(0)) for c in range(n_blocks)]
+        gates = [float((qi @ kf[b, h, c * block : (c + 1) * block].mean(0)).detach()) for c in range(n_blocks)]
         if causal:
             own = i // block
             chosen = [own] + _top(list(range(own)), lambda c: gates[c], topk - 1)

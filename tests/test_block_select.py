@@ -96,7 +96,7 @@ def test_nsa_branches_alone_are_causal_softmax_when_they_cover_the_past():
 def test_nsa_refuses_non_causal_attention_and_bad_sizes():
     attn = attnzoo.build("nsa", block=4, n_select=2, window=4, heads=H, head_dim=D).double()
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="causal only"):
+    with pytest.raises(ValueError, match="causal=False"):
         attn(q, k, v)
     with pytest.raises(ValueError, match="heads=3, head_dim=8"):
         attnzoo.build("nsa", heads=2, head_dim=D)(q, k, v, causal=True)

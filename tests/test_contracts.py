@@ -34,7 +34,8 @@ def _caps(name: str) -> attnzoo.spec.Capabilities:
 
 
 def _causal_modes(name: str) -> tuple[bool, ...]:
-    return (False, True) if _caps(name).causal else (False,)
+    caps = _caps(name)
+    return tuple(causal for causal in (False, True) if (caps.causal if causal else caps.bidirectional))
 
 
 def _qkv(seed: int = 0, batch: int = B, n: int = N) -> tuple[torch.Tensor, ...]:
@@ -126,7 +127,7 @@ def test_subquadratic_memory_never_makes_a_dense_score_tensor(name):
     q, k, v = _qkv(4, batch=1, n=n)
     try:
         attn = small_mechanism(name, 128, heads=HEADS, head_dim=HEAD_DIM, **_max_len(name, n))
-        attn(q, k, v)
+        attn(q, k, v, causal=not _caps(name).bidirectional)
     except ValueError:  # built for 128 positions exactly
         attn = small_mechanism(name, n, heads=HEADS, head_dim=HEAD_DIM, **_max_len(name, n))
     mask = torch.arange(n)[None] < n - 5
@@ -264,7 +265,7 @@ def test_a_per_call_scale_multiplies_the_dot_products_or_is_refused(name):
     q, k, v = _qkv(11)
     if not _caps(name).scale:
         with pytest.raises(ValueError, match="scale"):
-            attn(q, k, v, scale=0.3)
+            attn(q, k, v, causal=not _caps(name).bidirectional, scale=0.3)
         return
     for causal in _causal_modes(name):
         fast = attn(q, k, v, causal=causal, scale=0.3)

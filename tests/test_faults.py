@@ -36,7 +36,7 @@ def test_state_dict_saves_with_safetensors_and_is_complete_before_the_first_forw
     before = mha.state_dict()
     save_file(before, str(tmp_path / "mha.safetensors"))  # refuses tensors that share memory
     assert not any(key.startswith("attn.") for key in before), "the mechanism is registered twice"
-    mha(torch.randn(2, N, 32))
+    mha(torch.randn(2, N, 32), causal=_causal_only(name))
     assert list(mha.state_dict()) == list(before)
     # And the file loads back into a fresh layer (strict: no key missing or left over).
     fresh = _mha(name)
@@ -51,7 +51,7 @@ def test_a_layer_builds_every_mechanism_with_its_state_dict_complete_before_the_
     config = {key: value for key, value in sized(name, N).items() if key != "max_len"}
     layer = attnzoo.nn.TransformerEncoderLayer(32, 2, name, max_len=N, **config)
     before = layer.state_dict()
-    layer(torch.randn(2, N, 32))
+    layer(torch.randn(2, N, 32), causal=_causal_only(name))
     assert list(layer.state_dict()) == list(before)
     fresh = attnzoo.nn.TransformerEncoderLayer(32, 2, name, max_len=N, **config)
     fresh.load_state_dict(before)  # strict
@@ -101,7 +101,7 @@ def test_empty_batch_or_no_query_gives_an_empty_output(name):
     for b, n_q, n_kv in _empty_cases(name):
         q = torch.randn(b, heads, n_q, head_dim, requires_grad=True)
         k, v = torch.randn(b, heads, n_kv, head_dim), torch.randn(b, heads, n_kv, head_dim)
-        out = attn(q, k, v)
+        out = attn(q, k, v, causal=_causal_only(name))
         assert out.shape == (b, heads, n_q, head_dim), (b, n_q, n_kv)
         out.sum().backward()  # still on the graph: a training loop over an empty batch runs
         assert q.grad is not None and q.grad.shape == q.shape
@@ -141,8 +141,14 @@ def _small(name: str, n: int) -> torch.nn.Module:
     return attnzoo.build(name, **sized(name, n), **geometry).double().eval()
 
 
+def _causal_only(name: str) -> bool:
+    """True for a mechanism defined causally only (it refuses causal=False)."""
+    return not attnzoo.describe(name).capabilities.bidirectional
+
+
 def _causal_modes(name: str) -> tuple[bool, ...]:
-    return (False, True) if attnzoo.describe(name).capabilities.causal else (False,)
+    caps = attnzoo.describe(name).capabilities
+    return tuple(causal for causal in (False, True) if (caps.causal if causal else caps.bidirectional))
 
 
 # --- exact gradients: float64 gradcheck of every mechanism -------------------------------------

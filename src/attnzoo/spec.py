@@ -35,6 +35,8 @@ class Capabilities:
 
     Attributes:
         causal: honours ``causal=True`` in the strong sense (output i depends on inputs <= i).
+        bidirectional: honours ``causal=False``. False for mechanisms defined only causally
+            (``nsa``): they refuse a non-causal call instead of inventing a meaning for it.
         key_mask: honours ``key_mask`` (which keys are real: True = attend).
         decode_step: has ``init_state`` / ``step`` for O(state) autoregressive decoding.
         cross_attention: accepts ``N_q != N_kv`` (keys/values from another sequence).
@@ -64,6 +66,7 @@ class Capabilities:
 
     causal: bool
     key_mask: bool
+    bidirectional: bool = True
     decode_step: bool = False
     cross_attention: bool = False
     score_mod: bool = False

@@ -235,7 +235,10 @@ class Attention(Mechanism):
             check_attn_mask(attn_mask, q, k)
             if not caps.attn_mask:
                 self._refuse("a general attn_mask (only causal and key_mask)", "attn_mask")
-        return AttendArgs(causal, key_mask, score_mod, self._dropout(dropout_p), attn_mask)
+        dropout = self._dropout(dropout_p)
+        if not causal and not caps.bidirectional:
+            self._refuse("causal=False (it is defined causally only)", "bidirectional")
+        return AttendArgs(causal, key_mask, score_mod, dropout, attn_mask)
 
     def _rescaled(self, q: Tensor, scale: float | None) -> Tensor:
         """``q`` such that the mechanism's default ``1 / sqrt(D)`` applies ``scale`` instead."""

@@ -234,7 +234,7 @@ class NSAState:
     summary="Native Sparse Attention: gated compressed, selected-block and sliding-window branches (causal).",
     paper="Yuan et al. 2025, Native Sparse Attention: Hardware-Aligned and Natively Trainable Sparse Attention, "
     "https://arxiv.org/abs/2502.11089",
-    capabilities=Capabilities(causal=True, key_mask=True, decode_step=True),
+    capabilities=Capabilities(causal=True, bidirectional=False, key_mask=True, decode_step=True),
     complexity=Complexity(
         time="O(N^2 D / block) compressed + O(N n_select block D) selected + O(N window D) window",
         memory="O(N^2 / block) compressed scores, O(N n_select (block + D)) selected, O(N window) window",
@@ -272,11 +272,6 @@ class NSAAttention(Attention):
 
     def _options(self, q: Tensor, args: AttendArgs) -> dict[str, Any]:
         cfg = self.config
-        if not args.causal:
-            raise ValueError(
-                "'nsa' is causal only (its blocks are selected by a causal compressed branch): "
-                "pass causal=True, or use 'moba' for block-sparse attention without causal=True"
-            )
         if q.shape[1] != cfg.heads or q.shape[3] != cfg.head_dim:
             raise ValueError(
                 f"nsa was built with heads={cfg.heads}, head_dim={cfg.head_dim} but q has H={q.shape[1]}, "
