@@ -37,6 +37,7 @@ from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.mechanisms.delta_chunks import (
     delta_rule,
     delta_weights,
+    final_state,
     gated_delta_rule,
     naive_delta_rule,
     naive_gated_delta_rule,
@@ -49,6 +50,7 @@ __all__ = [
     "GatedDeltaNet",
     "delta_rule",
     "delta_weights",
+    "final_state",
     "gated_delta_rule",
     "naive_delta_rule",
     "naive_gated_delta_rule",
@@ -160,13 +162,14 @@ class DeltaNet(Attention):
         """The chunkwise rule on the mechanism's inputs: ``(output in q's dtype, final state)``;
         non-causal, every query reads the final state."""
         qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
-        vc = v.to(qn.dtype)
-        if log_alpha is None:
-            out, s = delta_rule(qn, kn, vc, beta, initial_state=state, chunk=self.config.chunk)
-        else:
-            out, s = gated_delta_rule(qn, kn, vc, beta, log_alpha, initial_state=state, chunk=self.config.chunk)
+        vc, chunk = v.to(qn.dtype), self.config.chunk
         if not args.causal:
+            s = final_state(kn, vc, beta, log_alpha, initial_state=state, chunk=chunk)
             out = qn @ s  # o_i = q_i S_N
+        elif log_alpha is None:
+            out, s = delta_rule(qn, kn, vc, beta, initial_state=state, chunk=chunk)
+        else:
+            out, s = gated_delta_rule(qn, kn, vc, beta, log_alpha, initial_state=state, chunk=chunk)
         return out.to(q.dtype), s
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:

@@ -33,6 +33,7 @@ exponential, so every exponent is <= 0. No tensor is larger than ``(B, H, N, C)`
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -130,47 +131,102 @@ def delta_weights(q: Tensor, k: Tensor, beta: Tensor, log_alpha: Tensor | None, 
     return ((q @ k.transpose(-1, -2)) * read) @ t_beta
 
 
+def final_state(
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_alpha: Tensor | None = None,
+    *,
+    initial_state: Tensor | None = None,
+    chunk: int = CHUNK,
+) -> Tensor:
+    """``S_N (B, H, D, D_v)`` of ``gated_delta_rule`` (``log_alpha=None``: ``delta_rule``) without
+    the outputs: what a non-causal reading ``o_i = q_i S_N`` needs."""
+    return _scan(_solved(k, v, beta, log_alpha, chunk), k.shape[0], initial_state)[2]
+
+
+class _Solved(NamedTuple):
+    """The per-chunk quantities, batched over ``(B H)`` and ``C`` chunks of ``L`` tokens:
+    ``u_v, w`` (``U = U_v - W S_0``), ``k`` (padded keys), ``k_end`` (keys decayed to their chunk's
+    end), ``g`` (in-chunk cumulative log decays ``(BH, C, L)``), ``dec`` (``exp(g_t - g_j)``, 0 for
+    ``j > t``) and ``gates`` (each chunk's whole decay ``(BH, C)``); the last four None without decay."""
+
+    u_v: Tensor
+    w: Tensor
+    k: Tensor
+    k_end: Tensor
+    g: Tensor | None
+    dec: Tensor | None
+    gates: Tensor | None
+
+
+def _chunked(x: Tensor, size: int) -> Tensor:
+    """``(B, H, N[, E]) -> (BH, C, L[, E])``, zero-padded to whole chunks (padded tokens have
+    k = 0 and beta = 0: no write; log_alpha = 0: no decay; so S_N is unchanged)."""
+    pad = -x.shape[2] % size
+    if x.dim() == 3:
+        return rearrange(F.pad(x, (0, pad)), "b h (c l) -> (b h) c l", l=size)
+    return rearrange(F.pad(x, (0, 0, 0, pad)), "b h (c l) e -> (b h) c l e", l=size)
+
+
+def _solved(k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, chunk: int) -> _Solved:
+    """Stage one, all chunks at once: ``[U_v, W] = T [diag(beta) V, diag(beta G) K]`` by one
+    batched unit lower-triangular solve (module docstring)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    size = min(chunk, max(k.shape[2], 1))
+    k, v, beta = (_chunked(x, size) for x in (k, v, beta))
+    k_beta = k * beta[..., None]
+    gram = k_beta @ k.transpose(-1, -2)  # [BH, C, L, L]: beta_t k_t . k_j
+    g = dec = gates = None
+    k_start, k_end = k_beta, k
+    if log_alpha is not None:
+        g = _chunked(log_alpha, size).cumsum(-1)
+        upto = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+        dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()
+        gram = gram * dec
+        k_start = k_beta * g.exp()[..., None]  # how the chunk's start state enters u
+        k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
+        gates = g[..., -1].exp()
+    # unitriangular: the solve reads gram strictly below the diagonal (I + tril(gram, -1)).
+    rhs = torch.cat([v * beta[..., None], k_start], dim=-1)
+    u_v, w = torch.linalg.solve_triangular(gram, rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], k.shape[-1]], -1
+    )
+    return _Solved(u_v, w, k, k_end, g, dec, gates)
+
+
+def _scan(ch: _Solved, batch: int, s0: Tensor | None) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Stage two, one small step per chunk: the state at each chunk's start, the chunk's ``U``
+    given it, and the final state ``(B, H, D, D_v)``."""
+    d, dv = ch.k.shape[-1], ch.u_v.shape[-1]
+    s = ch.k.new_zeros(ch.k.shape[0], d, dv) if s0 is None else s0.to(ch.k.dtype).flatten(0, 1)
+    starts, us = [], []
+    # unbind once: indexing chunk c inside the loop would zero-fill a full-size gradient per chunk.
+    for c, (w_c, u_c, k_c) in enumerate(zip(ch.w.unbind(1), ch.u_v.unbind(1), ch.k_end.transpose(-1, -2).unbind(1))):
+        starts.append(s)
+        us.append(torch.baddbmm(u_c, w_c, s, alpha=-1))  # [BH, L, D_v]: U = U_v - W S
+        s = torch.baddbmm(s if ch.gates is None else s * ch.gates[:, c, None, None], k_c, us[-1])
+    return starts, us, s.view(batch, -1, d, dv)
+
+
 def _chunkwise(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, s0: Tensor | None, chunk: int
 ) -> tuple[Tensor, Tensor]:
     """The fast path of both rules (``log_alpha=None``: no decay); see the module docstring.
 
-    Three stages: per chunk and all at once, the triangular solve for ``U_v`` and ``W``; then the
-    states at the chunk starts, one small step per chunk (``S += K^T (U_v - W S)``, two matmuls);
-    then, all at once again, the outputs from those states."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
-    b, h, n, d = k.shape
-    size = min(chunk, max(n, 1))
-    pad = -n % size
-    # Padded tail tokens have k = 0 and beta = 0 (no write) and log_alpha = 0 (no decay): S_N holds.
-    q, k, v = (rearrange(F.pad(x, (0, 0, 0, pad)), "b h (c l) e -> (b h) c l e", l=size) for x in (q, k, v))
-    beta = rearrange(F.pad(beta, (0, pad)), "b h (c l) -> (b h) c l", l=size)
-    upto = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
-    k_beta = k * beta[..., None]
-    gram = k_beta @ k.transpose(-1, -2)  # [BH, C, L, L]: beta_t k_t . k_j
-    scores = q @ k.transpose(-1, -2)  # [BH, C, L, L]
-    if log_alpha is None:
-        k_start, k_end, gates = k_beta, k, None
-    else:
-        g = rearrange(F.pad(log_alpha, (0, pad)), "b h (c l) -> (b h) c l", l=size).cumsum(-1)
-        dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()
-        gram, scores = gram * dec, scores * dec
-        k_start = k_beta * g.exp()[..., None]  # how the chunk's start state enters u
-        k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
-        q = q * g.exp()[..., None]  # decay from the chunk start to token t
-        gates = g[..., -1].exp()  # [BH, C]: the decay over the whole chunk
-    # unitriangular: the solve reads gram strictly below the diagonal (I + tril(gram, -1)).
-    rhs = torch.cat([v * beta[..., None], k_start], dim=-1)
-    u_v, w = torch.linalg.solve_triangular(gram, rhs, upper=False, unitriangular=True).split([v.shape[-1], d], -1)
-    s = q.new_zeros(b * h, d, v.shape[-1]) if s0 is None else s0.to(q.dtype).flatten(0, 1)
-    starts, us = [], []
-    # unbind once: indexing chunk c inside the loop would zero-fill a full-size gradient per chunk.
-    for c, (w_c, u_c, k_c) in enumerate(zip(w.unbind(1), u_v.unbind(1), k_end.transpose(-1, -2).unbind(1))):
-        starts.append(s)
-        us.append(torch.baddbmm(u_c, w_c, s, alpha=-1))  # [BH, L, D_v]: u given this chunk's start state
-        s = torch.baddbmm(s if gates is None else s * gates[:, c, None, None], k_c, us[-1])
+    Three stages: the triangular solves (``_solved``), the states at the chunk starts
+    (``_scan``), then, all chunks at once, ``O = diag(G) Q S_c + (Q K^T * Dec * M) U``."""
+    b, n = k.shape[0], k.shape[2]
+    ch = _solved(k, v, beta, log_alpha, chunk)
+    starts, us, s = _scan(ch, b, s0)
     if not us:  # N = 0
-        return v.new_zeros(b, h, 0, v.shape[-1]), s.view(b, h, d, -1)
-    out = q @ torch.stack(starts, 1) + scores.masked_fill(~upto, 0.0) @ torch.stack(us, 1)
-    return rearrange(out, "(b h) c l e -> b h (c l) e", b=b)[:, :, :n], s.view(b, h, d, -1)
+        return v.new_zeros(v.shape), s
+    q = _chunked(q, ch.k.shape[2])
+    scores = q @ ch.k.transpose(-1, -2)  # [BH, C, L, L]
+    if ch.dec is None:
+        scores = scores.tril()
+    else:
+        scores, q = scores * ch.dec, q * ch.g.exp()[..., None]  # dec is 0 above the diagonal
+    out = q @ torch.stack(starts, 1) + scores @ torch.stack(us, 1)
+    return rearrange(out, "(b h) c l e -> b h (c l) e", b=b)[:, :, :n], s
