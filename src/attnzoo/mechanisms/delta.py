@@ -1,0 +1,237 @@
+"""The recurrent family: linear attention whose state is overwritten, not only added to, by the
+delta rule. ``deltanet`` (Schlag et al. 2021, https://arxiv.org/abs/2102.11174, parallelised
+by Yang et al. 2024, https://arxiv.org/abs/2406.06484) and ``gated_deltanet`` (Yang, Kautz &
+Hatamizadeh 2024, https://arxiv.org/abs/2412.06464)::
+
+    S_t = alpha_t (S_{t-1} - beta_t k_t^T (k_t S_{t-1})) + beta_t k_t^T v_t,    o_t = q_t S_t
+
+The plain functions (``delta_rule``, ``gated_delta_rule``: chunkwise; ``naive_*``: token by
+token; ``delta_weights``: dense) live in ``delta_chunks.py`` and are re-exported here. The
+mechanisms make their extra inputs from q, k and their own per-head parameters:
+
+- q and k are L2-normalised per head (the papers do this for stability: with ``|k_t| = 1`` and
+  ``beta_t`` in (0, 1), ``I - beta_t k_t^T k_t`` is a contraction, so the state cannot blow up),
+  then q is scaled by ``scale`` (1/sqrt(D), as flash-linear-attention's kernels).
+- ``beta_t = sigmoid(k_t . w_h + b_h)``: the papers project the hidden state ``x_t``; a mechanism
+  sees only q, k, v, so beta is a learned per-head projection of the key before normalisation
+  (``k_t = x_t W_k``, so this is ``x_t`` projected through ``W_k w_h``: a rank-restricted form
+  of the paper's ``x_t W_beta``).
+- ``gated_deltanet``: ``log alpha_t = -exp(A_log_h) * softplus(k_t . w'_h + dt_bias_h)``, Mamba-2's
+  parametrisation as Gated DeltaNet uses it, again projected from the key; ``A_log`` and
+  ``dt_bias`` initialised as Mamba-2 (``A ~ U(1, 16)``, ``dt ~ logU(0.001, 0.1)``).
+- padded tokens (``key_mask`` False) do not touch the state: beta = 0 (no write) and alpha = 1
+  (no decay) there, so padding anywhere (left-padded prompts) leaves S as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
+from attnzoo.mechanisms.delta_chunks import (
+    delta_rule,
+    delta_weights,
+    final_state,
+    gated_delta_rule,
+    naive_delta_rule,
+    naive_gated_delta_rule,
+)
+from attnzoo.registry import Config, bounded, register
+from attnzoo.spec import Capabilities, Complexity
+
+__all__ = [
+    "DeltaNet",
+    "GatedDeltaNet",
+    "delta_rule",
+    "delta_weights",
+    "final_state",
+    "gated_delta_rule",
+    "naive_delta_rule",
+    "naive_gated_delta_rule",
+]
+
+#: L2 normalisation's guard: a zero (padded) q or k stays zero instead of dividing by 0.
+NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaConfig(Config):
+    """Config of ``deltanet``.
+
+    Args:
+        heads, head_dim: the geometry the per-head parameters are sized for (8, 64; a layer's
+            ``Shape`` fills them). chunk: tokens per chunk of the fast path (64).
+        scale: multiplies the normalised q; None (default) for 1/sqrt(D). seed: of the init (0).
+    """
+
+    heads: int = bounded(8, ge=1)
+    head_dim: int = bounded(64, ge=1)
+    chunk: int = bounded(64, ge=1)
+    scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
+    seed: int = bounded(0, ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatedDeltaConfig(DeltaConfig):
+    """Config of ``gated_deltanet``: the fields of ``DeltaConfig``."""
+
+
+_NOTES = (
+    "q and k L2-normalised per head (the papers' choice, for stability), then q scaled by `scale`",
+    "beta_t = sigmoid(k_t . w_h + b_h): a learned per-head projection of the key before normalisation "
+    "(the papers project the hidden state, which a mechanism does not see)",
+    "causal=False (not in the papers): every query reads the state after the whole sequence, o_i = q_i S_N",
+    "padded tokens do not touch the state (beta = 0, no decay); a padded query's row is 0",
+    "chunkwise (Yang et al. 2024): a triangular solve per chunk of `chunk` tokens, the state carried across",
+    "decode step: the state S (D x D_v per head), O(D D_v) per token",
+)
+_COMPLEXITY = Complexity(
+    time="O(N C (D + D_v) + N D D_v)",
+    memory="O(N (C + D + D_v) + (N / C) D D_v)",
+    subquadratic_memory=True,
+)
+_CAPS = Capabilities(causal=True, key_mask=True, decode_step=True)
+
+
+@register(
+    "deltanet",
+    config=DeltaConfig,
+    family="recurrent",
+    summary="DeltaNet: linear attention whose state is corrected by the delta rule, S += beta k^T (v - k S).",
+    paper="Yang et al. 2024, Parallelizing Linear Transformers with the Delta Rule over Sequence Length, "
+    "https://arxiv.org/abs/2406.06484 (Schlag et al. 2021, https://arxiv.org/abs/2102.11174)",
+    capabilities=_CAPS,
+    complexity=_COMPLEXITY,
+    notes=_NOTES,
+)
+class DeltaNet(Attention):
+    """DeltaNet (module docstring). Parameters: ``beta_proj (H, D)`` (seeded, std 1/sqrt(D)) and
+    ``beta_bias (H,)`` (0: beta starts near 1/2).
+
+    Shapes:
+        q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``; H and D as configured.
+    """
+
+    config: DeltaConfig
+
+    def __init__(self, config: DeltaConfig) -> None:
+        super().__init__(config)
+        g = torch.Generator().manual_seed(config.seed)
+        self.beta_proj = nn.Parameter(_projection(config, g))
+        self.beta_bias = nn.Parameter(torch.zeros(config.heads))
+        self._init_gate(g)
+
+    def _init_gate(self, g: torch.Generator) -> None:
+        """Create the decay gate's parameters, drawing from ``g`` after beta's (none here)."""
+
+    def log_alpha(self, k: Tensor) -> Tensor | None:
+        """``(B, H, N)`` log decays from the raw keys; None: no decay (DeltaNet)."""
+        return None
+
+    def _inputs(self, q: Tensor, k: Tensor, key_mask: Tensor | None) -> tuple[Tensor, ...]:
+        """``(q, k, beta, log_alpha)`` as the rule takes them, in the compute dtype: q and k
+        normalised (q scaled), beta and log_alpha projected from the raw keys and neutral
+        (0, 0) at padded tokens."""
+        c = self.config
+        if q.shape[1] != c.heads or q.shape[-1] != c.head_dim:
+            raise ValueError(
+                f"{self.spec.name} was built for heads={c.heads}, head_dim={c.head_dim} but q has "
+                f"H={q.shape[1]}, D={q.shape[-1]}; build it with heads={q.shape[1]}, head_dim={q.shape[-1]}"
+            )
+        ct = compute_dtype(q)
+        q, k = q.to(ct), k.to(ct)
+        beta = torch.sigmoid(torch.einsum("bhnd,hd->bhn", k, self.beta_proj.to(ct)) + self.beta_bias.to(ct)[:, None])
+        log_alpha = self.log_alpha(k)
+        if key_mask is not None:
+            real = key_mask[:, None]  # [B, 1, N]
+            beta = torch.where(real, beta, 0.0)
+            log_alpha = None if log_alpha is None else torch.where(real, log_alpha, 0.0)
+        scale = default_scale(c.scale, q.shape[-1])
+        q = F.normalize(q, dim=-1, eps=NORM_EPS) * scale
+        return q, F.normalize(k, dim=-1, eps=NORM_EPS), beta, log_alpha
+
+    def _rule(
+        self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, state: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The chunkwise rule on the mechanism's inputs: ``(output in q's dtype, final state)``;
+        non-causal, every query reads the final state."""
+        qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
+        vc, chunk = v.to(qn.dtype), self.config.chunk
+        if not args.causal:
+            s = final_state(kn, vc, beta, log_alpha, initial_state=state, chunk=chunk)
+            out = qn @ s  # o_i = q_i S_N
+        elif log_alpha is None:
+            out, s = delta_rule(qn, kn, vc, beta, initial_state=state, chunk=chunk)
+        else:
+            out, s = gated_delta_rule(qn, kn, vc, beta, log_alpha, initial_state=state, chunk=chunk)
+        return out.to(q.dtype), s
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
+        return self._rule(q, k, v, args)[0]
+
+    def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
+        """The dense form (``delta_weights``): ``O = (Q K^T * Dec * M) (I + tril(diag(beta) (K K^T
+        * Dec), -1))^-1 diag(beta) V`` on the normalised q, k; non-causal, ``o_i = q_i S_N``."""
+        qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
+        weights = delta_weights(qn, kn, beta, log_alpha, causal=args.causal)
+        out = (weights @ v.to(weights.dtype)).to(q.dtype)
+        return (out, weights) if return_weights else out
+
+    def _init_state(self, spec: StateSpec) -> Tensor:
+        """The zero state ``S (B, H, D, D_v)``, float64 for float64, else float32."""
+        dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
+        return torch.zeros(spec.batch, spec.heads, spec.head_dim, spec.value_dim, device=spec.device, dtype=dtype)
+
+    def _step(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, Tensor]:
+        """The next T tokens: one token by the recurrence itself, a longer prefill chunkwise."""
+        if q.shape[2] > 1:
+            return self._rule(q, k, v, args, state)
+        qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
+        out, s = naive_gated_delta_rule(qn, kn, v.to(qn.dtype), beta, log_alpha, initial_state=state.to(qn.dtype))
+        return out.to(q.dtype), s
+
+
+@register(
+    "gated_deltanet",
+    config=GatedDeltaConfig,
+    family="recurrent",
+    summary="Gated DeltaNet: the delta rule with a Mamba-2 decay gate, S = alpha (S - beta k^T k S) + beta k^T v.",
+    paper="Yang, Kautz & Hatamizadeh 2024, Gated Delta Networks: Improving Mamba2 with Delta Rule, "
+    "https://arxiv.org/abs/2412.06464",
+    capabilities=_CAPS,
+    complexity=_COMPLEXITY,
+    notes=(
+        *_NOTES[:2],
+        "log alpha_t = -exp(A_log_h) softplus(k_t . w_h + dt_bias_h) (Mamba-2's gate, projected from the key)",
+        *_NOTES[2:],
+    ),
+)
+class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet (module docstring). Adds ``gate_proj (H, D)`` (seeded, std 1/sqrt(D)),
+    ``a_log (H,)`` (Mamba-2's ``A_log``: ``log U(1, 16)``) and ``dt_bias (H,)`` (the inverse
+    softplus of ``dt ~ logU(0.001, 0.1)``)."""
+
+    config: GatedDeltaConfig
+
+    def _init_gate(self, g: torch.Generator) -> None:
+        heads = self.config.heads
+        self.gate_proj = nn.Parameter(_projection(self.config, g))
+        self.a_log = nn.Parameter(torch.log(1 + 15 * torch.rand(heads, generator=g)))
+        dt = torch.exp(math.log(1e-3) + (math.log(0.1) - math.log(1e-3)) * torch.rand(heads, generator=g))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+
+    def log_alpha(self, k: Tensor) -> Tensor:
+        ct = k.dtype
+        dt = F.softplus(torch.einsum("bhnd,hd->bhn", k, self.gate_proj.to(ct)) + self.dt_bias.to(ct)[:, None])
+        return -self.a_log.to(ct).exp()[:, None] * dt
+
+
+def _projection(config: DeltaConfig, g: torch.Generator) -> Tensor:
+    """A per-head projection ``(H, D)`` of the keys to one number, std 1/sqrt(D)."""
+    return torch.randn(config.heads, config.head_dim, generator=g) * config.head_dim**-0.5

@@ -1,0 +1,232 @@
+"""The delta rule as plain functions: the chunkwise fast path (``delta_rule``,
+``gated_delta_rule``), the token-by-token recurrence (``naive_*``) and the dense form
+(``delta_weights``). The mechanisms that wrap them are
+in ``delta.py`` (``deltanet``, ``gated_deltanet``).
+
+DeltaNet (Schlag et al. 2021, https://arxiv.org/abs/2102.11174; Yang et al. 2024,
+https://arxiv.org/abs/2406.06484) and Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024,
+https://arxiv.org/abs/2412.06464) keep a state ``S (D, D_v)`` per head that maps keys to values
+and, at each token, replace what it holds for ``k_t`` by a mix of the old and the new value::
+
+    S_t = alpha_t (S_{t-1} - beta_t k_t^T (k_t S_{t-1})) + beta_t k_t^T v_t,    o_t = q_t S_t
+
+(``alpha_t = 1`` for DeltaNet). Rows are tokens, ``k_t`` a row vector.
+
+The chunkwise form (Yang et al. 2024, section 3, the WY/UT representation). Inside a chunk that
+starts from state ``S_0``, write ``S_t = G_t S_0 + sum_{j <= t} (G_t / G_j) k_j^T u_j`` with
+``G_t = alpha_1 ... alpha_t`` (cumulative from the chunk start) and the "pseudo-values"
+``u_t = beta_t (v_t - k_t alpha_t S_{t-1})``. Substituting ``alpha_t S_{t-1}`` makes the u's one
+unit lower-triangular system per chunk::
+
+    (I + tril(diag(beta) (K K^T * Dec), -1)) U = diag(beta) V - diag(beta G) K S_0,
+    Dec_tj = G_t / G_j,  so  U = U_v - W S_0  with  [U_v, W] = T [diag(beta) V, diag(beta G) K]
+
+(``T`` the inverse: one triangular solve, batched over all chunks at once, independent of the
+state). Then, carrying ``S`` from chunk to chunk (the only sequential part, N / C small steps)::
+
+    O = diag(G) Q S_0 + (Q K^T * Dec * M) U,    S_C = G_C S_0 + (K * G_C / G)^T U
+
+Decays enter only as differences of in-chunk cumulative logs, masked to ``j <= t`` before the
+exponential, so every exponent is <= 0. No tensor is larger than ``(B, H, N, C)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+#: Tokens per chunk of the fast path: quadratic (C x C) inside, the state carried across.
+CHUNK = 64
+
+
+def delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, initial_state: Tensor | None = None, chunk: int = CHUNK
+) -> tuple[Tensor, Tensor]:
+    """DeltaNet, chunkwise: ``S_t = S_{t-1} + beta_t k_t^T (v_t - k_t S_{t-1})``, ``o_t = q_t S_t``.
+
+    Args:
+        q, k: ``(B, H, N, D)``, used as given (the mechanism normalises k and scales q first).
+        v: ``(B, H, N, D_v)``. beta: ``(B, H, N)``, the writing strength, in (0, 1).
+        initial_state: ``(B, H, D, D_v)``, replaces the zero ``S_0``. chunk: tokens per chunk (64).
+
+    Returns:
+        ``(o (B, H, N, D_v), state (B, H, D, D_v))``: the outputs and ``S_N``, in q's dtype.
+    """
+    return _chunkwise(q, k, v, beta, None, initial_state, chunk)
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_alpha: Tensor,
+    *,
+    initial_state: Tensor | None = None,
+    chunk: int = CHUNK,
+) -> tuple[Tensor, Tensor]:
+    """Gated DeltaNet, chunkwise: ``S_t = alpha_t (S_{t-1} - beta_t k_t^T (k_t S_{t-1})) + beta_t
+    k_t^T v_t``, ``alpha_t = exp(log_alpha_t)``, ``o_t = q_t S_t``.
+
+    Args:
+        log_alpha: ``(B, H, N)``, <= 0 (a scalar decay per head and token). The rest as
+            ``delta_rule``.
+
+    Returns:
+        ``(o (B, H, N, D_v), state (B, H, D, D_v))``.
+    """
+    return _chunkwise(q, k, v, beta, log_alpha, initial_state, chunk)
+
+
+def naive_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, initial_state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``delta_rule`` token by token, as the paper writes it (O(N) sequential steps)."""
+    return naive_gated_delta_rule(q, k, v, beta, None, initial_state=initial_state)
+
+
+def naive_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, *, initial_state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``gated_delta_rule`` token by token (``log_alpha=None``: DeltaNet): decay the state, read
+    what it holds for ``k_t``, write ``beta_t`` of the way to ``v_t``, read out with ``q_t``."""
+    b, h, _, d = k.shape
+    s = q.new_zeros(b, h, d, v.shape[-1]) if initial_state is None else initial_state
+    alphas = [None] * k.shape[2] if log_alpha is None else log_alpha.exp().unbind(2)
+    outs = []
+    for q_t, k_t, v_t, beta_t, alpha_t in zip(q.unbind(2), k.unbind(2), v.unbind(2), beta.unbind(2), alphas):
+        s = s if alpha_t is None else alpha_t[..., None, None] * s
+        old = torch.einsum("bhd,bhde->bhe", k_t, s)  # what S holds for k_t
+        s = s + k_t[..., :, None] * (beta_t[..., None] * (v_t - old))[..., None, :]
+        outs.append(torch.einsum("bhd,bhde->bhe", q_t, s))
+    return torch.stack(outs, 2) if outs else v.new_zeros(v.shape), s
+
+
+def delta_weights(q: Tensor, k: Tensor, beta: Tensor, log_alpha: Tensor | None, *, causal: bool) -> Tensor:
+    """The dense ``(B, H, N, N)`` weights the (gated) delta rule applies to V (Yang et al. 2024,
+    eq. for the parallel form): with zero ``S_0``, ``u = T diag(beta) V`` (module docstring) and
+    ``o_i = sum_{j <= i} Dec_ij (q_i . k_j) u_j``, so::
+
+        O = (Q K^T * Dec * M_causal) (I + tril(diag(beta) (K K^T * Dec), -1))^-1 diag(beta) V
+
+    with ``Dec_ij = exp(g_i - g_j)``, ``g`` the cumulative ``log_alpha`` (all ones for DeltaNet).
+
+    ``causal=False`` (not in the papers, which are causal): every query reads the state after
+    the whole sequence, ``o_i = q_i S_N``, as non-causal linear attention reads the sum over all
+    keys; its weights replace ``Dec * M_causal`` by ``exp(g_N - g_j)`` for every ``i``.
+    """
+    n = k.shape[2]
+    g = k.new_zeros(beta.shape) if log_alpha is None else log_alpha.cumsum(-1)  # [B, H, N]
+    upto = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()
+    dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()  # [B, H, N, N], 0 above
+    lower = beta[..., :, None] * (k @ k.transpose(-1, -2)) * dec  # read only below the diagonal
+    # T diag(beta): the unit lower-triangular solve against diag(beta).
+    t_beta = torch.linalg.solve_triangular(lower, torch.diag_embed(beta), upper=False, unitriangular=True)
+    read = dec if causal else (g[..., -1:] - g).exp()[..., None, :]  # [B, H, N | 1, N]
+    return ((q @ k.transpose(-1, -2)) * read) @ t_beta
+
+
+def final_state(
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_alpha: Tensor | None = None,
+    *,
+    initial_state: Tensor | None = None,
+    chunk: int = CHUNK,
+) -> Tensor:
+    """``S_N (B, H, D, D_v)`` of ``gated_delta_rule`` (``log_alpha=None``: ``delta_rule``) without
+    the outputs: what a non-causal reading ``o_i = q_i S_N`` needs."""
+    return _scan(_solved(k, v, beta, log_alpha, chunk), k.shape[0], initial_state)[2]
+
+
+class _Solved(NamedTuple):
+    """The per-chunk quantities, batched over ``(B H)`` and ``C`` chunks of ``L`` tokens:
+    ``u_v, w`` (``U = U_v - W S_0``), ``k`` (padded keys), ``k_end`` (keys decayed to their chunk's
+    end), ``g`` (in-chunk cumulative log decays ``(BH, C, L)``), ``dec`` (``exp(g_t - g_j)``, 0 for
+    ``j > t``) and ``gates`` (each chunk's whole decay ``(BH, C)``); the last four None without decay."""
+
+    u_v: Tensor
+    w: Tensor
+    k: Tensor
+    k_end: Tensor
+    g: Tensor | None
+    dec: Tensor | None
+    gates: Tensor | None
+
+
+def _chunked(x: Tensor, size: int) -> Tensor:
+    """``(B, H, N[, E]) -> (BH, C, L[, E])``, zero-padded to whole chunks (padded tokens have
+    k = 0 and beta = 0: no write; log_alpha = 0: no decay; so S_N is unchanged)."""
+    pad = -x.shape[2] % size
+    if x.dim() == 3:
+        return rearrange(F.pad(x, (0, pad)), "b h (c l) -> (b h) c l", l=size)
+    return rearrange(F.pad(x, (0, 0, 0, pad)), "b h (c l) e -> (b h) c l e", l=size)
+
+
+def _solved(k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, chunk: int) -> _Solved:
+    """Stage one, all chunks at once: ``[U_v, W] = T [diag(beta) V, diag(beta G) K]`` by one
+    batched unit lower-triangular solve (module docstring)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    size = min(chunk, max(k.shape[2], 1))
+    k, v, beta = (_chunked(x, size) for x in (k, v, beta))
+    k_beta = k * beta[..., None]
+    gram = k_beta @ k.transpose(-1, -2)  # [BH, C, L, L]: beta_t k_t . k_j
+    g = dec = gates = None
+    k_start, k_end = k_beta, k
+    if log_alpha is not None:
+        g = _chunked(log_alpha, size).cumsum(-1)
+        upto = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+        dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()
+        gram = gram * dec
+        k_start = k_beta * g.exp()[..., None]  # how the chunk's start state enters u
+        k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
+        gates = g[..., -1].exp()
+    # unitriangular: the solve reads gram strictly below the diagonal (I + tril(gram, -1)).
+    rhs = torch.cat([v * beta[..., None], k_start], dim=-1)
+    u_v, w = torch.linalg.solve_triangular(gram, rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], k.shape[-1]], -1
+    )
+    return _Solved(u_v, w, k, k_end, g, dec, gates)
+
+
+def _scan(ch: _Solved, batch: int, s0: Tensor | None) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Stage two, one small step per chunk: the state at each chunk's start, the chunk's ``U``
+    given it, and the final state ``(B, H, D, D_v)``."""
+    d, dv = ch.k.shape[-1], ch.u_v.shape[-1]
+    s = ch.k.new_zeros(ch.k.shape[0], d, dv) if s0 is None else s0.to(ch.k.dtype).flatten(0, 1)
+    starts, us = [], []
+    # unbind once: indexing chunk c inside the loop would zero-fill a full-size gradient per chunk.
+    for c, (w_c, u_c, k_c) in enumerate(zip(ch.w.unbind(1), ch.u_v.unbind(1), ch.k_end.transpose(-1, -2).unbind(1))):
+        starts.append(s)
+        us.append(torch.baddbmm(u_c, w_c, s, alpha=-1))  # [BH, L, D_v]: U = U_v - W S
+        s = torch.baddbmm(s if ch.gates is None else s * ch.gates[:, c, None, None], k_c, us[-1])
+    return starts, us, s.view(batch, -1, d, dv)
+
+
+def _chunkwise(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, s0: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """The fast path of both rules (``log_alpha=None``: no decay); see the module docstring.
+
+    Three stages: the triangular solves (``_solved``), the states at the chunk starts
+    (``_scan``), then, all chunks at once, ``O = diag(G) Q S_c + (Q K^T * Dec * M) U``."""
+    b, n = k.shape[0], k.shape[2]
+    ch = _solved(k, v, beta, log_alpha, chunk)
+    starts, us, s = _scan(ch, b, s0)
+    if not us:  # N = 0
+        return v.new_zeros(v.shape), s
+    q = _chunked(q, ch.k.shape[2])
+    scores = q @ ch.k.transpose(-1, -2)  # [BH, C, L, L]
+    if ch.dec is None:
+        scores = scores.tril()
+    else:
+        scores, q = scores * ch.dec, q * ch.g.exp()[..., None]  # dec is 0 above the diagonal
+    out = q @ torch.stack(starts, 1) + scores @ torch.stack(us, 1)
+    return rearrange(out, "(b h) c l e -> b h (c l) e", b=b)[:, :, :n], s

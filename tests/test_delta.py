@@ -1,0 +1,191 @@
+"""DeltaNet and Gated DeltaNet (``attnzoo.mechanisms.delta``): the plain functions against the
+independent oracles of ``tests/oracles_modern.py`` (outputs, final state, gradients), the
+recurrence against the same oracles, chunk sizes, long-sequence stability, the delta rule's
+overwrite, and what the mechanisms add (normalisation, padding, non-causal, geometry).
+
+fast == reference, causal prefix, padding and step == forward for the registered mechanisms are
+the contract tests' (``tests/test_contracts.py``); here only what they do not reach: chunk
+boundaries (the contracts run N = 16 inside one chunk)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnzoo
+from attnzoo.mechanisms.delta import delta_rule, gated_delta_rule, naive_delta_rule, naive_gated_delta_rule
+from conftest import grads, padding_mask, small_mechanism
+from tolerances import assert_close_to_golden, assert_same
+
+RULES = {
+    "delta_rule": (delta_rule, naive_delta_rule, False),
+    "gated_delta_rule": (gated_delta_rule, naive_gated_delta_rule, True),
+}
+
+
+def _oracle(rule: str):  # noqa: ANN202
+    oracles = pytest.importorskip("oracles_modern", reason="tests/oracles_modern.py (issue 19's oracles) is missing")
+    return getattr(oracles, f"oracle_{rule}")
+
+
+def _inputs(
+    gated: bool, n: int, *, b: int = 2, h: int = 3, d: int = 8, dv: int = 5, dtype=torch.float64, seed: int = 0
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``(q, k, v, beta[, log_alpha]), initial_state``, leaves: k unit rows (as the mechanisms
+    give it), beta in (0, 1), log_alpha <= 0."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    q, k, v = randn(b, h, n, d), F.normalize(randn(b, h, n, d), dim=-1), randn(b, h, n, dv)
+    beta = torch.sigmoid(randn(b, h, n))
+    args = (q, k, v, beta, -F.softplus(randn(b, h, n))) if gated else (q, k, v, beta)
+    s0 = randn(b, h, d, dv) * 0.5
+    return tuple(x.requires_grad_() for x in args), s0.requires_grad_()
+
+
+def _both(result: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Output and final state as one vector, so one random cotangent covers both."""
+    return torch.cat([result[0].flatten(), result[1].flatten()])
+
+
+def _assert_agree(got, want, inputs, what):  # noqa: ANN001
+    assert_same(got[0], want[0], what=f"{what}: output")
+    assert_same(got[1], want[1], what=f"{what}: final state")
+    for i, (g_got, g_want) in enumerate(zip(grads(_both(got), inputs), grads(_both(want), inputs))):
+        assert_same(g_got, g_want, what=f"{what}: gradient {i} (q, k, v, beta, [log_alpha,] initial_state)")
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("n, chunk", [(37, 16), (37, 64), (48, 16), (1, 64)])
+def test_chunkwise_equals_the_oracle_outputs_state_and_gradients(rule, n, chunk):
+    """B = 2, H = 3, float64, an initial state; N = 37 is not a multiple of 16 (a short last
+    chunk) and fits one chunk of 64; N = 48 is three whole chunks."""
+    fast, _, gated = RULES[rule]
+    args, s0 = _inputs(gated, n)
+    got = fast(*args, initial_state=s0, chunk=chunk)
+    want = _oracle(rule)(*args, initial_state=s0)
+    _assert_agree(got, want, (*args, s0), f"{rule} N={n} chunk={chunk} vs oracle")
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_naive_recurrence_equals_the_oracle(rule):
+    _, naive, gated = RULES[rule]
+    args, s0 = _inputs(gated, 37, seed=1)
+    for state in (None, s0):
+        got, want = naive(*args, initial_state=state), _oracle(rule)(*args, initial_state=state)
+        inputs = (*args, s0) if state is not None else args
+        _assert_agree(got, want, inputs, f"naive {rule} initial_state={state is not None} vs oracle")
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_the_chunk_length_changes_nothing_chunk_one_is_the_recurrence(rule):
+    fast, naive, gated = RULES[rule]
+    args, s0 = _inputs(gated, 37, seed=2)
+    for chunk in (1, 5, 37, 100):
+        got, want = fast(*args, initial_state=s0, chunk=chunk), naive(*args, initial_state=s0)
+        _assert_agree(got, want, (*args, s0), f"{rule} chunk={chunk}")
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_stable_over_a_thousand_tokens_in_float32(rule):
+    """N = 1000 in float32, strong writes (beta up to 1) and decays from none to e^-20 per
+    token: the chunkwise form is as close to the float64 recurrence as the float32 recurrence
+    is, forward, state and gradients, and finite everywhere."""
+    fast, naive, gated = RULES[rule]
+    args, s0 = _inputs(gated, 1000, b=1, h=2, d=16, dv=16, seed=3)
+    args = list(args)
+    args[3] = torch.sigmoid(args[3].detach() * 4).requires_grad_()
+    if gated:
+        args[4] = (-F.softplus(args[4].detach() * 6)).requires_grad_()
+    golden = naive(*args, initial_state=s0)
+    low = [x.detach().float().requires_grad_() for x in (*args, s0)]
+    reference, actual = naive(*low[:-1], initial_state=low[-1]), fast(*low[:-1], initial_state=low[-1])
+    for i, what in enumerate(("output", "final state")):
+        assert torch.isfinite(actual[i]).all(), what
+        assert_close_to_golden(actual[i], reference[i], golden[i], what=f"{rule} N=1000 float32 {what}")
+    # One cotangent for all three runs (drawn in float64, used in float32 by the float32 runs).
+    cotangent = torch.randn(_both(golden).shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    want = torch.autograd.grad(_both(golden), (*args, s0), cotangent)
+    ref = torch.autograd.grad(_both(reference), low, cotangent.float())
+    for i, (got, r, g) in enumerate(zip(torch.autograd.grad(_both(actual), low, cotangent.float()), ref, want)):
+        assert torch.isfinite(got).all(), f"gradient {i}"
+        assert_close_to_golden(got, r, g, what=f"{rule} N=1000 float32 gradient {i}")
+
+
+def test_the_delta_rule_overwrites_what_a_key_holds_where_linear_attention_adds():
+    """Orthonormal keys and beta = 1: writing (k1, v1), (k2, v2), then (k1, v3) leaves k1 -> v3
+    and k2 -> v2 (linear attention would return v1 + v3 for k1); beta = 1/2 moves half way each time."""
+    keys, values = torch.eye(4, dtype=torch.float64)[:2], torch.randn(3, 5, dtype=torch.float64)
+    k = torch.stack([keys[0], keys[1], keys[0]])[None, None]  # [1, 1, 3, 4]
+    for beta, held in ((1.0, values[2]), (0.5, values[0] / 4 + values[2] / 2)):
+        _, s = delta_rule(k, k, values[None, None], torch.full((1, 1, 3), beta, dtype=torch.float64), chunk=2)
+        torch.testing.assert_close(keys[0] @ s[0, 0], held)
+        torch.testing.assert_close(keys[1] @ s[0, 0], values[1] * beta)
+    # alpha = 1 everywhere: Gated DeltaNet is DeltaNet.
+    args, s0 = _inputs(False, 20, seed=4)
+    zero = torch.zeros_like(args[3])
+    _assert_agree(
+        gated_delta_rule(*args, zero, initial_state=s0, chunk=8), delta_rule(*args, initial_state=s0), args, "alpha = 1"
+    )
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_fast_equals_reference_across_chunk_boundaries_with_padding(name):
+    """The contracts' fast == reference at N = 16 stays inside one chunk; here N = 37 over chunks
+    of 8 (a short last one), B = 3 with padding, H = 2, causal and not, gradients of the
+    parameters too."""
+    attn = small_mechanism(name, 37, heads=2, head_dim=4, chunk=8)
+    q, k, v = (torch.randn(3, 2, 37, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    params = tuple(attn.parameters())
+    for causal in (True, False):
+        for mask in (None, padding_mask(3, 37)):
+            fast, ref = (
+                attn(q, k, v, causal=causal, key_mask=mask),
+                attn.reference(q, k, v, causal=causal, key_mask=mask),
+            )
+            what = f"{name} causal={causal} padded={mask is not None}"
+            assert_same(fast, ref, what=what)
+            for g_fast, g_ref in zip(grads(fast, (q, k, v, *params)), grads(ref, (q, k, v, *params))):
+                assert_same(g_fast, g_ref, what=f"{what}: gradients")
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_mechanism_normalises_q_and_padded_tokens_leave_the_state_untouched(name):
+    attn = small_mechanism(name, 12, heads=2, head_dim=4)
+    q, k, v = (torch.randn(2, 2, 12, 4, dtype=torch.float64) for _ in range(3))
+    assert_same(attn(q * 3, k, v, causal=True), attn(q, k, v, causal=True), what="q is L2-normalised")
+    state = attn.init_state(2, 2, 4, 4, dtype=torch.float64)
+    _, state = attn.step(state, q[:, :, :5], k[:, :, :5], v[:, :, :5])
+    padded = torch.tensor([[False], [True]])
+    out, after = attn.step(state, q[:, :, 5:6], k[:, :, 5:6], v[:, :, 5:6], key_mask=padded)
+    assert torch.equal(after[0], state[0]), "a padded token neither writes nor decays"
+    assert not torch.equal(after[1], state[1]) and not out[0].any()
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_non_causal_queries_read_the_state_after_the_whole_sequence(name):
+    """causal=False (not in the papers): o_i = q_i S_N, what the causal forward's last row gives
+    when the last query is replaced by q_i."""
+    attn = small_mechanism(name, 12, heads=2, head_dim=4, chunk=5)
+    q, k, v = (torch.randn(2, 2, 12, 4, dtype=torch.float64) for _ in range(3))
+    out = attn(q, k, v)
+    for t in range(12):
+        last = torch.cat([q[:, :, :-1], q[:, :, t : t + 1]], dim=2)
+        assert_same(out[:, :, t], attn(last, k, v, causal=True)[:, :, -1], what=f"row {t}")
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_parameters_are_sized_by_the_layer_geometry_and_checked(name):
+    attn = attnzoo.build(name, shape=attnzoo.Shape(heads=3, head_dim=6))
+    shapes = {key: tuple(p.shape) for key, p in attn.named_parameters()}
+    assert shapes["beta_proj"] == (3, 6) and shapes["beta_bias"] == (3,)
+    if name == "gated_deltanet":
+        assert shapes["gate_proj"] == (3, 6) and shapes["a_log"] == shapes["dt_bias"] == (3,)
+        log_alpha = attn.log_alpha(torch.randn(1, 3, 7, 6))
+        assert (log_alpha < 0).all()
+    q = torch.randn(1, 2, 7, 6)
+    with pytest.raises(ValueError, match="build it with heads=2, head_dim=6"):
+        attn(q, q, q, causal=True)
