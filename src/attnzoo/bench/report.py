@@ -182,7 +182,8 @@ def pick_section(table: dict[str, Any], speed: list[Row]) -> str:
         "memory (lower) and mean accuracy (higher); no other mechanism measured there is at least as good on all "
         "three. Speed is each row's own interleaved speed-up over dense SDPA (forward+backward where measured); "
         "accuracy is the mean over an equal set of tasks that softmax learned (causal tasks for causal picks), "
-        "measured at the tasks' own short lengths with configs sized to them.</p>"
+        "measured at the tasks' own short lengths with configs sized to them. Speed measured on: "
+        f"{_e('; '.join(pick.machine_groups(speed)))}.</p>"
     ]
     for causal, n in itertools.product((False, True), pick.PICK_SIZES):
         result = pick.pick(table, speed, n, causal)
@@ -336,7 +337,9 @@ def speed_table(speed: list[Row], causal: bool) -> str:
         return ""
     body = []
     for m in names:
-        cross = crossover([by_n[n][m] for n in sizes if m in by_n[n]])
+        measured = [by_n[n][m] for n in sizes if m in by_n[n]]
+        # One metric per crossover: forward+backward where measured, else forward.
+        cross = crossover([r for r in measured if FWD_BWD in r] or measured)
         cells = "".join(_speed_cell(by_n[n].get(m)) for n in sizes)
         body.append(f"<tr><th>{_e(m)}</th>{cells}<td>{cross or 'never'}</td></tr>")
     return f"<h3>{'causal' if causal else 'not causal'}</h3>" + _table(
