@@ -1,139 +1,166 @@
-"""``attnzoo report``: the pure tables and chart inputs with hand-computed numbers, and a
-whole report on synthetic result files (self-contained, every image a PNG that exists)."""
+"""``attnzoo report`` and ``attnzoo.bench.pick``: one reference row per mechanism, averages over
+equal task sets, no ranking where softmax did not learn, "which to pick" computed from the data
+(a synthetic results file with a known Pareto front), refusal to mix machines, provenance, and a
+whole self-contained report on synthetic files."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
+import subprocess
 
 import pytest
 from rich.console import Console
 
-from attnzoo.bench import report
+from attnzoo.bench import pick, report
+
+META = {"kind": "meta", "processor": "AMD EPYC", "cpus": 2, "torch_threads": 2, "date": "2026-01-02", "git": "abc1234"}
 
 
-def train(mechanism, task, acc, steps, *, peak=2**20, chance=0.1, size="tiny", **extra):
-    row = {
-        "kind": "train",
-        "task": task,
-        "size": size,
-        "mechanism": mechanism,
-        "config": {},
-        "chance": chance,
-        "seq_len": 256,
-        "world_size": 1,
-        "git": "abc123",
-        "command": "attnzoo bench train",
-        **extra,
-    }
+def train(mechanism, task, acc, *, chance=0.1, size="quick", steps=600, **extra):
+    row = {"kind": "train", "task": task, "size": size, "mechanism": mechanism, "config": {}, "chance": chance}
+    row.update({"optim": {"steps": steps}, "git": "abc1234", **extra})
     if acc is None:  # a failed run carries its error and no figures
         return {**row, "error": "RuntimeError: out of memory"}
-    return {
-        **row,
-        "test_accuracy": acc,
-        "val_accuracy": acc,
-        "steps": 100,
-        "steps_per_s": steps,
-        "tokens_per_s": 1000.0 * (steps or 0),
-        "peak_memory_bytes": peak,
-        "wall_s": 10.0,
-    }
+    return {**row, "test_accuracy": acc, "steps": steps, "steps_per_s": 10.0, "peak_memory_bytes": 2**20}
 
 
-# softmax: A 80%, B 60% -> 70; linear: A 70%, B failed -> 70 over A only; local: A 90% only.
-TRAIN = [
-    train("softmax", "A", 0.8, 10.0, peak=4 * 2**20),
-    train("softmax", "B", 0.6, 20.0),
-    train("linear", "A", 0.7, 40.0, peak=2**20),
-    train("linear", "B", None, None),
-    train("local", "A", 0.9, 5.0),
-    train("softmax", "mqar", 0.95, 10.0),
-    train("linear", "mqar", 0.5, 30.0),
-]
-
-
-def speed(mechanism, n, forward_s, peak, backend="auto", **extra):
-    return {
-        "kind": "speed",
-        "mechanism": mechanism,
-        "config": {},
-        "backend": backend,
-        "backend_ran": mechanism,
-        "n": n,
-        "batch": 1,
-        "heads": 8,
-        "dim": 64,
-        "causal": False,
-        "forward_s": forward_s,
-        "peak_forward_bytes": peak,
-        "correct": True,
-        **extra,
-    }
+def speed(mechanism, n, ratio, peak_mib, *, causal=False, forward_only=False, **extra):
+    row = {"kind": "speed", "mechanism": mechanism, "config": {}, "backend": "auto", "n": n, "causal": causal}
+    row.update(batch=1, heads=8, dim=64, correct=True, forward_s=0.01 / ratio, peak_forward_bytes=peak_mib * 2**20)
+    row["speedup_forward_vs_sdpa"] = ratio
+    if not forward_only:
+        row.update(forward_backward_s=0.03 / ratio, speedup_forward_backward_vs_sdpa=ratio)
+    return {**row, **extra}
 
 
 def write(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return path
 
 
-def test_lra_table_averages_over_present_tasks_and_keeps_failures():
-    rows = [r for r in TRAIN if r["task"] != "mqar"]
-    table = report.lra_table(rows)
-    assert table["tasks"] == ["A", "B"] and table["chance"] == {"A": 10.0, "B": 10.0}
-    assert table["average"] == pytest.approx({"softmax": 70.0, "linear": 70.0, "local": 90.0})
-    assert table["missing"] == {"softmax": [], "linear": ["B"], "local": ["B"]}
-    assert table["mechanisms"][0] == "local"
-    assert table["best"] == {"A": ["local"], "B": ["softmax"]}
-    failed = table["cells"]["linear"]["B"]
-    assert failed["accuracy"] is None and "out of memory" in failed["errors"][0]
-    # Two runs of a cell are averaged.
-    twice = report.lra_table([train("softmax", "A", 0.5, 1.0), train("softmax", "A", 0.7, 1.0)])
-    assert (
-        twice["cells"]["softmax"]["A"]["accuracy"] == pytest.approx(60.0)
-        and twice["cells"]["softmax"]["A"]["runs"] == 2
+def loaded(tmp_path, name, rows, committed=False):
+    return report.load_run(write(tmp_path / name, rows), origin="committed" if committed else "fresh")
+
+
+def test_one_reference_row_per_mechanism(tmp_path):
+    committed = loaded(
+        tmp_path,
+        "old.jsonl",
+        [train("softmax", "A", 0.5), train("softmax", "A", 0.9, git="abc+dirty"), train("softmax", "A", 0.6)],
+        committed=True,
     )
+    # Within a file: a clean revision beats a dirty one, then the later row: 60%, not a mean.
+    table = pick.accuracy_table(committed.rows)
+    (column,) = table["columns"]
+    assert pick.accuracy(table["cells"]["softmax"][column]) == pytest.approx(60.0)
+    # Fresh and committed runs are different columns (their budgets differ), one row each.
+    fresh = loaded(tmp_path, "new.jsonl", [train("softmax", "A", 0.7, steps=100)])
+    table = pick.accuracy_table(committed.rows + fresh.rows)
+    assert [c.name for c in table["columns"]] == ["A quick (this run)", "A quick"]
+    assert table["info"][table["columns"][0]]["budgets"] == [100]
+    # Speed: one row per mechanism, the default config and fresh rows first.
+    rows = loaded(tmp_path, "s1.jsonl", [META, speed("local", 4096, 3.0, 10)], committed=True).rows
+    rows += loaded(tmp_path, "s2.jsonl", [META, speed("local", 4096, 5.0, 10)]).rows
+    rows += loaded(tmp_path, "s3.jsonl", [META, speed("local", 4096, 9.0, 10, config={"left": 256})]).rows
+    chosen = pick.speed_points(rows, 4096, False)
+    assert list(chosen) == ["local"] and chosen["local"]["speedup_forward_backward_vs_sdpa"] == 5.0
 
 
-def test_bubble_x_is_the_geometric_mean_of_steps_per_s_ratios():
-    rows = TRAIN + [train("linear", "B", 0.6, 20.0)]  # linear: 40/10 on A, 20/20 on B, 30/10 on mqar
-    assert report.train_speed_ratios(rows)["linear"] == pytest.approx((4 * 1 * 3) ** (1 / 3))
-    data = report.bubble_points(TRAIN, [])
-    points = {p["label"]: p for p in data["points"]}
-    assert points["linear"]["x"] == pytest.approx(math.sqrt(4 * 3))  # B failed: A and mqar only
-    assert points["softmax"]["x"] == pytest.approx(1.0) and points["softmax"]["memory"] == 4 * 2**20
-    assert points["local"]["x"] == pytest.approx(0.5)
-    # y averages only the tasks every mechanism has a result on (here A): linear's B failed and
-    # local has no MQAR, so a mean over each one's own tasks would compare different tasks.
-    assert points["linear"]["y"] == pytest.approx(70)
-    assert report.comparable_accuracy(report.lra_table(TRAIN))[1] == ["A"]
+def test_averages_are_over_equal_task_sets():
+    rows = [train("softmax", t, 0.8) for t in "ABC"] + [train("linear", t, 0.6) for t in "AB"]
+    rows += [train("local", "A", 0.9), train("fnet", "A", None)]  # a failed run has no result
+    table = pick.accuracy_table(rows)
+    used, means = pick.common_tasks(table)
+    # A has the most mechanisms (softmax, linear, local); B and C lack local: A only, for all three.
+    assert [c.task for c in used] == ["A"]
+    assert means == pytest.approx({"softmax": 80.0, "linear": 60.0, "local": 90.0})
+    # Among softmax and linear only, A and B are common (C lacks linear).
+    used, means = pick.common_tasks(table, {"softmax", "linear"})
+    assert [c.task for c in used] == ["A", "B"] and means == pytest.approx({"softmax": 80.0, "linear": 60.0})
+    html = report.accuracy_section(table)
+    assert "fnet" in html and "not ranked: no result on A quick" in html
 
 
-def test_bubble_x_falls_back_to_speed_rows_at_the_largest_common_n():
-    rows = [
-        speed("softmax", 1024, 1.0, 10),
-        speed("softmax", 4096, 16.0, 100),
-        speed("linear", 1024, 0.5, 5),
-        speed("linear", 4096, 2.0, 20),
-        speed("linear", 4096, 4.0, 20, backend="slow"),
-        speed("local", 16384, 1.0, 1),
-    ]
-    ratios = report.speed_ratios(rows)
-    assert ratios["linear"] == (8.0, 20, 4096) and ratios["softmax"] == (1.0, 100, 4096)
-    assert "local" not in ratios  # no softmax at 16384
-    no_steps = [{**r, "steps_per_s": None} for r in TRAIN]
-    data = report.bubble_points(no_steps, rows)
-    assert {p["label"]: p["x"] for p in data["points"]} == {"linear": 8.0, "softmax": 1.0}
-    assert data["no_speed"] == ["local"]
+def test_no_ranking_where_softmax_is_not_above_chance_plus_ten_points():
+    rows = [train("softmax", "hard", 0.2, chance=0.15), train("local", "hard", 0.3, chance=0.15)]
+    rows += [train("softmax", "easy", 0.9), train("local", "easy", 0.5)]
+    rows += [train("local", "alone", 0.9)]  # no softmax run: cannot be judged
+    table = pick.accuracy_table(rows)
+    learned = {c.task: table["info"][c]["learned"] for c in table["columns"]}
+    assert learned == {"hard": False, "easy": True, "alone": None}
+    used, means = pick.common_tasks(table)
+    assert [c.task for c in used] == ["easy"] and means == pytest.approx({"softmax": 90.0, "local": 50.0})
+    best = {c.task: b for c, b in pick.best_per_column(table).items()}
+    assert best == {"hard": set(), "easy": {"softmax"}, "alone": set()}
+    html = report.accuracy_section(table)
+    assert "not learned at this budget" in html and "no softmax run: not judged" in html
+    assert "<b>30.0</b>" not in html  # local's 30% on the unlearned task is not marked best
 
 
-def test_mqar_rows_sit_beside_softmax():
-    rows = report.mqar_rows(TRAIN)
-    assert [(r["mechanism"], r["accuracy"], r["exact"]) for r in rows] == [
-        ("softmax", 95.0, 95.0),
-        ("linear", 50.0, 95.0),
-    ]
+# A known front at N=4096, not causal: (speed-up, MiB, accuracy %).
+FRONT = {
+    "softmax": (1.0, 10, 0.90),  # most accurate
+    "mid": (5.0, 8, 0.85),  # a trade-off
+    "fast": (10.0, 5, 0.80),  # fastest, least memory
+    "slow_bad": (0.5, 20, 0.70),  # dominated by softmax
+    "shadow": (8.0, 6, 0.75),  # dominated by fast
+}
+
+
+def test_which_to_pick_is_the_pareto_front_of_the_data(tmp_path):
+    speeds = [META] + [speed(m, 4096, s, mib) for m, (s, mib, _) in FRONT.items()]
+    speeds += [speed("softmax", 1024, 1.0, 3, causal=True), speed("fast", 1024, 2.0, 9, causal=True)]
+    speeds += [speed("fast", 16384, 20.0, 50, forward_only=True), speed("mid", 16384, 12.0, 40, forward_only=True)]
+    trains = [train(m, "listops", acc) for m, (_, _, acc) in FRONT.items()]
+    trains += [train("softmax", "mqar", 0.99, task_params={}), train("fast", "mqar", 0.5, task_params={})]
+    runs = [loaded(tmp_path, "speed.jsonl", speeds), loaded(tmp_path, "train.jsonl", trains, committed=True)]
+    table = pick.accuracy_table(report.of_kind(runs, "train"))
+    speed_rows = report.of_kind(runs, "speed")
+    result = pick.pick(table, speed_rows, 4096, False)
+    assert result["metric"] == pick.FWD_BWD and [c.task for c in result["tasks"]] == ["listops"]
+    assert result["front"] == ["softmax", "mid", "fast"]  # most accurate first
+    assert "fastest and the least memory" in pick.sentence("fast", result)
+    assert "5.0 points below softmax at 5x its speed" in pick.sentence("mid", result)
+    # Causal picks rank on the causal task (MQAR), at 16K on the forward-only rows.
+    causal = pick.pick(table, speed_rows, 1024, True)
+    assert [c.task for c in causal["tasks"]] == ["mqar"] and causal["front"] == ["softmax", "fast"]
+    long = pick.pick(table, speed_rows, 16384, False)
+    assert long["metric"] == pick.FWD and long["front"] == ["mid", "fast"]
+    html = report.pick_section(table, speed_rows)
+    assert html.count("<li") == 3 + 2 + 2 and "shadow:" not in html and "slow_bad:" not in html
+    assert "N = 4096, causal" in html and "No mechanism has a speed row and an accuracy here" in html
+
+
+def test_report_refuses_to_mix_speed_rows_from_different_machines(tmp_path):
+    here = loaded(tmp_path, "a.jsonl", [META, speed("softmax", 1024, 1.0, 3)])
+    there = loaded(tmp_path, "b.jsonl", [{**META, "processor": "Apple M3"}, speed("linear", 1024, 4.0, 3)])
+    with pytest.raises(
+        ValueError, match=r"2 different machines.*Apple M3, 2 CPUs, 2 threads: .*b\.jsonl.*must not mix machines"
+    ):
+        report.render([here, there], tmp_path / "out", gallery=False)
+    # The command line says so on one line, with exit status 2.
+    from attnzoo import cli
+
+    assert cli.main(["report", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--out", str(tmp_path)]) == 2
+
+
+def test_sources_dates_revisions_and_dirty_rows_are_labelled(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    path = write(repo / "train.jsonl", [train("softmax", "A", 0.8, git="1234567+dirty")])
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "train.jsonl"], ["commit", "-q", "-m", "results"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    run = report.load_run(path)  # tracked and unmodified: committed, dated by its commit
+    assert run.origin == "committed" and run.rows[0]["_date"] == run.committed_in.split()[1]
+    assert "committed: " in pick.source_label(run.rows[0]) and "git 1234567+dirty (DIRTY" in pick.source_label(
+        run.rows[0]
+    )
+    assert report.load_run(write(tmp_path / "new.jsonl", [train("softmax", "A", 0.8)])).origin == "uncommitted"
+    page = report.page([run], lambda name, draw: None, gallery=False)
+    assert "1 row(s) were made at a dirty git revision" in page and "&dagger; dirty: 1234567+dirty" in page
 
 
 def test_bad_input_names_file_and_line(tmp_path):
@@ -149,121 +176,54 @@ def test_bad_input_names_file_and_line(tmp_path):
 
 
 def test_report_is_self_contained(tmp_path):
-    meta = {
-        "kind": "meta",
-        "command": "attnzoo bench speed --n 1024,4096",
-        "processor": "AMD EPYC",
-        "cpus": 2,
-        "torch": "2.13.0",
-        "date": "2026-01-01",
-    }
+    meta = {**META, "command": "attnzoo bench speed --n 1024,4096", "torch": "2.13.0"}
     sdpa = [
-        {"kind": "sdpa", "n": n, "causal": False, "forward_s": t, "peak_forward_bytes": m}
+        {"kind": "sdpa", "n": n, "causal": False, "forward_s": t, "forward_backward_s": 3 * t, "peak_forward_bytes": m}
         for n, t, m in ((1024, 1.0, 2**20), (4096, 16.0, 2**24))
     ]
-    speeds = [
-        speed("softmax", 1024, 1.0, 2**20),
-        speed("softmax", 4096, 16.0, 2**24),
-        speed("linear", 1024, 0.1, 2**18),
-        speed("linear", 4096, 0.4, 2**20),
-        {"kind": "speed", "mechanism": "local", "config": {}, "backend": "auto", "n": 1024, "error": "ValueError: x"},
-    ]
-    fit = [
-        {
-            "kind": "fit",
-            "mechanism": "linear",
-            "config": {},
-            "backend": "auto",
-            "sizes": [1024, 4096],
-            "time_exponent": 1.0,
-            "memory_exponent": 1.0,
-        }
-    ]
+    speeds = [speed(m, n, r, mib) for m, n, r, mib in (("softmax", 1024, 1, 1), ("softmax", 4096, 1, 16))]
+    speeds += [speed("linear", 1024, 4, 1), speed("linear", 4096, 16, 2)]
+    speeds.append({"kind": "speed", "mechanism": "local", "config": {}, "backend": "auto", "n": 1024, "error": "x"})
     prof = [
-        {
-            "kind": "profile",
-            "mechanism": m,
-            "config": {},
-            "n": n,
-            "attention_s": a,
-            "ffn_s": 1.0,
-            "block_s": a + 1,
-            "attention_share": a / (a + 1),
-        }
+        {"kind": "profile", "mechanism": m, "config": {}, "n": n, "attention_s": a, "ffn_s": 1.0}
+        | {"block_s": a + 1, "attention_share": a / (a + 1)}
         for m in ("softmax", "linear")
         for n, a in ((256, 0.5), (1024, 2.0))
     ]
-    prof.append({"kind": "profile", "mechanism": "graph", "config": {}, "n": 256, "error": "ValueError: fixed size"})
     fidelity = [
-        {
-            "kind": "fidelity",
-            "mechanism": "linear",
-            "config": {},
-            "applicable": True,
-            "reason": None,
-            "mean_cosine": 0.91,
-            "min_cosine": 0.5,
-            "retrieval_at_1": 0.8,
-            "n_passages": 10,
-            "seconds": 1.0,
-            "model": "tiny",
-        },
-        {
-            "kind": "fidelity",
-            "mechanism": "fnet",
-            "config": {},
-            "applicable": False,
-            "reason": "a token mixer has no attention weights",
-        },
+        {"kind": "fidelity", "mechanism": "linear", "config": {}, "applicable": True, "mean_cosine": 0.91}
+        | {"min_cosine": 0.5, "retrieval_at_1": 0.8, "model": "tiny"},
+        {"kind": "fidelity", "mechanism": "fnet", "config": {}, "applicable": False, "reason": "a token mixer"},
     ]
+    trains = [train("softmax", "A", 0.8), train("linear", "A", 0.7), train("linear", "B", None)]
     files = [
-        write(tmp_path / "speed.jsonl", [meta, *sdpa, *speeds, *fit]),
-        write(tmp_path / "train.jsonl", TRAIN),
+        write(tmp_path / "speed.jsonl", [meta, *sdpa, *speeds]),
+        write(tmp_path / "train.jsonl", trains),
         write(tmp_path / "more.jsonl", [meta, *prof, *fidelity]),
     ]
     out = tmp_path / "report"
     parser = argparse.ArgumentParser()
     report.add_arguments(parser)
     console = Console(width=200, record=True)
-    assert report.main(parser.parse_args([*files, "--out", str(out)]), console) == []
+    assert report.main(parser.parse_args([*map(str, files), "--out", str(out)]), console) == []
     assert f"report: {out / 'index.html'}" in console.export_text()
     page = (out / "index.html").read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page)
     images = re.findall(r'<img src="([^"]+)"', page)
     assert "bubbles.png" in images and any(i.startswith("gallery/") for i in images)
-    assert any(i.startswith("profile-") for i in images) and any(i.startswith("time-") for i in images)
+    assert any(i.startswith("profile-") for i in images) and any(i.startswith("time-fwd-bwd-") for i in images)
     for image in images:
         assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", image
-    # Failed runs read "failed" with their error on hover, never 0.
-    assert 'class="failed" title="RuntimeError: out of memory">failed<' in page
-    assert "<b>90.0</b>" in page and "not applicable: a token mixer has no attention weights" in page
-    assert "attnzoo bench speed --n 1024,4096" in page and "AMD EPYC" in page
+    assert 'class="failed" title="RuntimeError: out of memory; uncommitted: ' in page and "failed: RuntimeError" in page
+    assert "not applicable: a token mixer" in page and "AMD EPYC" in page
+    assert "Which mechanism should I use?" in page and "linear: 16x dense SDPA" in page
+    assert "N^" in page or "time-" in " ".join(images)
 
 
-def test_missing_sections_say_what_is_missing(tmp_path):
-    path = write(tmp_path / "speed.jsonl", [speed("softmax", 1024, 1.0, 2**20)])
-    index, failed = report.render([report.load_run(path)], tmp_path / "out", gallery=False)
+def test_optional_sections_without_rows_are_left_out_and_named(tmp_path):
+    path = write(tmp_path / "speed.jsonl", [speed("softmax", 1024, 1.0, 1)])
+    index, failed = report.render([report.load_run(path, origin="fresh")], tmp_path / "out", gallery=False)
     page = index.read_text()
     assert failed == []
-    assert "No train rows" in page and "No profile rows" in page and "No fidelity rows" in page
-    assert "No meta row" in page
-
-
-def test_bubble_y_without_a_common_task_uses_the_task_most_mechanisms_ran():
-    def row(m, task, acc):
-        return {
-            "kind": "train",
-            "task": task,
-            "size": "quick",
-            "mechanism": m,
-            "config": {},
-            "test_accuracy": acc,
-            "chance": 0.1,
-            "steps_per_s": 10.0,
-            "peak_memory_bytes": 2**20,
-        }
-
-    rows = [row("softmax", "A", 0.9), row("softmax", "B", 0.5), row("linear", "A", 0.4), row("fnet", "B", 0.3)]
-    rows.append(row("local", "A", 0.6))
-    accuracy, used = report.comparable_accuracy(report.lra_table(rows))
-    assert used == ["A"] and accuracy == pytest.approx({"softmax": 90, "linear": 40, "local": 60})
+    assert "Not in the inputs (left out): Is your bottleneck really attention?, Fidelity" in page
+    assert 'id="profile"' not in page and "No train rows" in page and "No meta row" in page

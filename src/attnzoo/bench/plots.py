@@ -5,9 +5,9 @@ a layer's time against N. Each function writes one PNG and returns its path."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,6 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
 from attnzoo.bench.speed import fitted_exponent
-from attnzoo.registry import EXACT
 
 #: One style per line: ten colours times five markers, so ~35 mechanisms stay apart. Dashed
 #: lines are kept for the SDPA reference.
@@ -52,73 +51,22 @@ def usable(row: Row, key: str) -> bool:
     return "error" not in row and isinstance(row.get(key), (int, float)) and row[key] > 0
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
-def train_speed_ratios(rows: list[Row]) -> dict[str, float]:
-    """Per mechanism label: geometric mean over tasks of its steps/s over softmax's steps/s on the
-    same task (runs averaged first). Labels with no task shared with softmax are left out."""
-    steps: dict[tuple[str, str], list[float]] = {}
-    for r in rows:
-        if usable(r, "steps_per_s"):
-            steps.setdefault((label(r), r["task"]), []).append(r["steps_per_s"])
-    reference = {t: statistics.fmean(v) for (m, t), v in steps.items() if m == EXACT}
-    ratios: dict[str, list[float]] = {}
-    for (m, t), v in steps.items():
-        if t in reference:
-            ratios.setdefault(m, []).append(statistics.fmean(v) / reference[t])
-    return {m: geomean(v) for m, v in ratios.items()}
-
-
-def _setting(row: Row) -> tuple:
-    return row["n"], bool(row.get("causal")), row.get("batch"), row.get("heads"), row.get("dim")
-
-
-def speed_ratios(rows: list[Row]) -> dict[str, tuple[float, int | None, int]]:
-    """Per mechanism label from ``speed`` rows: (softmax forward_s / its forward_s, its peak
-    forward bytes, N) at the largest N measured for both in the same setting (batch, heads,
-    dim, causal); the fastest backend where several ran. Failed or incorrect rows are skipped."""
-    good = [r for r in rows if usable(r, "forward_s") and r.get("correct") is not False]
-    reference = {_setting(r): r["forward_s"] for r in good if r["mechanism"] == EXACT}
-    best: dict[str, Row] = {}
-    for r in good:
-        if _setting(r) not in reference:
-            continue
-        current = best.get(label(r))
-        if current is None or (r["n"], -r["forward_s"]) > (current["n"], -current["forward_s"]):
-            best[label(r)] = r
-    return {m: (reference[_setting(r)] / r["forward_s"], r.get("peak_forward_bytes"), r["n"]) for m, r in best.items()}
-
-
-def _fits(fit_rows: list[Row]) -> dict[tuple, Row]:
-    return {(r["mechanism"], json.dumps(r.get("config") or {}, sort_keys=True), r.get("backend")): r for r in fit_rows}
-
-
-def speed_lines(speed: list[Row], fit_rows: list[Row], metric: str) -> dict[str, list[Line]]:
-    """Lines of ``metric`` ("forward_s" or "peak_forward_bytes") against N per family, one per
-    (mechanism, backend, causal, heads), the fitted exponent (``fit`` rows, else computed) in
-    the legend. Families with fewer than three lines are pooled under "other families"."""
-    fits, groups = _fits(fit_rows), {}
+def speed_lines(speed: list[Row], metric: str) -> dict[str, list[Line]]:
+    """Lines of ``metric`` ("forward_s", "forward_backward_s" or "peak_forward_bytes") against N
+    per family, one per (mechanism and config, backend, causal, heads), with the exponent fitted
+    to the drawn points in the legend. Families with fewer than three lines are pooled under
+    "other families"."""
+    groups: dict[tuple, dict[int, float]] = {}
     for r in speed:
         if usable(r, metric) and r.get("correct") is not False:
-            key = (
-                r["mechanism"],
-                json.dumps(r.get("config") or {}, sort_keys=True),
-                r.get("backend"),
-                bool(r.get("causal")),
-                r.get("heads"),
-            )
+            key = (label(r), r["mechanism"], r.get("backend"), bool(r.get("causal")), r.get("heads"))
             groups.setdefault(key, {})[r["n"]] = r[metric]
     several_heads = len({k[4] for k in groups}) > 1
     by_family: dict[str, list[Line]] = {}
-    for (name, config, backend, causal, heads), points in sorted(groups.items(), key=str):
+    for (text, name, backend, causal, heads), points in sorted(groups.items(), key=str):
         ns = sorted(points)
-        fit = fits.get((name, config, backend), {})
-        exponent = fit.get("time_exponent" if metric == "forward_s" else "memory_exponent")
-        exponent = fitted_exponent(ns, [points[n] for n in ns]) if exponent is None else exponent
-        text = label({"mechanism": name, "config": json.loads(config)}) + f" [{backend}]"
-        text += (" causal" if causal else "") + (f" H={heads}" if several_heads else "")
+        exponent = fitted_exponent(ns, [points[n] for n in ns])
+        text += f" [{backend}]" + (" causal" if causal else "") + (f" H={heads}" if several_heads else "")
         text += f"  N^{exponent:.2f}" if exponent is not None else ""
         by_family.setdefault(family(name), []).append((text, ns, [points[n] for n in ns]))
     return _pool_small(by_family)
@@ -178,7 +126,12 @@ def _save(fig: Figure, out: Path) -> Path:
     return out
 
 
-def bubble_chart(points: list[dict[str, Any]], out: Path, title: str) -> Path:
+def bubble_chart(
+    points: list[dict[str, Any]],
+    out: Path,
+    title: str,
+    xlabel: str = "forward+backward speed over dense SDPA at N=4096 (log scale; > 1 is faster)",
+) -> Path:
     """One bubble per mechanism at ``(x, y)`` with area proportional to ``memory`` (bytes; None
     draws a hollow bubble of the smallest size). ``points``: dicts with label, x, y, memory."""
     fig = Figure(figsize=(9, 6.2))
@@ -197,9 +150,9 @@ def bubble_chart(points: list[dict[str, Any]], out: Path, title: str) -> Path:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}x" if f"{v:.0e}"[0] in "25" else ""))
     ax.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xlabel("speed relative to softmax (x, log scale; > 1 is faster)")
-    ax.set_ylabel("average accuracy (%)")
-    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("mean test accuracy (%)")
+    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     if known:
         sizes = sorted({top, top / 4, top / 16})

@@ -1,19 +1,27 @@
 """``attnzoo report RUNS... --out DIR``: one self-contained HTML page (inline CSS, PNGs beside
 it, no network resources) from any number of benchmark JSONL files.
 
-Rows are dispatched by ``kind``: ``meta`` (what made the file), ``train`` (accuracy, steps/s),
-``speed`` / ``sdpa`` / ``fit`` (``bench speed``), ``profile`` (``bench profile``) and
-``fidelity``; other kinds are counted and otherwise ignored. Accuracies and chance levels in
-train rows are fractions in [0, 1] and shown as percentages. The tables and chart inputs are
-computed by pure functions (``lra_table``, ``bubble_points``, ...) that the tests check.
+Rows are dispatched by ``kind``: ``meta`` (what made the file: machine, date, git revision),
+``train`` (accuracy), ``speed`` / ``sdpa`` (``bench speed``), ``profile`` (``bench profile``) and
+``fidelity``; other kinds are counted and otherwise ignored. Every figure on the page is labelled
+with its source: fresh (made by this suite run), committed (a file git tracks unmodified) or an
+uncommitted file, the file,
+its date and the git revision that made it; rows made at a "+dirty" revision are flagged.
+
+What is computed (``attnzoo.bench.pick``): one reference row per mechanism and task; a task
+counts only where softmax beats chance by 10 points; averages only over equal task sets; speed
+as each row's interleaved speed-up over dense SDPA; "which to pick", the Pareto front of (speed,
+memory, accuracy) at N = 1K, 4K, 16K, causal and not. Speed rows from different machines are
+refused (ValueError): their ratios would compare the machines.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
+import itertools
 import json
-import statistics
+import subprocess
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,30 +30,69 @@ from typing import Any
 
 from rich.console import Console
 
-from attnzoo.bench import plots
-from attnzoo.bench.plots import label, speed_ratios, train_speed_ratios, usable
-from attnzoo.registry import EXACT
+from attnzoo.bench import pick, plots
+from attnzoo.bench.pick import BUBBLE_N, FWD, FWD_BWD, Column, accuracy, is_dirty, source_label
+from attnzoo.bench.plots import label
+from attnzoo.bench.speed import crossover
 
 Row = dict[str, Any]
+_ORDER = itertools.count()  # input order across files: later rows supersede earlier ones
 
 
 @dataclass
 class Run:
-    """One input file: its meta rows and its other rows (each tagged with ``_file``)."""
+    """One input file: its meta rows and its other rows (each annotated, see ``load_run``)."""
 
     path: str
+    origin: str = "fresh"
+    committed_in: str | None = None  # "<hash> <date>" of the last commit of a committed file
     metas: list[Row] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
 
 
-def load_run(path: str | Path) -> Run:
-    """Read one JSONL file; ValueError naming ``file:line`` for a line that is not a JSON object
-    with a ``kind``, or naming the file when it cannot be read."""
+def _git(path: Path, *args: str) -> subprocess.CompletedProcess | None:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return subprocess.run(
+            ["git", "-C", str(path.parent), *args], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def committed_state(path: Path) -> str | None:
+    """``"<hash> <date>"`` of the last commit of ``path`` when git tracks it unmodified, else None."""
+    tracked = _git(path, "ls-files", "--error-unmatch", path.name)
+    if tracked is None or tracked.returncode != 0:
+        return None
+    changed = _git(path, "diff", "--quiet", "HEAD", "--", path.name)
+    if changed is None or changed.returncode != 0:
+        return None
+    log = _git(path, "log", "-1", "--format=%h %cs", "--", path.name)
+    return (log.stdout.strip() if log is not None else "") or None
+
+
+def machine_identity(meta: Row | None) -> str | None:
+    """What a speed figure depends on: processor, CPU count, torch threads (and device)."""
+    if not meta or not any(k in meta for k in ("processor", "cpus")):
+        return None
+    text = f"{meta.get('processor', '?')}, {meta.get('cpus', '?')} CPUs, {meta.get('torch_threads', '?')} threads"
+    return text + (f", {meta['device']}" if meta.get("device") else "")
+
+
+def load_run(path: str | Path, *, origin: str | None = None) -> Run:
+    """Read one JSONL file and annotate every row with its source (``_file``, ``_origin``,
+    ``_date``, ``_rev``, ``_machine``, ``_order``) from the meta row above it (else the first).
+    ``origin``: "fresh" or "committed"; None asks git ("committed" where it tracks the file
+    unmodified, else "uncommitted"). ValueError naming
+    ``file:line`` for a line that is not a JSON object with a ``kind``, or naming the file when
+    it cannot be read."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise ValueError(f"{path}: cannot read benchmark results ({error.strerror or error})") from None
-    run = Run(str(path))
+    state = committed_state(path) if origin in (None, "committed") else None
+    run = Run(str(path), origin or ("committed" if state else "uncommitted"), state)
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -57,8 +104,20 @@ def load_run(path: str | Path) -> Run:
             ) from None
         if not isinstance(row, dict) or "kind" not in row:
             raise ValueError(f"{path}:{number}: expected a JSON object with a 'kind' field, got {line[:60]!r}")
-        row["_file"] = str(path)
         (run.metas if row["kind"] == "meta" else run.rows).append(row)
+        row["_meta"] = run.metas[-1] if run.metas else None
+    for row in run.rows:
+        meta = row.pop("_meta") or (run.metas[0] if run.metas else {})
+        row.update(
+            _file=str(path),
+            _origin=run.origin,
+            _date=str(meta.get("date") or "")[:10] or (run.committed_in or "").partition(" ")[2] or None,
+            _rev=row.get("git") or meta.get("git"),
+            _machine=machine_identity(meta),
+            _order=next(_ORDER),
+        )
+    for meta in run.metas:
+        meta.pop("_meta", None)
     return run
 
 
@@ -66,128 +125,17 @@ def of_kind(runs: list[Run], kind: str) -> list[Row]:
     return [row for run in runs for row in run.rows if row["kind"] == kind]
 
 
-def lra_table(rows: list[Row]) -> dict[str, Any]:
-    """Task x mechanism test accuracy (%) from train rows of one size. Several runs of a cell are
-    averaged (their count kept); a cell whose runs all failed has accuracy None and the errors.
-    ``average`` is over the tasks a mechanism has, ``missing`` lists the others, ``best`` the
-    top mechanism(s) per task. Mechanisms are sorted by average, best first."""
-    tasks = sorted({r["task"] for r in rows})
-    chance = {
-        t: next((100 * r["chance"] for r in rows if r["task"] == t and r.get("chance") is not None), None)
-        for t in tasks
-    }
+def lra_table(train: list[Row]) -> dict[str, Any]:
+    """Per mechanism and task, the reference row's accuracy (%) or its errors: a task-keyed view
+    of ``pick.accuracy_table`` (one column per task; the first column of a task wins)."""
+    table = pick.accuracy_table(train)
     cells: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        cell = cells.setdefault(label(r), {}).setdefault(r["task"], {"accuracies": [], "errors": []})
-        if "error" in r or r.get("test_accuracy") is None:
-            cell["errors"].append(str(r.get("error", "no test_accuracy")))
-        else:
-            cell["accuracies"].append(100 * r["test_accuracy"])
-    for by_task in cells.values():
-        for cell in by_task.values():
-            cell["accuracy"] = statistics.fmean(cell["accuracies"]) if cell["accuracies"] else None
-            cell["runs"] = len(cell["accuracies"])
-    have = {m: [t for t in tasks if cells[m].get(t, {}).get("accuracy") is not None] for m in cells}
-    average = {m: statistics.fmean(cells[m][t]["accuracy"] for t in ts) if ts else None for m, ts in have.items()}
-    missing = {m: [t for t in tasks if t not in ts] for m, ts in have.items()}
-    best = {}
-    for t in tasks:
-        scores = {m: c[t]["accuracy"] for m, c in cells.items() if c.get(t, {}).get("accuracy") is not None}
-        best[t] = sorted(m for m, s in scores.items() if s == max(scores.values())) if scores else []
-    order = sorted(cells, key=lambda m: (average[m] is None, -(average[m] or 0), m))
-    return {
-        "tasks": tasks,
-        "chance": chance,
-        "mechanisms": order,
-        "cells": cells,
-        "average": average,
-        "missing": missing,
-        "best": best,
-    }
-
-
-def main_size(train: list[Row]) -> str | None:
-    """The model size with the most train rows: the one the bubble chart is drawn for."""
-    counts = Counter(str(r.get("size")) for r in train)
-    return counts.most_common(1)[0][0] if counts else None
-
-
-def comparable_accuracy(table: dict[str, Any]) -> tuple[dict[str, float], list[str] | None]:
-    """Each mechanism's mean accuracy over the tasks that every mechanism with a result ran, so a
-    mechanism that skipped a task (a non-causal one on MQAR) is not ranked on easier ground.
-    Without such a common task: the task most mechanisms ran, for those mechanisms only (the
-    others are then listed under the chart as not plotted). Returns (accuracy, tasks used)."""
-    cells, tasks = table.get("cells", {}), table.get("tasks", [])
-    scored = {m: {t for t in tasks if c.get(t, {}).get("accuracy") is not None} for m, c in cells.items()}
-    scored = {m: ts for m, ts in scored.items() if ts}
-    common = sorted(set(tasks).intersection(*scored.values())) if scored else []
-    if not common and scored:
-        # No task that all ran: use the task most mechanisms ran, and only those mechanisms.
-        counts = Counter(t for ts in scored.values() for t in ts)
-        common = [max(sorted(counts), key=counts.__getitem__)]
-        scored = {m: ts for m, ts in scored.items() if common[0] in ts}
-    if not common:
-        return {}, None
-    return {m: statistics.fmean(cells[m][t]["accuracy"] for t in common) for m in scored}, common
-
-
-def bubble_points(train: list[Row], speed: list[Row]) -> dict[str, Any]:
-    """Inputs of the bubble chart: x = speed relative to softmax (train steps/s where softmax has
-    train speed, else speed rows' forward time), y = average accuracy of the main size's LRA
-    table, memory = the largest train ``peak_memory_bytes`` of the mechanism (or the speed row's
-    peak forward bytes). Mechanisms with only one of x, y are listed, not plotted."""
-    size = main_size(train)
-    rows = [r for r in train if str(r.get("size")) == size]
-    accuracy, common = comparable_accuracy(lra_table(rows) if rows else {})
-    basis = f"mean test accuracy over {', '.join(common)}" if common else "test accuracy"
-    x = train_speed_ratios(rows)
-    if x:
-        peaks: dict[str, list[int]] = {}
-        for r in rows:
-            if usable(r, "peak_memory_bytes"):
-                peaks.setdefault(label(r), []).append(r["peak_memory_bytes"])
-        memory = {m: max(v) for m, v in peaks.items()}
-        source = (
-            f"x: train steps/s over softmax's, geometric mean over tasks; y: {basis}; "
-            f"area: peak training memory (size {size})"
-        )
-    else:
-        measured = speed_ratios(speed)
-        x = {m: v[0] for m, v in measured.items()}
-        memory = {m: v[1] for m, v in measured.items()}
-        sizes = sorted({v[2] for v in measured.values()})
-        source = (
-            f"x: softmax forward time / mechanism's (speed rows, largest common N: {sizes}); "
-            f"y: {basis} (size {size}); area: peak forward memory"
-        )
-    points = [
-        {"label": m, "x": x[m], "y": accuracy[m], "memory": memory.get(m)} for m in sorted(set(x) & set(accuracy))
-    ]
-    return {
-        "points": points,
-        "source": source,
-        "no_speed": sorted(set(accuracy) - set(x)),
-        "no_accuracy": sorted(set(x) - set(accuracy)),
-    }
-
-
-def mqar_rows(train: list[Row]) -> list[dict[str, Any]]:
-    """Every mechanism's mean accuracy (%) on task "mqar" per size, beside softmax's at the same
-    size, best first; failed runs have accuracy None and their error."""
-    table = {}
-    for size in sorted({str(r.get("size")) for r in train if r["task"] == "mqar"}):
-        lra = lra_table([r for r in train if r["task"] == "mqar" and str(r.get("size")) == size])
-        softmax = lra["cells"].get(EXACT, {}).get("mqar", {}).get("accuracy")
-        for m in lra["mechanisms"]:
-            cell = lra["cells"][m]["mqar"]
-            table[(m, size)] = {
-                "mechanism": m,
-                "size": size,
-                "accuracy": cell["accuracy"],
-                "exact": softmax,
-                "error": "; ".join(cell["errors"]) or None,
-            }
-    return sorted(table.values(), key=lambda r: (r["accuracy"] is None, -(r["accuracy"] or 0), r["mechanism"]))
+    for m, by in table["cells"].items():
+        for c, r in by.items():
+            cells.setdefault(m, {}).setdefault(
+                c.task, {"accuracy": accuracy(r), "errors": [str(r["error"])] if "error" in r else []}
+            )
+    return {"cells": cells}
 
 
 def _e(value: Any) -> str:
@@ -202,6 +150,10 @@ def _num(value: Any, spec: str) -> str:
     return f"{value:{spec}}" if isinstance(value, (int, float)) else "-"
 
 
+def _mib(value: Any) -> str:
+    return f"{value / 2**20:.0f} MiB" if isinstance(value, (int, float)) else "-"
+
+
 def _table(headers: list[str], body: list[str]) -> str:
     head = "".join(f"<th>{h}</th>" for h in headers)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
@@ -211,81 +163,215 @@ def _missing(what: str, how: str) -> str:
     return f'<p class="missing">No {what} rows in the inputs: {how}.</p>'
 
 
-def _cell(cell: dict[str, Any] | None, best: bool) -> str:
-    """One accuracy cell: failed runs as "failed" with the error on hover, never as 0."""
-    if cell is None:
-        return '<td class="absent" title="not run">&ndash;</td>'
-    if cell["accuracy"] is None:
-        return f'<td class="failed" title="{_e("; ".join(cell["errors"]))}">failed</td>'
-    note = f"mean of {cell['runs']} runs" if cell["runs"] > 1 else ""
-    if cell["errors"]:
-        note += f" ({len(cell['errors'])} failed: {'; '.join(cell['errors'])})"
-    text = f"<b>{_pct(cell['accuracy'])}</b>" if best else _pct(cell["accuracy"])
-    return f'<td title="{_e(note)}">{text}</td>' if note else f"<td>{text}</td>"
+def _dagger(row: Row) -> str:
+    return '<sup class="dirty" title="made at a dirty revision">&dagger;</sup>' if is_dirty(row.get("_rev")) else ""
 
 
-def lra_html(table: dict[str, Any]) -> str:
-    tasks = table["tasks"]
-    headers = ["mechanism"] + [f"{_e(t)}<br><small>chance {_pct(table['chance'][t])}</small>" for t in tasks]
-    body = []
-    for m in table["mechanisms"]:
-        cells = "".join(_cell(table["cells"][m].get(t), m in table["best"][t]) for t in tasks)
-        missing, average = table["missing"][m], table["average"][m]
-        mark = (
-            f'<td title="average over {len(tasks) - len(missing)} of {len(tasks)} tasks; missing: '
-            f'{_e(", ".join(missing))}">{_pct(average)}*</td>'
-            if missing and average is not None
-            else f"<td>{_pct(average)}</td>"
+def _names(columns: list[Column]) -> str:
+    return ", ".join(c.name for c in columns)
+
+
+# ---- which to pick -----------------------------------------------------------------------------
+
+
+def pick_section(table: dict[str, Any], speed: list[Row]) -> str:
+    if not speed or not table["columns"]:
+        return _missing("speed and train", "which to pick needs both a speed sweep and accuracy")
+    parts = [
+        "<p>For each length and causality: the mechanisms on the Pareto front of speed (higher), peak forward "
+        "memory (lower) and mean accuracy (higher); no other mechanism measured there is at least as good on all "
+        "three. Speed is each row's own interleaved speed-up over dense SDPA (forward+backward where measured); "
+        "accuracy is the mean over an equal set of tasks that softmax learned (causal tasks for causal picks), "
+        "measured at the tasks' own short lengths with configs sized to them. Speed measured on: "
+        f"{_e('; '.join(pick.machine_groups(speed)))}.</p>"
+    ]
+    for causal, n in itertools.product((False, True), pick.PICK_SIZES):
+        result = pick.pick(table, speed, n, causal)
+        title = f"N = {n}, {'causal' if causal else 'not causal'}"
+        if not result["front"]:
+            parts.append(f'<h3>{title}</h3><p class="missing">No mechanism has a speed row and an accuracy here.</p>')
+            continue
+        rows = result["rows"]
+        items = "".join(
+            f'<li title="{_e(source_label(rows[m]))}">{_e(pick.sentence(m, result))}{_dagger(rows[m])}</li>'
+            for m in result["front"]
         )
-        body.append(f"<tr><th>{_e(m)}</th>{cells}{mark}</tr>")
-    return _table(headers + ["average"], body)
+        others = len(result["points"]) - len(result["front"])
+        parts.append(
+            f"<h3>{title}</h3><ul>{items}</ul><p><small>Accuracy over: {_e(_names(result['tasks']))}. "
+            f"{others} other mechanism(s) measured here are dominated"
+            + (f"; no accuracy or memory for: {_e(', '.join(result['unranked']))}" if result["unranked"] else "")
+            + ".</small></p>"
+        )
+    return "\n".join(parts)
+
+
+# ---- accuracy ----------------------------------------------------------------------------------
+
+
+def _column_header(c: Column, info: dict[str, Any]) -> str:
+    budget = "-".join(str(b) for b in info["budgets"][:1] + info["budgets"][-1:][len(info["budgets"]) < 2 :])
+    note = {
+        True: "",
+        False: '<br><span class="unlearned">not learned at this budget</span>',
+        None: '<br><span class="unlearned">no softmax run: not judged</span>',
+    }[info["learned"]]
+    return (
+        f"{_e(c.name)}<br><small>chance {_pct(info['chance'])} &middot; softmax {_pct(info['softmax'])} "
+        f"&middot; {budget or '?'} steps &middot; {c.origin}</small>{note}"
+    )
+
+
+def _accuracy_cell(row: Row | None, best: bool, learned: bool | None) -> str:
+    if row is None:
+        return '<td class="absent" title="not run">&ndash;</td>'
+    where = source_label(row) + (f"; config {json.dumps(row.get('config'))}" if row.get("config") else "")
+    if "error" in row:
+        return f'<td class="failed" title="{_e(str(row["error"]) + "; " + where)}">failed</td>'
+    acc = _pct(accuracy(row))
+    text = f"<b>{acc}</b>" if best else acc
+    return f'<td class="{"" if learned else "unlearned"}" title="{_e(where)}">{text}{_dagger(row)}</td>'
+
+
+def accuracy_section(table: dict[str, Any]) -> str:
+    columns, info, cells = table["columns"], table["info"], table["cells"]
+    used, means = pick.common_tasks(table)
+    best = pick.best_per_column(table)
+    order = sorted(means, key=lambda m: (-means[m], m)) + sorted(set(cells) - set(means))
+    headers = ["mechanism"] + [_column_header(c, info[c]) for c in columns]
+    headers.append(f"mean over<br><small>{_e(_names(used)) or 'no common learned task'}</small>")
+    body = []
+    for m in order:
+        row = "".join(_accuracy_cell(cells[m].get(c), m in best[c], info[c]["learned"]) for c in columns)
+        mean = f"<td><b>{_pct(means[m])}</b></td>" if m in means else '<td class="absent" title="not ranked: '
+        if m not in means:
+            lacking = [c.name for c in used if accuracy(cells[m].get(c)) is None]
+            mean += f'no result on {_e(", ".join(lacking))}">&ndash;</td>'
+        body.append(f"<tr><th>{_e(m)}</th>{row}{mean}</tr>")
+    note = (
+        f"<p>Test accuracy (%), one reference row per mechanism and column (fresh, then uncommitted, then "
+        f"committed files; a clean "
+        f"revision before a dirty one, then the latest); hover a cell for its source (file, date, git revision). "
+        f"A column counts only where softmax reaches chance + {pick.MARGIN:.0f} points; the others are greyed "
+        f"and never ranked. The mean is over the same columns for every ranked mechanism "
+        f"({_e(_names(used)) or 'none'}); best per counted column in bold; &dagger; = made at a dirty revision.</p>"
+    )
+    return note + _table(headers, body)
 
 
 def lra_section(train: list[Row]) -> str:
+    """The accuracy table and the cost of every run (failed runs with their error)."""
     if not train:
         return _missing("train", "run attnzoo bench train to fill the accuracy table")
-    parts = [
-        "<p>Test accuracy (%) per task; best per task in bold; * = averaged over the tasks the "
-        "mechanism has (hover for the missing ones); failed runs show their error on hover.</p>"
-    ]
-    for size in sorted({str(r.get("size")) for r in train}):
-        parts += [f"<h3>size: {_e(size)}</h3>", lra_html(lra_table([r for r in train if str(r.get("size")) == size]))]
     body = []
-    for r in sorted(train, key=lambda r: (str(r.get("size")), r["task"], label(r))):
-        start = f"<tr><td>{_e(r.get('size'))}</td><td>{_e(r['task'])}</td><td>{_e(label(r))}</td>"
+    for r in sorted(train, key=lambda r: (r.get("_origin", ""), r["task"], str(r.get("size")), label(r))):
+        start = f"<tr><td>{_e(r.get('_origin', 'fresh'))}</td><td>{_e(r['task'])} {_e(r.get('size'))}</td>"
+        start += f"<td>{_e(label(r))}</td>"
         if "error" in r:
-            body.append(f'{start}<td class="failed" colspan="5">failed: {_e(r["error"])}</td></tr>')
+            body.append(f'{start}<td class="failed" colspan="6">failed: {_e(r["error"])}</td></tr>')
             continue
-        peak = r.get("peak_memory_bytes")
         figures = [
-            _pct(100 * r["test_accuracy"]) if r.get("test_accuracy") is not None else "-",
+            _pct(accuracy(r)),
+            _num(r.get("steps"), "d"),
             _num(r.get("steps_per_s"), ".2f"),
-            _num(r.get("tokens_per_s"), ",.0f"),
-            "-" if peak is None else f"{peak / 2**20:.0f}",
+            _mib(r.get("peak_memory_bytes")),
             _num(r.get("wall_s"), ".0f"),
+            _e(r.get("_rev") or "-") + _dagger(r),
         ]
         body.append(start + "".join(f"<td>{f}</td>" for f in figures) + "</tr>")
-    headers = ["size", "task", "mechanism", "test acc %", "steps/s", "tokens/s", "peak MiB", "wall s"]
-    return "\n".join(parts + ["<h3>Cost per run</h3>", _table(headers, body)])
+    headers = ["source", "task", "mechanism", "test acc %", "steps", "steps/s", "peak", "wall s", "git"]
+    return (
+        accuracy_section(pick.accuracy_table(train))
+        + f"<details><summary>Cost of every run ({len(train)})</summary>{_table(headers, body)}</details>"
+    )
 
 
-def bubble_section(train: list[Row], speed: list[Row], image: Callable) -> str:
-    if not train:
-        return _missing("train", "the chart needs accuracy from attnzoo bench train")
-    data = bubble_points(train, speed)
-    parts = []
-    if data["points"]:
-        name = image("bubbles.png", lambda p: plots.bubble_chart(data["points"], p, data["source"]))
-        parts.append(f'<img src="{name}" alt="speed vs accuracy bubble chart">' if name else "<p>chart failed</p>")
-    else:
-        parts.append("<p>No mechanism has both an accuracy and a speed relative to softmax.</p>")
-    parts.append(f"<p>{_e(data['source'])}.</p>")
-    for key, what in (
-        ("no_speed", "accuracy but no speed relative to softmax"),
-        ("no_accuracy", "speed but no accuracy"),
+# ---- speed -------------------------------------------------------------------------------------
+
+
+def bubble_section(table: dict[str, Any], speed: list[Row], image: Callable) -> str:
+    rows = pick.speed_points(speed, BUBBLE_N, False, FWD_BWD)
+    # x is speed without a causal mask: accuracy on the tasks without one too, where any was learned.
+    used, means = pick.common_tasks(table, causal=False)
+    if not used:
+        used, means = pick.common_tasks(table)
+    plotted = sorted(set(rows) & set(means))
+    if not plotted:
+        return _missing("speed and train", f"the chart needs forward+backward speed at N={BUBBLE_N} and accuracy")
+    points = [
+        {"label": m, "x": rows[m][FWD_BWD], "y": means[m], "memory": rows[m].get("peak_forward_bytes")} for m in plotted
+    ]
+    source = (
+        f"x: forward+backward speed-up over dense SDPA at N={BUBBLE_N}, not causal (each row's interleaved "
+        f"timing); y: mean test accuracy over {_names(used)}; area: peak forward memory at N={BUBBLE_N}"
+    )
+    name = image("bubbles.png", lambda p: plots.bubble_chart(points, p, source))
+    parts = [f'<img src="{name}" alt="speed vs accuracy bubble chart">' if name else "<p>chart failed</p>"]
+    parts.append(f"<p>{_e(source)}. Speed from: {_e(', '.join(sorted({rows[m]['_file'] for m in plotted})))}.</p>")
+    for missing, what in (
+        (sorted(set(means) - set(rows)), f"no forward+backward speed at N={BUBBLE_N}"),
+        (sorted(set(rows) - set(means)), "no accuracy on that task set"),
     ):
-        if data[key]:
-            parts.append(f"<p>Not plotted ({what}): {_e(', '.join(data[key]))}.</p>")
+        if missing:
+            parts.append(f"<p>Not plotted ({what}): {_e(', '.join(missing))}.</p>")
+    return "\n".join(parts)
+
+
+def _speed_cell(row: Row | None) -> str:
+    if row is None:
+        return '<td class="absent">&ndash;</td>'
+    ratio, mark = (row[FWD_BWD], "") if FWD_BWD in row else (row[FWD], " fwd")
+    where = source_label(row) + (f"; config {json.dumps(row['config'])}" if row.get("config") else "")
+    memory = _mib(row.get("peak_forward_bytes"))
+    return f'<td title="{_e(where)}">{ratio:.2g}x{mark}<br><small>{memory}</small>{_dagger(row)}</td>'
+
+
+def speed_table(speed: list[Row], causal: bool) -> str:
+    """Mechanism x N: the speed-up over SDPA (forward+backward, else forward, marked) and peak
+    forward memory, and the crossover N (smallest N from which it beats SDPA)."""
+    sizes = sorted({r["n"] for r in speed if bool(r.get("causal")) == causal and r.get("_origin") == "fresh"})
+    sizes = sorted(set(sizes) | set(pick.PICK_SIZES))
+    by_n = {n: {**pick.speed_points(speed, n, causal, FWD), **pick.speed_points(speed, n, causal)} for n in sizes}
+    names = sorted({m for rows in by_n.values() for m in rows})
+    if not names:
+        return ""
+    body = []
+    for m in names:
+        measured = [by_n[n][m] for n in sizes if m in by_n[n]]
+        # One metric per crossover: forward+backward where measured, else forward.
+        cross = crossover([r for r in measured if FWD_BWD in r] or measured)
+        cells = "".join(_speed_cell(by_n[n].get(m)) for n in sizes)
+        body.append(f"<tr><th>{_e(m)}</th>{cells}<td>{cross or 'never'}</td></tr>")
+    return f"<h3>{'causal' if causal else 'not causal'}</h3>" + _table(
+        ["mechanism"] + [f"N={n}" for n in sizes] + ["beats SDPA from N"], body
+    )
+
+
+def scaling_section(speed: list[Row], sdpa: list[Row], image: Callable) -> str:
+    if not speed:
+        return _missing("speed", "run attnzoo bench speed over several --n")
+    parts = [
+        "<p>Speed-up over dense SDPA timed interleaved with it (the machine is shared: only same-run ratios "
+        "mean anything), forward+backward unless marked fwd, with peak forward memory; hover for the source. "
+        "Then time and memory against N, log-log, one line per mechanism and config; dashed: dense SDPA. "
+        "The legend gives the fitted exponent (1 = linear, 2 = quadratic).</p>",
+        speed_table(speed, False),
+        speed_table(speed, True),
+    ]
+    rows = list(
+        pick.one_per(
+            [r for r in speed if r.get("backend", "auto") == "auto"],
+            lambda r: (label(r), bool(r.get("causal")), r.get("n"), r.get("heads")),
+        ).values()
+    )
+    for metric, stem, what, unit in (
+        ("forward_backward_s", "time-fwd-bwd", "forward+backward time vs N", "seconds"),
+        ("forward_s", "time", "forward time vs N", "seconds"),
+        ("peak_forward_bytes", "memory", "peak forward memory vs N", "bytes"),
+    ):
+        parts += _charts(
+            plots.speed_lines(rows, metric), image, stem, what, ylabel=unit, references=plots.sdpa_lines(sdpa, metric)
+        )
     return "\n".join(parts)
 
 
@@ -300,45 +386,6 @@ def _charts(groups: dict[str, list], image: Callable, stem: str, what: str, **kw
             f'<img src="{name}" alt="{_e(what)}: {_e(fam)}">' if name else f"<p>{_e(what)} {_e(fam)}: chart failed</p>"
         )
     return parts
-
-
-def scaling_section(speed: list[Row], sdpa: list[Row], fit: list[Row], image: Callable) -> str:
-    if not speed:
-        return _missing("speed", "run attnzoo bench speed over several --n")
-    parts = [
-        "<p>Median forward time and peak forward memory (RSS growth) from <code>bench speed</code>, one line "
-        "per mechanism and backend, log-log; dashed: dense SDPA (median over input files). The legend gives "
-        "the fitted exponent (1 = linear, 2 = quadratic) from the fit rows, else from the points.</p>"
-    ]
-    for metric, stem, what, unit in (
-        ("forward_s", "time", "forward time vs N", "seconds"),
-        ("peak_forward_bytes", "memory", "peak forward memory vs N", "bytes"),
-    ):
-        parts += _charts(
-            plots.speed_lines(speed, fit, metric),
-            image,
-            stem,
-            what,
-            ylabel=unit,
-            references=plots.sdpa_lines(sdpa, metric),
-        )
-    return "\n".join(parts)
-
-
-def mqar_section(train: list[Row]) -> str:
-    rows = mqar_rows(train)
-    if not rows:
-        return _missing('train rows for task "mqar"', "run attnzoo bench train on the mqar task")
-    body = []
-    for r in rows:
-        if r["accuracy"] is None:
-            acc = f'<td class="failed" title="{_e(r["error"])}">failed</td><td>-</td>'
-        else:
-            gap = "-" if r["exact"] is None else f"{r['accuracy'] - r['exact']:+.1f}"
-            acc = f"<td>{_pct(r['accuracy'])}</td><td>{gap}</td>"
-        body.append(f"<tr><th>{_e(r['mechanism'])}</th><td>{_e(r['size'])}</td>{acc}<td>{_pct(r['exact'])}</td></tr>")
-    note = "<p>Multi-query associative recall (causal): accuracy (%) beside softmax's at the same size, best first.</p>"
-    return note + _table(["mechanism", "size", "accuracy %", "vs softmax", "softmax %"], body)
 
 
 def gallery_section(image: Callable, gallery: bool) -> str:
@@ -417,48 +464,70 @@ def provenance_section(runs: list[Run]) -> str:
     parts = []
     for run in runs:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(Counter(r["kind"] for r in run.rows).items()))
-        parts.append(f"<h3><code>{_e(run.path)}</code></h3><p>{counts or 'no rows'}</p>")
+        revisions = sorted({str(r.get("_rev")) for r in run.rows if r.get("_rev")})
+        dirty = [rev for rev in revisions if is_dirty(rev)]
+        origin = run.origin + (f" (last commit {run.committed_in})" if run.committed_in else "")
+        parts.append(
+            f"<h3><code>{_e(run.path)}</code></h3><p>{_e(origin)}; {counts or 'no rows'}; git revisions: "
+            f"{_e(', '.join(revisions) or 'unknown')}"
+            + (f' <span class="dirty">&dagger; dirty: {_e(", ".join(dirty))}</span>' if dirty else "")
+            + "</p>"
+        )
         for meta in run.metas:
             parts.append(
                 "<ul>" + "".join(f"<li>{k}: <code>{_e(meta[k])}</code></li>" for k in keys if k in meta) + "</ul>"
             )
-        commands = sorted(
-            {(r.get("command"), r.get("git")) for r in run.rows if r["kind"] == "train" and r.get("command")}
-        )
-        parts += [f"<p>train: <code>{_e(c)}</code> at git <code>{_e(g)}</code></p>" for c, g in commands]
+        commands = sorted({str(r.get("command")) for r in run.rows if r["kind"] == "train" and r.get("command")})
+        parts += [f"<p>train: <code>{_e(c)}</code></p>" for c in commands[:3]]
+        if len(commands) > 3:
+            parts.append(f"<p>... and {len(commands) - 3} more train commands (one per row, in the file).</p>")
         if not run.metas and not commands:
             parts.append('<p class="missing">No meta row: what made these numbers is unknown.</p>')
     return "\n".join(parts)
 
 
 SECTIONS = (
-    ("lra", "Accuracy per task (LRA-style)"),
-    ("bubbles", "Speed, accuracy and memory"),
-    ("scaling", "Time and memory against N"),
-    ("mqar", "MQAR: associative recall"),
-    ("gallery", "Attention patterns"),
+    ("pick", "Which mechanism should I use?"),
+    ("accuracy", "Accuracy per task (LRA-style)"),
+    ("bubbles", f"Speed, accuracy and memory at N = {BUBBLE_N}"),
+    ("scaling", "Speed and memory against N"),
     ("profile", "Is your bottleneck really attention?"),
     ("fidelity", "Fidelity in a pretrained model"),
+    ("gallery", "Attention patterns"),
     ("provenance", "Provenance: what made these numbers"),
 )
 
 
 def page(runs: list[Run], image: Callable, gallery: bool) -> str:
-    """The whole HTML page (every section, missing ones say what is missing)."""
-    train, speed = of_kind(runs, "train"), of_kind(runs, "speed")
+    """The whole HTML page. Optional sections without rows (profile, fidelity) are left out and
+    named at the top. Raises ValueError when speed rows come from several machines."""
+    train, speed, sdpa = of_kind(runs, "train"), of_kind(runs, "speed"), of_kind(runs, "sdpa")
+    pick.check_one_machine(speed + sdpa)
+    table = pick.accuracy_table(train)
+    profile, fidelity = of_kind(runs, "profile"), of_kind(runs, "fidelity")
     bodies = {
-        "lra": lra_section(train),
-        "bubbles": bubble_section(train, speed, image),
-        "scaling": scaling_section(speed, of_kind(runs, "sdpa"), of_kind(runs, "fit"), image),
-        "mqar": mqar_section(train),
+        "pick": pick_section(table, speed),
+        "accuracy": lra_section(train),
+        "bubbles": bubble_section(table, speed, image) if train else _missing("train", "the chart needs accuracy"),
+        "scaling": scaling_section(speed, sdpa, image),
+        "profile": profile_section(profile, image) if profile else None,
+        "fidelity": fidelity_section(fidelity) if fidelity else None,
         "gallery": gallery_section(image, gallery),
-        "profile": profile_section(of_kind(runs, "profile"), image),
-        "fidelity": fidelity_section(of_kind(runs, "fidelity")),
         "provenance": provenance_section(runs),
     }
-    toc = "".join(f'<li><a href="#{key}">{title}</a></li>' for key, title in SECTIONS)
-    sections = "\n".join(f'<section id="{key}"><h2>{title}</h2>\n{bodies[key]}</section>' for key, title in SECTIONS)
-    return _PAGE.format(files=len(runs), toc=toc, sections=sections)
+    absent = [title for key, title in SECTIONS if bodies[key] is None]
+    shown = [(key, title) for key, title in SECTIONS if bodies[key] is not None]
+    toc = "".join(f'<li><a href="#{key}">{title}</a></li>' for key, title in shown)
+    sections = "\n".join(f'<section id="{key}"><h2>{title}</h2>\n{bodies[key]}</section>' for key, title in shown)
+    dirty = sum(is_dirty(r.get("_rev")) for run in runs for r in run.rows)
+    notes = (f"<p>Not in the inputs (left out): {_e(', '.join(absent))}.</p>" if absent else "") + (
+        f'<p class="dirty">&dagger; {dirty} row(s) were made at a dirty git revision (uncommitted changes).</p>'
+        if dirty
+        else ""
+    )
+    sources = Counter(run.origin for run in runs)
+    summary = ", ".join(f"{n} {origin}" for origin, n in sorted(sources.items()))
+    return _PAGE.format(files=f"{len(runs)} result file(s) ({summary})", toc=toc, notes=notes, sections=sections)
 
 
 _PAGE = """<!doctype html>
@@ -467,13 +536,15 @@ body {{ font-family: sans-serif; margin: 1.5em auto; max-width: 75em; padding: 0
 table {{ border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }}
 thead th {{ background: #f0f0f0; text-align: center; }} tbody th {{ text-align: left; font-weight: normal; }}
-td.failed {{ color: #b00020; cursor: help; }} td.absent, .missing {{ color: #777; }}
+td.failed {{ color: #b00020; cursor: help; }} td.absent, .missing, .unlearned {{ color: #999; }}
+.dirty {{ color: #b06000; }} td[title] {{ cursor: help; }}
 img {{ max-width: 100%; }}
 .thumbs {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(200px, 1fr)); gap: 1em; }}
 figure {{ margin: 0; }} figcaption {{ font-size: 0.8em; text-align: center; }}
 </style></head><body><h1>attnzoo benchmark report</h1>
-<p>Built from {files} result file(s); every number is from the machine and command listed under Provenance.</p>
-<ul>{toc}</ul>
+<p>Built from {files}; every number names its source (hover): fresh (this run), a committed or an
+uncommitted file, its date and git revision; the machines are under Provenance.</p>
+{notes}<ul>{toc}</ul>
 {sections}
 </body></html>
 """
