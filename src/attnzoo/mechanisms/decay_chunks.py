@@ -1,0 +1,171 @@
+"""The fast paths of the ``recurrent`` family (``decay.py``): the plain functions ``retention``,
+``ssd`` and ``gla`` of issue 19's interface (re-exported by ``attnzoo.mechanisms.decay``), each
+chunkwise-parallel (quadratic inside a chunk, states carried across chunks) and returning the
+output and the final state. Scalar decays (RetNet, Mamba-2 SSD) run on the kernel family's
+chunkwise core (``kernel._causal_sums``); per-channel decays (GLA, Yang et al. 2023,
+https://arxiv.org/abs/2312.06635) need more than it has: ``gla_chunks`` below.
+
+GLA's recurrence ``S_t = diag(alpha_t) S_{t-1} + k_t^T v_t``, ``o_t = q_t S_t`` unrolls to
+``o_i = sum_{j <= i} sum_d q_id k_jd exp(c_id - c_jd) v_j`` with ``c`` the cumulative log
+decays. Factoring ``exp(c_i - c_j) = exp(c_i) / exp(c_j)`` would divide by a product that
+underflows after a few hundred strong decays, so no exponent here is ever positive:
+
+* across chunks of ``L`` positions, states are carried: a query sees the state at its chunk's
+  start through ``exp(c_i - c_start) <= 1``; a key reaches its chunk's end through
+  ``exp(c_end - c_j) <= 1``;
+* inside a chunk, the pairs ``j <= i`` are split in halves recursively (the secondary chunks of
+  the GLA paper, taken all the way down): in each block of ``2h`` positions the queries of the
+  upper half see the keys of the lower half through the block's middle ``r``,
+  ``exp(c_i - c_j) = exp(c_i - c_r) exp(c_r - c_j)``, both factors <= 1, an ``(h, h)`` matmul;
+  the pairs ``i = j`` have decay 1. ``log2(L)`` levels cover every pair once, O(L D) scaled
+  copies per chunk and never an ``(L, L, D)`` tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from attnzoo.mechanisms.kernel import _causal_sums
+
+
+def retention(
+    q: Tensor, k: Tensor, v: Tensor, log_gamma: Tensor, *, initial_state: Tensor | None = None, chunk: int = 64
+) -> tuple[Tensor, Tensor]:
+    """Retention without the group norm: ``S_t = gamma_h S_{t-1} + k_t^T v_t``, ``o_t = q_t S_t``.
+
+    Args:
+        q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``: as given (no scaling here).
+        log_gamma: ``(H,)``, < 0. initial_state: ``(B, H, D, Dv)`` replacing ``S_0 = 0``.
+        chunk: positions per chunk of the chunkwise form (64).
+
+    Returns:
+        ``(o (B, H, N, Dv), S_N (B, H, D, Dv))``. ``ssd`` with the same decay at every token.
+    """
+    _check_decay("log_gamma", log_gamma, (q.shape[1],))
+    return ssd(q, k, v, log_gamma[:, None].expand(q.shape[:3]), initial_state=initial_state, chunk=chunk)
+
+
+def ssd(
+    q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, *, initial_state: Tensor | None = None, chunk: int = 64
+) -> tuple[Tensor, Tensor]:
+    """Mamba-2 SSD in attention form: ``S_t = a_t S_{t-1} + k_t^T v_t``, ``o_t = q_t S_t``.
+
+    Args:
+        q (C), k (B) ``(B, H, N, D)``, v (dt x) ``(B, H, N, Dv)``; log_a ``(B, H, N)``, <= 0
+            (``dt_t A_h`` in Mamba-2); initial_state, chunk: as ``retention``.
+
+    Returns:
+        ``(o, S_N)``. The chunkwise core is the kernel family's (``kernel._causal_sums``): inside a
+        chunk ``(q_i . k_j) exp(c_i - c_j)``, across chunks the states, decays as differences of
+        cumulative log decays only (nothing overflows).
+    """
+    _check_decay("log_a", log_a, q.shape[:3])
+    s0 = _initial(k, v, initial_state)
+    if q.shape[2] == 1 and s0 is not None:
+        return _one_token(q, k, v, log_a[..., None], s0)
+    return _causal_sums(q, k, v, log_a, s0, chunk)
+
+
+def gla(
+    q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, *, initial_state: Tensor | None = None, chunk: int = 64
+) -> tuple[Tensor, Tensor]:
+    """GLA: ``S_t = diag(alpha_t) S_{t-1} + k_t^T v_t``, ``o_t = q_t S_t``, per key channel.
+
+    Args:
+        q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``; log_alpha ``(B, H, N, D)``, <= 0;
+        initial_state as ``retention``; chunk: a power of two (64).
+
+    Returns:
+        ``(o, S_N)`` through ``decay_chunks.gla_chunks`` (secondary chunks by halves: no
+        exponent > 0, no division by a cumulative product).
+    """
+    _check_decay("log_alpha", log_alpha, k.shape)
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"gla: chunk must be a power of two, got {chunk}")
+    s0 = _initial(k, v, initial_state)
+    if q.shape[2] == 1 and s0 is not None:
+        return _one_token(q, k, v, log_alpha, s0)
+    return gla_chunks(q, k, v, log_alpha, s0, chunk)
+
+
+def _check_decay(name: str, log_decay: Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(log_decay.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(log_decay.shape)}")
+
+
+def _initial(k: Tensor, v: Tensor, state: Tensor | None) -> Tensor | None:
+    want = (*k.shape[:2], k.shape[3], v.shape[3])
+    if state is not None and tuple(state.shape) != want:
+        raise ValueError(f"initial_state must have shape (B, H, D, Dv) = {want}, got {tuple(state.shape)}")
+    return state
+
+
+def _one_token(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """A decode step (N = 1) on a carried state, without the chunk layout: ``log_decay``
+    ``(B, H, 1, D | 1)`` decays the state's key channels."""
+    s1 = log_decay.exp().transpose(-1, -2) * s0 + k.transpose(-1, -2) @ v
+    return q @ s1, s1
+
+
+def gla_chunks(
+    q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, s0: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """Chunkwise GLA: ``(o (B, H, N, Dv), state after the last token (B, H, D, Dv))``.
+
+    Args:
+        q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``; log_alpha ``(B, H, N, D)``, <= 0.
+        s0: the state before the first token ``(B, H, D, Dv)``, or None for zeros.
+        chunk: L, a power of two (cut to the next power of two >= N on short inputs).
+
+    Notes:
+        O(N (L D + D Dv) + N D log L) time, O(N (D + Dv) log L + (N / L) D Dv) memory. The
+        positions padded up to a whole chunk have zero k, v and log decay: they change nothing.
+    """
+    b, h, n, d = k.shape
+    size = min(chunk, 1 << (n - 1).bit_length())
+    pad = -n % size
+    q, k, v, log_alpha = (
+        rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> b h c l e", l=size)
+        for x in (q, k, v, log_alpha)
+    )
+    cum = log_alpha.cumsum(3)  # [B, H, C, L, D]: non-increasing along L
+    last = cum[:, :, :, -1]  # [B, H, C, D]: a chunk's whole decay
+    chunk_sums = (k * (last[:, :, :, None] - cum).exp()).transpose(-1, -2) @ v  # [B, H, C, D, Dv]
+    s0 = k.new_zeros(b, h, d, v.shape[-1]) if s0 is None else s0
+    starts, final = _scan(chunk_sums, last.exp(), s0)
+    out = _within_chunks(q, k, v, cum) + (q * cum.exp()) @ starts
+    return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final
+
+
+def _within_chunks(q: Tensor, k: Tensor, v: Tensor, cum: Tensor) -> Tensor:
+    """``sum_{j <= i in i's chunk} sum_d q_id k_jd exp(c_id - c_jd) v_j`` for ``(B, H, C, L, .)``
+    inputs, by halves (see the module docstring): level ``h`` adds, in every block of ``2h``
+    positions, the upper half's queries against the lower half's keys."""
+    size = q.shape[3]
+    out = (q * k).sum(-1, keepdim=True) * v  # i = j: decay 1
+    h = 1
+    while h < size:
+        qb, kb, vb, cb = (x.unflatten(3, (size // (2 * h), 2, h)) for x in (q, k, v, cum))  # [B, H, C, nb, 2, h, .]
+        mid = cb[:, :, :, :, 0, -1:]  # [B, H, C, nb, 1, D]: c at the lower half's last position
+        q_up = qb[:, :, :, :, 1] * (cb[:, :, :, :, 1] - mid).exp()
+        k_low = kb[:, :, :, :, 0] * (mid - cb[:, :, :, :, 0]).exp()
+        upper = (q_up @ k_low.transpose(-1, -2)) @ vb[:, :, :, :, 0]  # [B, H, C, nb, h, Dv]
+        out = out + torch.stack([torch.zeros_like(upper), upper], dim=4).flatten(3, 5)
+        h *= 2
+    return out
+
+
+def _scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """States at each chunk's start, ``S_c = diag(g_{c-1}) S_{c-1} + U_{c-1}``
+    ``(B, H, C, D, Dv)``, and the state after the last chunk, for per-channel gates
+    ``(B, H, C, D)``: a loop over chunks (N / L steps of two small ops)."""
+    states, s = [], s0
+    # unbind once: indexing chunk c in the loop would make each step's backward fill a
+    # gradient the size of all chunks (quadratic in their number).
+    for gate, sums in zip(gates.unbind(2), chunk_sums.unbind(2)):
+        states.append(s)
+        s = gate[..., None] * s + sums
+    return torch.stack(states, dim=2), s
