@@ -17,8 +17,13 @@ underflows after a few hundred strong decays, so no exponent here is ever positi
   the GLA paper, taken all the way down): in each block of ``2h`` positions the queries of the
   upper half see the keys of the lower half through the block's middle ``r``,
   ``exp(c_i - c_j) = exp(c_i - c_r) exp(c_r - c_j)``, both factors <= 1, an ``(h, h)`` matmul;
-  the pairs ``i = j`` have decay 1. ``log2(L)`` levels cover every pair once, O(L D) scaled
-  copies per chunk and never an ``(L, L, D)`` tensor.
+  the pairs ``i = j`` have decay 1. ``log2(L)`` levels cover every pair once: ``log2(L)``
+  scaled copies of q and k, the chunk's ``(L, L)`` weights, one matmul with v, and never an
+  ``(L, L, D)`` tensor.
+
+Cumulative log decays are summed in float64 (only their differences are cast back before
+``exp``): in float32, ``c_i - c_j`` of two sums near -1000 keeps only about 1e-4 of its value,
+which strong decays followed by weak ones turn into 1e-4 relative errors.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo.mechanisms.kernel import _causal_sums
+
+#: Inside a chunk, blocks of up to this many positions are multiplied out elementwise.
+SMALL_BLOCK = 8
 
 
 def retention(
@@ -121,7 +129,7 @@ def gla_chunks(
         chunk: L, a power of two (cut to the next power of two >= N on short inputs).
 
     Notes:
-        O(N (L D + D Dv) + N D log L) time, O(N (D + Dv) log L + (N / L) D Dv) memory. The
+        O(N (L D + D Dv) + N D log L) time, O(N (L + D log L) + (N / L) D Dv) memory. The
         positions padded up to a whole chunk have zero k, v and log decay: they change nothing.
     """
     b, h, n, d = k.shape
@@ -131,31 +139,46 @@ def gla_chunks(
         rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> b h c l e", l=size)
         for x in (q, k, v, log_alpha)
     )
-    cum = log_alpha.cumsum(3)  # [B, H, C, L, D]: non-increasing along L
+    # float64 sums (see the module docstring): differences of sums near -1000 keep their digits
+    cum = log_alpha.double().cumsum(3)  # [B, H, C, L, D]: non-increasing along L
     last = cum[:, :, :, -1]  # [B, H, C, D]: a chunk's whole decay
-    chunk_sums = (k * (last[:, :, :, None] - cum).exp()).transpose(-1, -2) @ v  # [B, H, C, D, Dv]
+    chunk_sums = (k * _exp(last[:, :, :, None] - cum, k)).transpose(-1, -2) @ v  # [B, H, C, D, Dv]
     s0 = k.new_zeros(b, h, d, v.shape[-1]) if s0 is None else s0
-    starts, final = _scan(chunk_sums, last.exp(), s0)
-    out = _within_chunks(q, k, v, cum) + (q * cum.exp()) @ starts
+    starts, final = _scan(chunk_sums, _exp(last, k), s0)
+    out = _within_chunks(q, k, v, cum) + (q * _exp(cum, q)) @ starts
     return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final
 
 
 def _within_chunks(q: Tensor, k: Tensor, v: Tensor, cum: Tensor) -> Tensor:
     """``sum_{j <= i in i's chunk} sum_d q_id k_jd exp(c_id - c_jd) v_j`` for ``(B, H, C, L, .)``
-    inputs, by halves (see the module docstring): level ``h`` adds, in every block of ``2h``
-    positions, the upper half's queries against the lower half's keys."""
+    inputs: the chunk's ``(L, L)`` weights built by halves (see the module docstring), then one
+    matmul with v. Level ``h`` joins pairs of ``(h, h)`` diagonal blocks into a ``(2h, 2h)``
+    one, the upper half's queries against the lower half's keys filling its lower-left quarter."""
     size = q.shape[3]
-    out = (q * k).sum(-1, keepdim=True) * v  # i = j: decay 1
+    blocks = (q * k).sum(-1)[..., None, None]  # [B, H, C, L, 1, 1]: i = j, decay 1
     h = 1
     while h < size:
-        qb, kb, vb, cb = (x.unflatten(3, (size // (2 * h), 2, h)) for x in (q, k, v, cum))  # [B, H, C, nb, 2, h, .]
-        mid = cb[:, :, :, :, 0, -1:]  # [B, H, C, nb, 1, D]: c at the lower half's last position
-        q_up = qb[:, :, :, :, 1] * (cb[:, :, :, :, 1] - mid).exp()
-        k_low = kb[:, :, :, :, 0] * (mid - cb[:, :, :, :, 0]).exp()
-        upper = (q_up @ k_low.transpose(-1, -2)) @ vb[:, :, :, :, 0]  # [B, H, C, nb, h, Dv]
-        out = out + torch.stack([torch.zeros_like(upper), upper], dim=4).flatten(3, 5)
+        pairs = size // (2 * h)
+        cb = cum.unflatten(3, (pairs, 2 * h))  # [B, H, C, pairs, 2h, D]
+        # exp(c_i - c_mid) for the upper half, exp(c_mid - c_j) for the lower: both <= 1
+        side = torch.cat([cum.new_full((h, 1), -1.0), cum.new_ones(h, 1)])
+        w = _exp(((cb - cb[:, :, :, :, h - 1 : h]) * side).flatten(3, 4), q)
+        q_up = (q * w).unflatten(3, (pairs, 2, h))[:, :, :, :, 1]  # [B, H, C, pairs, h, D]
+        k_low = (k * w).unflatten(3, (pairs, 2, h))[:, :, :, :, 0]
+        if h < SMALL_BLOCK:  # many tiny matmuls are slower than the products written out
+            corner = (q_up[..., :, None, :] * k_low[..., None, :, :]).sum(-1)
+        else:
+            corner = q_up @ k_low.transpose(-1, -2)  # [B, H, C, pairs, h, h]
+        low, high = blocks[:, :, :, 0::2], blocks[:, :, :, 1::2]
+        top = torch.cat([low, torch.zeros_like(low)], dim=-1)
+        blocks = torch.cat([top, torch.cat([corner, high], dim=-1)], dim=-2)  # [B, H, C, pairs, 2h, 2h]
         h *= 2
-    return out
+    return blocks[:, :, :, 0] @ v
+
+
+def _exp(log: Tensor, like: Tensor) -> Tensor:
+    """``exp(log)`` in ``like``'s dtype (the differences are taken in float64, the rest is not)."""
+    return log.to(like.dtype).exp()
 
 
 def _scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
