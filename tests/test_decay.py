@@ -1,4 +1,4 @@
-"""Linear attention with decay (``recurrent`` family: retnet, gla, ssd) beyond the contracts
+"""Linear attention with decay (``recurrent`` family: retnet, gla, ssd, lightning) beyond the contracts
 (tests/test_contracts.py): the plain functions of issue 19 against the independent oracles of
 ``oracles_modern.py`` (outputs, final states and gradients, N = 37 against chunks of 8 and 64,
 with and without an initial state), the naive recurrences against the same oracles, stability
@@ -112,7 +112,8 @@ def _mechanism_inputs(n: int = 23, seed: int = 3) -> tuple[torch.Tensor, ...]:
 
 
 def _build(name: str) -> torch.nn.Module:
-    return attnzoo.build(name, shape=attnzoo.Shape(heads=H, head_dim=D), chunk=8).double()
+    shape = attnzoo.Shape(heads=H, head_dim=D)
+    return attnzoo.build(name, shape=shape, chunk=8).double()
 
 
 def test_retnet_decays_by_the_papers_gamma_per_head():
@@ -124,6 +125,18 @@ def test_retnet_decays_by_the_papers_gamma_per_head():
         gamma = 1 - 2 ** (-5 - h)
         want = math.sqrt(D) * torch.where(j <= i, gamma ** (i - j).clamp(min=0).double(), 0.0)
         assert_same(weights[h], want, what=f"retnet head {h}")
+
+
+def test_lightning_decays_by_alibi_slopes_that_weaken_with_depth():
+    ones = torch.ones(1, 4, 5, D, dtype=F64)
+    i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
+    for layer, depth in ((0, 1.0), (2, 0.5), (4, 0.0)):
+        attn = attnzoo.build("lightning", layer_index=layer, layers=5).double()
+        weights = attn.implied_attention(ones, ones, causal=True)[0]
+        for h in range(4):
+            rate = 2 ** (-8 * (h + 1) / 4) * (depth + 1e-5)
+            want = D * torch.nn.functional.silu(torch.tensor(1.0, dtype=F64)) ** 2 * torch.exp(-rate * (i - j))
+            assert_same(weights[h], want.masked_fill(j > i, 0.0), what=f"lightning layer {layer} head {h}")
 
 
 def test_gla_gate_is_a_low_rank_logsigmoid_over_temperature_16():
@@ -147,7 +160,7 @@ def test_ssd_folds_dt_into_values_decays_by_dt_a_and_adds_the_skip():
     assert_same(attn(q, k, v, causal=True), want, what="ssd vs Mamba-2's recurrence by hand")
 
 
-@pytest.mark.parametrize("name", ["retnet", "gla", "ssd"])
+@pytest.mark.parametrize("name", ["retnet", "gla", "ssd", "lightning"])
 def test_left_padding_is_skipped_not_decayed_through(name):
     # a padded token neither writes nor decays the state: a left-padded row's real outputs are
     # the outputs of the same tokens unpadded
@@ -161,7 +174,7 @@ def test_left_padding_is_skipped_not_decayed_through(name):
     assert not out[0, :, :7].any()
 
 
-@pytest.mark.parametrize("name", ["retnet", "gla", "ssd"])
+@pytest.mark.parametrize("name", ["retnet", "gla", "ssd", "lightning"])
 def test_non_causal_calls_are_refused(name):
     q, k, v = _mechanism_inputs()
     attn = _build(name)

@@ -6,10 +6,12 @@ The members differ in the decay:
 - ``gla``: gated linear attention (Yang et al. 2023, https://arxiv.org/abs/2312.06635), a decay
   per token and key channel from a low-rank projection;
 - ``ssd``: Mamba-2's state space duality (Dao & Gu 2024, https://arxiv.org/abs/2405.21060), a
-  scalar decay per token and head, ``exp(dt_t A_h)``.
+  scalar decay per token and head, ``exp(dt_t A_h)``;
+- ``lightning``: Lightning attention (Qin et al. 2024, https://arxiv.org/abs/2401.04658), retention
+  with ALiBi-slope decays that weaken with depth, on ``silu(q)``, ``silu(k)``.
 
 The plain functions ``retention``, ``gla`` and ``ssd`` (the interface of issue 19, shared with
-``tests/oracles_modern.py``; defined in ``decay_chunks.py``) are the fast paths: chunkwise
+``tests/oracles_modern.py``; defined in ``decay_functions.py``) are the fast paths: chunkwise
 (quadratic inside a chunk, states carried across chunks, every exponent <= 0), returning the
 output and the final state. ``naive_*`` are the token-by-token recurrences as the papers write
 them; ``decay_weights`` the dense ``(Q K^T) * D`` form with its explicit decay matrix, which the
@@ -29,58 +31,12 @@ from torch import Tensor, nn
 
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
-from attnzoo.mechanisms.decay_chunks import gla, retention, ssd
+from attnzoo.mechanisms.decay_functions import decay_weights, gla, naive_gla, naive_retention, naive_ssd, retention, ssd
+from attnzoo.positional import alibi_slopes
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
 __all__ = ["retention", "gla", "ssd", "naive_retention", "naive_gla", "naive_ssd", "decay_weights"]
-
-
-def _recurrence(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The papers' recurrent form, one token at a time: ``S_t = exp(log_decay_t) S_{t-1} +
-    k_t^T v_t`` (``log_decay (B, H, N, D | 1)`` per key channel), ``o_t = q_t S_t``."""
-    s = k.new_zeros(*k.shape[:2], k.shape[3], v.shape[3]) if s0 is None else s0
-    outs = []
-    for t in range(q.shape[2]):
-        s = log_decay[:, :, t, :, None].exp() * s + k[:, :, t, :, None] * v[:, :, t, None, :]
-        outs.append(q[:, :, t, None, :] @ s)
-    return torch.cat(outs, dim=2), s
-
-
-def naive_retention(
-    q: Tensor, k: Tensor, v: Tensor, log_gamma: Tensor, *, initial_state: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """``retention`` token by token (RetNet's recurrent representation, eq. 6)."""
-    return _recurrence(q, k, v, log_gamma[:, None, None].expand(*q.shape[:3], 1), initial_state)
-
-
-def naive_gla(
-    q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, *, initial_state: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """``gla`` token by token (GLA's recurrent form, Sec. 4.1)."""
-    return _recurrence(q, k, v, log_alpha, initial_state)
-
-
-def naive_ssd(
-    q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, *, initial_state: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """``ssd`` token by token (Mamba-2's linear/recurrent mode with ``A_t = a_t I``)."""
-    return _recurrence(q, k, v, log_a[..., None], initial_state)
-
-
-def decay_weights(q: Tensor, k: Tensor, log_decay: Tensor) -> Tensor:
-    """The dense parallel form's weights ``(B, H, N, N)``: ``W_ij = sum_d q_id k_jd
-    exp(c_id - c_jd)`` for ``j <= i`` (0 above), ``c`` the cumulative log decays
-    ``(B, H, N)`` (scalar: ``(Q K^T) * D`` with RetNet's / Mamba-2's decay matrix ``D``) or
-    ``(B, H, N, D)`` (per channel: GLA). ``O = W V``. O(N^2 D) memory for GLA: small N only."""
-    n = q.shape[2]
-    below = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    cum = log_decay.cumsum(2)
-    if log_decay.dim() == 3:
-        gap = cum[..., :, None] - cum[..., None, :]  # sum of the decays of j < t <= i
-        return (q @ k.transpose(-1, -2)) * gap.masked_fill(~below, -math.inf).exp()
-    gap = (cum[:, :, :, None] - cum[:, :, None]).masked_fill(~below[..., None], -math.inf)  # [B, H, N, N, D]
-    return (q[:, :, :, None] * k[:, :, None] * gap.exp()).sum(-1)
 
 
 class Gated(NamedTuple):
@@ -217,6 +173,51 @@ class RetNetAttention(DecayAttention):
         log_gamma = torch.log1p(-torch.exp2(-5.0 - heads))  # [H]
         scale = default_scale(self.config.scale, q.shape[-1])
         return Gated(q * scale, k, log_gamma[:, None].expand(q.shape[:3]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LightningConfig(Config):
+    """Config of ``lightning``.
+
+    Args:
+        layer_index, layers: this layer's index l (from 0) among L layers: head h decays by
+            ``exp(-s_h (1 - l / (L - 1) + 1e-5))`` per token (one layer: ``exp(-s_h (1 + 1e-5))``),
+            so deeper layers remember longer. Defaults 0 and 1.
+        chunk: positions per chunk. Default 64.
+    """
+
+    layer_index: int = bounded(0, ge=0)
+    layers: int = bounded(1, ge=1)
+    chunk: int = bounded(64, ge=1)
+
+    def validate(self) -> None:
+        if self.layer_index >= self.layers:
+            raise ValueError(f"LightningConfig: layer_index ({self.layer_index}) must be < layers ({self.layers})")
+
+
+@_register(
+    "lightning",
+    LightningConfig,
+    "Lightning attention: retention with ALiBi-slope decays that weaken with depth, on silu(q), silu(k).",
+    "Qin et al. 2024, Lightning Attention-2 (TransNormerLLM, MiniMax-01), https://arxiv.org/abs/2401.04658",
+    (
+        "decay exp(-s_h (1 - l / (L - 1) + 1e-5)) per token, s_h the ALiBi slopes 2^(-8 (h + 1) / H), "
+        "l = layer_index of L = layers (as MiniMax-01's slope_rate); fixed, no parameters",
+        "q and k pass silu (the feature map), unscaled; the models' silu on v, output RMSNorm ('NormAttention') "
+        "and sigmoid output gate are the layer's, so the output stays linear in v",
+    ),
+)
+class LightningAttention(DecayAttention):
+    """Lightning attention: ``O = ((silu(Q) silu(K)^T) * M) V``, ``M_ij = lambda_h^(i - j)``."""
+
+    config: LightningConfig
+    fast = staticmethod(ssd)
+
+    def gates(self, q: Tensor, k: Tensor) -> Gated:
+        c = self.config
+        depth = 1 - c.layer_index / (c.layers - 1) if c.layers > 1 else 1.0
+        rate = alibi_slopes(q.shape[1]).to(q) * (depth + 1e-5)  # [H]
+        return Gated(F.silu(q), F.silu(k), -rate[:, None].expand(q.shape[:3]))
 
 
 class LearnedDecay(DecayAttention):

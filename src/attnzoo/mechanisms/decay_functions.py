@@ -1,7 +1,8 @@
-"""The fast paths of the ``recurrent`` family (``decay.py``): the plain functions ``retention``,
-``ssd`` and ``gla`` of issue 19's interface (re-exported by ``attnzoo.mechanisms.decay``), each
-chunkwise-parallel (quadratic inside a chunk, states carried across chunks) and returning the
-output and the final state. Scalar decays (RetNet, Mamba-2 SSD) run on the kernel family's
+"""The functions of the ``recurrent`` family (``decay.py`` re-exports them): the fast paths
+``retention``, ``ssd`` and ``gla`` of issue 19's interface, each chunkwise-parallel (quadratic
+inside a chunk, states carried across chunks) and returning the output and the final state; the
+token-by-token recurrences ``naive_*`` as the papers write them; and ``decay_weights``, the dense
+parallel form the mechanisms' references use. Scalar decays (RetNet, Mamba-2 SSD) run on the kernel family's
 chunkwise core (``kernel._causal_sums``); per-channel decays (GLA, Yang et al. 2023,
 https://arxiv.org/abs/2312.06635) need more than it has: ``gla_chunks`` below.
 
@@ -27,6 +28,8 @@ which strong decays followed by weak ones turn into 1e-4 relative errors.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +90,7 @@ def gla(
         initial_state as ``retention``; chunk: a power of two (64).
 
     Returns:
-        ``(o, S_N)`` through ``decay_chunks.gla_chunks`` (secondary chunks by halves: no
+        ``(o, S_N)`` through ``gla_chunks`` (secondary chunks by halves: no
         exponent > 0, no division by a cumulative product).
     """
     _check_decay("log_alpha", log_alpha, k.shape)
@@ -116,6 +119,53 @@ def _one_token(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor) -
     ``(B, H, 1, D | 1)`` decays the state's key channels."""
     s1 = log_decay.exp().transpose(-1, -2) * s0 + k.transpose(-1, -2) @ v
     return q @ s1, s1
+
+
+def _recurrence(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The papers' recurrent form, one token at a time: ``S_t = exp(log_decay_t) S_{t-1} +
+    k_t^T v_t`` (``log_decay (B, H, N, D | 1)`` per key channel), ``o_t = q_t S_t``."""
+    s = k.new_zeros(*k.shape[:2], k.shape[3], v.shape[3]) if s0 is None else s0
+    outs = []
+    for t in range(q.shape[2]):
+        s = log_decay[:, :, t, :, None].exp() * s + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append(q[:, :, t, None, :] @ s)
+    return torch.cat(outs, dim=2), s
+
+
+def naive_retention(
+    q: Tensor, k: Tensor, v: Tensor, log_gamma: Tensor, *, initial_state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``retention`` token by token (RetNet's recurrent representation, eq. 6)."""
+    return _recurrence(q, k, v, log_gamma[:, None, None].expand(*q.shape[:3], 1), initial_state)
+
+
+def naive_gla(
+    q: Tensor, k: Tensor, v: Tensor, log_alpha: Tensor, *, initial_state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``gla`` token by token (GLA's recurrent form, Sec. 4.1)."""
+    return _recurrence(q, k, v, log_alpha, initial_state)
+
+
+def naive_ssd(
+    q: Tensor, k: Tensor, v: Tensor, log_a: Tensor, *, initial_state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``ssd`` token by token (Mamba-2's linear/recurrent mode with ``A_t = a_t I``)."""
+    return _recurrence(q, k, v, log_a[..., None], initial_state)
+
+
+def decay_weights(q: Tensor, k: Tensor, log_decay: Tensor) -> Tensor:
+    """The dense parallel form's weights ``(B, H, N, N)``: ``W_ij = sum_d q_id k_jd
+    exp(c_id - c_jd)`` for ``j <= i`` (0 above), ``c`` the cumulative log decays
+    ``(B, H, N)`` (scalar: ``(Q K^T) * D`` with RetNet's / Mamba-2's decay matrix ``D``) or
+    ``(B, H, N, D)`` (per channel: GLA). ``O = W V``. O(N^2 D) memory for GLA: small N only."""
+    n = q.shape[2]
+    below = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    cum = log_decay.cumsum(2)
+    if log_decay.dim() == 3:
+        gap = cum[..., :, None] - cum[..., None, :]  # sum of the decays of j < t <= i
+        return (q @ k.transpose(-1, -2)) * gap.masked_fill(~below, -math.inf).exp()
+    gap = (cum[:, :, :, None] - cum[:, :, None]).masked_fill(~below[..., None], -math.inf)  # [B, H, N, N, D]
+    return (q[:, :, :, None] * k[:, :, None] * gap.exp()).sum(-1)
 
 
 def gla_chunks(
