@@ -179,7 +179,7 @@ def test_non_causal_calls_are_refused(name):
     q, k, v = _mechanism_inputs()
     attn = _build(name)
     for call in (attn, attn.reference):
-        with pytest.raises(ValueError, match="causal only"):
+        with pytest.raises(ValueError, match="causal=False"):
             call(q, k, v)
 
 

@@ -1,7 +1,7 @@
 """DeltaNet and Gated DeltaNet (``attnzoo.mechanisms.delta``): the plain functions against the
 independent oracles of ``tests/oracles_modern.py`` (outputs, final state, gradients), the
 recurrence against the same oracles, chunk sizes, long-sequence stability, the delta rule's
-overwrite, and what the mechanisms add (normalisation, padding, non-causal, geometry).
+overwrite, and what the mechanisms add (normalisation, padding, the causal-only refusal, geometry).
 
 fast == reference, causal prefix, padding and step == forward for the registered mechanisms are
 the contract tests' (``tests/test_contracts.py``); here only what they do not reach: chunk
@@ -166,15 +166,11 @@ def test_mechanism_normalises_q_and_padded_tokens_leave_the_state_untouched(name
 
 
 @pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
-def test_non_causal_queries_read_the_state_after_the_whole_sequence(name):
-    """causal=False (not in the papers): o_i = q_i S_N, what the causal forward's last row gives
-    when the last query is replaced by q_i."""
+def test_non_causal_is_refused(name):
     attn = small_mechanism(name, 12, heads=2, head_dim=4, chunk=5)
-    q, k, v = (torch.randn(2, 2, 12, 4, dtype=torch.float64) for _ in range(3))
-    out = attn(q, k, v)
-    for t in range(12):
-        last = torch.cat([q[:, :, :-1], q[:, :, t : t + 1]], dim=2)
-        assert_same(out[:, :, t], attn(last, k, v, causal=True)[:, :, -1], what=f"row {t}")
+    q = torch.randn(2, 2, 12, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="causal=False"):
+        attn(q, q, q)
 
 
 @pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])

@@ -335,6 +335,8 @@ def run(setting: Setting) -> Iterator[dict[str, Any]]:
             if n <= setting.sdpa_max_n:
                 yield sdpa_row(n, setting, causal)
             for name, config in setting.mechanisms:
+                if not causal and not attnzoo.describe(name).capabilities.bidirectional:
+                    continue  # defined causally only (nsa): no non-causal row to measure
                 for backend in setting.backends:
                     try:
                         done.append(run_one(name, config, backend, n, setting, causal))

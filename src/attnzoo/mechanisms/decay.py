@@ -71,11 +71,6 @@ class DecayAttention(Attention):
         raise NotImplementedError
 
     def _gated(self, q: Tensor, k: Tensor, args: AttendArgs) -> Gated:
-        if not args.causal:
-            raise ValueError(
-                f"{self.spec.name!r} is causal only (a recurrence: its state holds earlier tokens); "
-                f"call it with causal=True"
-            )
         ct = compute_dtype(q)
         g = self.gates(q.to(ct), k.to(ct))
         if args.key_mask is None:
@@ -132,7 +127,7 @@ _COST = Complexity(
 
 
 def _register(name: str, config: type, summary: str, paper: str, notes: tuple[str, ...]) -> Callable[[type], type]:
-    caps = Capabilities(causal=True, key_mask=True, decode_step=True)
+    caps = Capabilities(causal=True, bidirectional=False, key_mask=True, decode_step=True)
     about = dict(family="recurrent", summary=summary, paper=paper, notes=_NOTES + notes)
     return register(name, config=config, capabilities=caps, complexity=_COST, **about)
 

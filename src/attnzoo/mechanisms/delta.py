@@ -37,7 +37,6 @@ from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.mechanisms.delta_chunks import (
     delta_rule,
     delta_weights,
-    final_state,
     gated_delta_rule,
     naive_delta_rule,
     naive_gated_delta_rule,
@@ -50,7 +49,6 @@ __all__ = [
     "GatedDeltaNet",
     "delta_rule",
     "delta_weights",
-    "final_state",
     "gated_delta_rule",
     "naive_delta_rule",
     "naive_gated_delta_rule",
@@ -86,7 +84,7 @@ _NOTES = (
     "q and k L2-normalised per head (the papers' choice, for stability), then q scaled by `scale`",
     "beta_t = sigmoid(k_t . w_h + b_h): a learned per-head projection of the key before normalisation "
     "(the papers project the hidden state, which a mechanism does not see)",
-    "causal=False (not in the papers): every query reads the state after the whole sequence, o_i = q_i S_N",
+    "causal only: causal=False is refused (the papers define no non-causal form)",
     "padded tokens do not touch the state (beta = 0, no decay); a padded query's row is 0",
     "chunkwise (Yang et al. 2024): a triangular solve per chunk of `chunk` tokens, the state carried across",
     "decode step: the state S (D x D_v per head), O(D D_v) per token",
@@ -96,7 +94,7 @@ _COMPLEXITY = Complexity(
     memory="O(N (C + D + D_v) + (N / C) D D_v)",
     subquadratic_memory=True,
 )
-_CAPS = Capabilities(causal=True, key_mask=True, decode_step=True)
+_CAPS = Capabilities(causal=True, bidirectional=False, key_mask=True, decode_step=True)
 
 
 @register(
@@ -159,14 +157,10 @@ class DeltaNet(Attention):
     def _rule(
         self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, state: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """The chunkwise rule on the mechanism's inputs: ``(output in q's dtype, final state)``;
-        non-causal, every query reads the final state."""
+        """The chunkwise rule on the mechanism's inputs: ``(output in q's dtype, final state)``."""
         qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
         vc, chunk = v.to(qn.dtype), self.config.chunk
-        if not args.causal:
-            s = final_state(kn, vc, beta, log_alpha, initial_state=state, chunk=chunk)
-            out = qn @ s  # o_i = q_i S_N
-        elif log_alpha is None:
+        if log_alpha is None:
             out, s = delta_rule(qn, kn, vc, beta, initial_state=state, chunk=chunk)
         else:
             out, s = gated_delta_rule(qn, kn, vc, beta, log_alpha, initial_state=state, chunk=chunk)
@@ -177,7 +171,7 @@ class DeltaNet(Attention):
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """The dense form (``delta_weights``): ``O = (Q K^T * Dec * M) (I + tril(diag(beta) (K K^T
-        * Dec), -1))^-1 diag(beta) V`` on the normalised q, k; non-causal, ``o_i = q_i S_N``."""
+        * Dec), -1))^-1 diag(beta) V`` on the normalised q, k."""
         qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
         weights = delta_weights(qn, kn, beta, log_alpha, causal=args.causal)
         out = (weights @ v.to(weights.dtype)).to(q.dtype)

@@ -131,20 +131,6 @@ def delta_weights(q: Tensor, k: Tensor, beta: Tensor, log_alpha: Tensor | None, 
     return ((q @ k.transpose(-1, -2)) * read) @ t_beta
 
 
-def final_state(
-    k: Tensor,
-    v: Tensor,
-    beta: Tensor,
-    log_alpha: Tensor | None = None,
-    *,
-    initial_state: Tensor | None = None,
-    chunk: int = CHUNK,
-) -> Tensor:
-    """``S_N (B, H, D, D_v)`` of ``gated_delta_rule`` (``log_alpha=None``: ``delta_rule``) without
-    the outputs: what a non-causal reading ``o_i = q_i S_N`` needs."""
-    return _scan(_solved(k, v, beta, log_alpha, chunk), k.shape[0], initial_state)[2]
-
-
 class _Solved(NamedTuple):
     """The per-chunk quantities, batched over ``(B H)`` and ``C`` chunks of ``L`` tokens:
     ``u_v, w`` (``U = U_v - W S_0``), ``k`` (padded keys), ``k_end`` (keys decayed to their chunk's

@@ -205,13 +205,14 @@ def _causal_sums(
         final = starts[:, :, -1] + chunk_sums[:, :, -1]
         out = scores.masked_fill(~tril, 0.0) @ v + q @ starts
     else:
-        cum = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size).cumsum(-1)
-        pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~tril, -math.inf).exp()
-        to_end = (cum[..., -1:] - cum).exp()  # decay from key j to the end of its chunk
+        # float64 sums: a difference of two sums near -1000 keeps its digits (float32 loses 1e-4)
+        cum = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size).double().cumsum(-1)
+        pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~tril, -math.inf).to(q.dtype).exp()
+        to_end = (cum[..., -1:] - cum).to(q.dtype).exp()  # decay from key j to the end of its chunk
         # Per-position factors scale the E-wide values and outputs, not the m-wide features.
         chunk_sums = k.transpose(-1, -2) @ (v * to_end[..., None])
-        starts, final = _scan(chunk_sums, cum[..., -1], s0)
-        out = (scores * pair_decay) @ v + (q @ starts) * cum.exp()[..., None]
+        starts, final = _scan(chunk_sums, cum[..., -1].to(q.dtype), s0)
+        out = (scores * pair_decay) @ v + (q @ starts) * cum.to(q.dtype).exp()[..., None]
     return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final
 
 
