@@ -469,7 +469,7 @@ def oracle_nsa(
         if complete:
             p_cmp = torch.softmax(s_cmp[complete], dim=0)
             for c, p in zip(complete, p_cmp):
-                importance[c] = float(p)
+                importance[c] = float(p.detach())
         forced = sorted({0, i // block})
         rest = [c for c in complete if c not in forced]
         chosen = forced + _top(rest, lambda c: importance[c], n_select - len(forced))

@@ -32,7 +32,10 @@ def cmd_list(console: Console, decode: bool = False) -> None:
     for name in attnzoo.names():
         spec = attnzoo.describe(name)
         caps = spec.capabilities
-        supports = ", ".join(flag for flag in _FLAGS if getattr(caps, flag)) or "-"
+        flags = [flag for flag in _FLAGS if getattr(caps, flag)]
+        if not caps.bidirectional:
+            flags = ["causal only" if flag == "causal" else flag for flag in flags]
+        supports = ", ".join(flags) or "-"
         table.add_row(name, spec.family, caps.kind, spec.complexity.time, spec.complexity.memory, supports)
     console.print(table)
 
@@ -57,7 +60,8 @@ def cmd_describe(console: Console, name: str) -> None:
     console.print(f"paper: {spec.paper}")
     console.print(f"time: {spec.complexity.time}   memory: {spec.complexity.memory}")
     caps = spec.capabilities
-    console.print("capabilities: " + ", ".join(f"{flag}={getattr(caps, flag)}" for flag in _FLAGS))
+    flags = (*_FLAGS, "bidirectional", "weights_apply_to_v", "independent_queries")
+    console.print("capabilities: " + ", ".join(f"{flag}={getattr(caps, flag)}" for flag in flags))
     if caps.backends:
         console.print("backends: " + ", ".join(caps.backends))
     table = Table(title="config (attnzoo.build keys)")
