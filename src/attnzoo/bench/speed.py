@@ -176,7 +176,10 @@ def _fwd_bwd(
 ) -> None:
     for x in (q, k, v):
         x.grad = None
-    module(q, k, v, causal=causal).sum().backward()
+    out = module(q, k, v, causal=causal)
+    # A dense gradient, as a loss downstream gives: ``out.sum().backward()`` would hand the
+    # backward an expanded (stride-0) tensor, which sends CPU batched matmuls down a slow path.
+    out.backward(torch.ones_like(out))
 
 
 def check(
@@ -184,15 +187,18 @@ def check(
 ) -> tuple[float, str]:
     """Max abs difference at ``n`` against the mechanism's reference, and how it was
     checked: the ``reference`` backend where the mechanism has a backend switch, else its
-    ``implied_attention(q, k) @ v`` (the matrix its reference computes)."""
+    ``implied_attention(q, k) @ v`` (the matrix its reference computes), or its ``reference``
+    where the output is not ``weights @ v`` (``Capabilities.weights_apply_to_v``)."""
     fast = _build(name, config, backend).eval()
     q, k, v = _inputs(Setting(mechanisms=(), batch=1, heads=setting.heads, dim=setting.dim), n, False)
     with torch.no_grad():
         out = fast(q, k, v, causal=causal)
         if "backend" in config_fields(name):
             want, how = _build(name, config, "reference")(q, k, v, causal=causal), "reference backend"
-        elif isinstance(fast, Attention):
+        elif isinstance(fast, Attention) and fast.spec.capabilities.weights_apply_to_v:
             want, how = fast.implied_attention(q, k, causal=causal) @ v, "implied_attention @ v"
+        elif isinstance(fast, Attention):  # a gate, norm or latent around the weights: the whole reference
+            want, how = fast.reference(q, k, v, causal=causal), "reference"
         else:
             return float("nan"), "unchecked"
     return float((out - want).abs().max()), how
