@@ -55,6 +55,13 @@ def test_one_reference_row_per_mechanism(tmp_path):
     table = pick.accuracy_table(committed.rows)
     (column,) = table["columns"]
     assert pick.accuracy(table["cells"]["softmax"][column]) == pytest.approx(60.0)
+    # A later, shorter run of the same task (the demo's 150 steps) does not stand in for the full
+    # budget: one column never mixes budgets.
+    short = loaded(tmp_path, "demo.jsonl", [train("softmax", "A", 0.3, steps=150)], committed=True)
+    table = pick.accuracy_table(committed.rows + short.rows)
+    (column,) = table["columns"]
+    assert pick.accuracy(table["cells"]["softmax"][column]) == pytest.approx(60.0)
+    assert table["info"][column]["budgets"] == [600]
     # Fresh and committed runs are different columns (their budgets differ), one row each.
     fresh = loaded(tmp_path, "new.jsonl", [train("softmax", "A", 0.7, steps=100)])
     table = pick.accuracy_table(committed.rows + fresh.rows)

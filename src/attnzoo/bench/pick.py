@@ -41,10 +41,17 @@ def rank(origin: str | None) -> int:
     return ORIGINS.index(origin) if origin in ORIGINS else 0
 
 
+def budget(row: Row) -> int:
+    """A training row's steps (0 for rows that are not training runs)."""
+    return (row.get("optim") or {}).get("steps") or row.get("steps") or 0
+
+
 def preference(row: Row) -> tuple:
     """Sort key, best last: fresh, then uncommitted, then committed files; a clean revision before
-    a dirty one; then the later row (input order)."""
-    return -rank(row.get("_origin")), not is_dirty(row.get("_rev")), row.get("_order", 0)
+    a dirty one; then the larger training budget (a committed file with a short demo run must not
+    stand in for the full run of the same task, or one column would mix budgets); then the later
+    row (input order)."""
+    return -rank(row.get("_origin")), not is_dirty(row.get("_rev")), budget(row), row.get("_order", 0)
 
 
 def one_per(rows: list[Row], key: Any) -> dict[Any, Row]:
@@ -111,7 +118,7 @@ def accuracy_table(train: list[Row]) -> dict[str, Any]:
         chance = next((100 * r["chance"] for r in rows if r.get("chance") is not None), None)
         softmax = accuracy(cells.get(EXACT, {}).get(c))
         learned = None if softmax is None or chance is None else softmax >= chance + MARGIN
-        budgets = sorted({(r.get("optim") or {}).get("steps") or r.get("steps") for r in rows} - {None})
+        budgets = sorted({budget(r) for r in rows} - {0})
         causal = task_is_causal(c.task, rows[0].get("task_params"))
         info[c] = dict(chance=chance, softmax=softmax, learned=learned, budgets=budgets, causal=causal)
     return {"columns": columns, "info": info, "cells": cells}
