@@ -6,7 +6,12 @@ written from the paper, not from the library's source:
 * the recurrent mechanisms (retention, GLA, SSD, delta rule, gated delta rule) as the paper's
   token-by-token recurrence, a Python loop over ``t`` for every (batch, head);
 * the attention mechanisms as a Python loop over queries, where each query's visible keys are
-  listed by plain comparisons and its softmax is taken over exactly that list.
+  listed by plain comparisons and its softmax is taken over exactly that list;
+* Based's Taylor linear attention (``oracle_taylor_linear_attention``) the same way, with the feature
+  map phi built explicitly as a ``1 + d + d^2`` vector (so the closed form ``1 + x + x^2/2`` can check it);
+* DeepSeek Sparse Attention (``oracle_dsa_attention``) as the lightning indexer's score per
+  (query, key), an explicit sort of each query's candidates (ties to the lower key), then softmax
+  over the selected keys.
 
 Rules shared with ``oracles.py``: all arithmetic in float64 (``.to(float64)`` keeps the autograd
 graph, so gradients can be compared too); outputs are built with ``torch.stack``, never
@@ -44,6 +49,8 @@ __all__ = [
     "oracle_latent_attention",
     "oracle_moba",
     "oracle_nsa",
+    "oracle_taylor_linear_attention",
+    "oracle_dsa_attention",
 ]
 
 # update(S_prev, b, h, t) -> S_t, for one (batch, head); S is (D, Dv)
@@ -479,3 +486,126 @@ def oracle_nsa(
         return g[0] * o_cmp + g[1] * o_sel + g[2] * o_win
 
     return _per_query(q, k, v, row)
+
+
+# --------------------------------------------------------------------------
+# Based (Taylor linear attention) and DSA (indexer + top-k selection)
+# --------------------------------------------------------------------------
+
+
+def _check_key_mask(key_mask: Tensor | None, B: int, N: int) -> None:
+    if key_mask is None:
+        return
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be a bool tensor (True = real key); got {key_mask.dtype}")
+    if tuple(key_mask.shape) != (B, N):
+        raise ValueError(f"key_mask must be (B, N) = {(B, N)}; got {tuple(key_mask.shape)}")
+
+
+def _is_real(key_mask: Tensor | None, b: int, j: int) -> bool:
+    return key_mask is None or bool(key_mask[b, j])
+
+
+def _taylor_features(x: Tensor) -> Tensor:
+    """phi(x) = [1, x / d^(1/4), vec(x x^T) / (sqrt(2) sqrt(d))], a vector of length 1 + d + d^2 (x is (d,))."""
+    d = x.shape[-1]
+    second = torch.outer(x, x).reshape(-1) / (math.sqrt(2) * math.sqrt(d))
+    return torch.cat([x.new_ones(1), x / d**0.25, second])
+
+
+def oracle_taylor_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, key_mask: Tensor | None = None, eps: float = 1e-6
+) -> Tensor:
+    """Based: linear attention with the 2nd-order Taylor feature map.
+
+    Arora et al. 2024, arXiv:2402.18668, Sec. 4 (the Taylor approximation of exp, ``exp(x) ~ 1 + x + x^2/2``,
+    as a feature map ``phi``): ``phi(q) . phi(k) = 1 + q.k / sqrt(d) + (q.k)^2 / (2 d)``;
+    ``o_i = sum_j phi(q_i).phi(k_j) v_j / (sum_j phi(q_i).phi(k_j) + eps)`` over the keys j visible to i:
+    ``key_mask[b, j]`` and (causal) ``j <= i``. A row with no visible key outputs zeros.
+    q, k ``(B, H, N, d)`` as given (no projection here), v ``(B, H, N, Dv)``, key_mask ``(B, N)`` bool.
+    """
+    _check_qkv(q, k, v)
+    B, H, N, _ = q.shape
+    _check_key_mask(key_mask, B, N)
+    v = v.to(F64)
+    if B * H * N == 0:
+        return torch.zeros(B, H, N, v.shape[-1], dtype=F64, device=q.device)
+    q, k = q.to(F64), k.to(F64)
+    out_b = []
+    for b in range(B):
+        out_h = []
+        for h in range(H):
+            phi_k = [_taylor_features(k[b, h, j]) for j in range(N)]
+            out_i = []
+            for i in range(N):
+                keys = [j for j in range(N) if _is_real(key_mask, b, j) and (not causal or j <= i)]
+                if not keys:
+                    out_i.append(torch.zeros(v.shape[-1], dtype=F64, device=v.device))
+                    continue
+                phi_q = _taylor_features(q[b, h, i])
+                weights = torch.stack([phi_q @ phi_k[j] for j in keys])  # (len(keys),), each >= 1/2
+                out_i.append(weights @ v[b, h, keys] / (weights.sum() + eps))
+            out_h.append(torch.stack(out_i))
+        out_b.append(torch.stack(out_h))
+    return torch.stack(out_b)
+
+
+def _index_score(index_q: Tensor, index_k: Tensor, index_w: Tensor, b: int, t: int, s: int) -> float:
+    """Lightning indexer: ``I[b, t, s] = sum_j w[b, t, j] ReLU(q^I[b, t, j] . k^I[b, s])`` (no gradient)."""
+    total = 0.0
+    for j in range(index_q.shape[2]):
+        total += float(index_w[b, t, j]) * max(float(index_q[b, t, j] @ index_k[b, s]), 0.0)
+    return total
+
+
+def oracle_dsa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index_q: Tensor,
+    index_k: Tensor,
+    index_w: Tensor,
+    *,
+    top_k: int,
+    causal: bool,
+    key_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """DeepSeek Sparse Attention: lightning indexer, top-k key selection, softmax over the selection.
+
+    DeepSeek-V3.2-Exp tech report, Sec. 2.1 (eq. 1, the lightning indexer
+    ``I_ts = sum_j w_tj ReLU(q^I_tj . k^I_s)``; eq. 2, ``u_t = Attn(h_t, {c_s | I_ts in Top-k(I_t:)})``).
+    Candidates of query t: keys s with ``key_mask[b, s]`` and (causal) ``s <= t``; the ``top_k`` highest
+    scores are kept (all candidates if fewer), ties to the LOWER s; one selection per (b, t), shared by
+    every head (MLA in MQA mode). Per head: softmax of ``scale * q.k`` over the selected keys, ``scale``
+    ``None`` -> ``1/sqrt(D)``. No candidate -> zeros. The selection is discrete: index_* get no gradient.
+
+    Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, index_q ``(B, N, H_I, d_I)``,
+    index_k ``(B, N, d_I)``, index_w ``(B, N, H_I)``, key_mask ``(B, N)`` bool -> ``(B, H, N, Dv)``.
+    """
+    _check_qkv(q, k, v)
+    B, H, N, D = q.shape
+    _check_key_mask(key_mask, B, N)
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1; got {top_k}")
+    if index_q.dim() != 4 or index_q.shape[:2] != (B, N):
+        raise ValueError(f"index_q must be (B, N, H_I, d_I) with (B, N) = {(B, N)}; got {tuple(index_q.shape)}")
+    H_I, d_I = index_q.shape[2:]
+    if tuple(index_k.shape) != (B, N, d_I) or tuple(index_w.shape) != (B, N, H_I):
+        raise ValueError(
+            f"index_k must be (B, N, d_I) = {(B, N, d_I)} and index_w (B, N, H_I) = {(B, N, H_I)}; "
+            f"got {tuple(index_k.shape)}, {tuple(index_w.shape)}"
+        )
+    iq, ik, iw = (x.detach().to(F64) for x in (index_q, index_k, index_w))
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    selected = []  # selected[b][t]: the key indices chosen for query t, shared by all heads
+    for b in range(B):
+        rows = []
+        for t in range(N):
+            candidates = [s for s in range(N) if _is_real(key_mask, b, s) and (not causal or s <= t)]
+            # sort by (score descending, key ascending): equal scores rank the lower key first
+            ranked = sorted((-_index_score(iq, ik, iw, b, t, s), s) for s in candidates)
+            rows.append([s for _, s in ranked[:top_k]])
+        selected.append(rows)
+    v = v.to(F64)
+    return _per_query(q, k, v, lambda b, h, i, s: _softmax_over(scale * s, v[b, h], selected[b][i]))
