@@ -47,11 +47,24 @@ def _pair(attn: torch.nn.Module, q, k, v, **kw) -> tuple[torch.Tensor, torch.Ten
     return fast, attn.reference(q, k, v, **kw)
 
 
+def _keep_as_first_written(seed: int, flat: torch.Tensor, p: float) -> torch.Tensor:
+    """The mask as softmax's dropout first drew it: the uniform as a double, compared with p."""
+    offset = (seed * 0x9E3779B97F4A7C15) % 2**64
+    x = flat + (offset - 2**64 if offset >= 2**63 else offset)
+    for shift, mult in ((30, -4658895280553007687), (27, -7723592293110705685)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return ((x >> 11) & ((1 << 53) - 1)).double() * 2.0**-53 >= p
+
+
 def test_dropout_keep_at_any_index_is_the_dense_mask_and_unchanged():
     shape = (2, 3, 5, 7)
     dense = dropout_keep(123, shape, 0.4, torch.device("cpu"))
     b, h, i, j = (torch.randint(0, s, (50,)) for s in shape)
     assert torch.equal(dropout_keep_at(123, dropout_flat_index(b, h, i, j, *shape[1:]), 0.4), dense[b, h, i, j])
+    flat = torch.randint(-(2**62), 2**62, (20000,))
+    for seed, p in ((0, 0.1), (5, 1 / 3), (2**61 + 7, 0.5), (9, 0.999)):
+        assert torch.equal(dropout_keep_at(seed, flat, p), _keep_as_first_written(seed, flat, p)), (seed, p)
     # The bits of the mask before it could be evaluated per index (softmax's masks must not move).
     pinned = ((7, (1, 1, 4, 16), 0.5, 0x32C7723169B4A736), (2**62 - 1, (2, 1, 3, 5), 0.25, 0x15FF7CC6))
     for seed, shape, p, want in pinned:

@@ -88,11 +88,13 @@ def dropout_keep_at(seed: int, flat: Tensor, p: float) -> Tensor:
     """Bool, shaped like the int64 ``flat``: whether the weights at these flat indices (see
     ``dropout_flat_index``) survive dropout with probability ``p``. A 64-bit mix of the index
     offset by the seed (splitmix64's finaliser, in int64 arithmetic that wraps) turned into a
-    uniform in [0, 1); the weight is kept when it is >= ``p``."""
+    uniform ``u = top53 / 2^53`` in [0, 1); the weight is kept when ``u >= p``, compared exactly as
+    ``top53 >= ceil(p * 2^53)`` (an integer against an exact double). In place on one fresh
+    tensor: the blocked backend evaluates it on every tile, forward and backward."""
     offset = (seed * 0x9E3779B97F4A7C15) % 2**64  # seed times the golden-ratio odd constant, mod 2^64
     x = flat + (offset - 2**64 if offset >= 2**63 else offset)
     for shift, mult in ((30, -4658895280553007687), (27, -7723592293110705685)):
-        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult  # logical shift on int64
-    x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    uniform = ((x >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
-    return uniform >= p
+        x ^= (x >> shift) & ((1 << (64 - shift)) - 1)  # a logical shift on int64
+        x *= mult  # wraps mod 2^64
+    x ^= (x >> 31) & ((1 << 33) - 1)
+    return ((x >> 11) & ((1 << 53) - 1)) >= math.ceil(p * 2.0**53)
