@@ -263,6 +263,6 @@ def test_layer_attention_dropout_acts_in_training_only_and_needs_a_mechanism_tha
     torch.manual_seed(0)
     assert torch.equal(first, layer(x)) and not torch.allclose(first, layer.eval()(x))
     with pytest.raises(ValueError, match="does not support attention dropout"):
-        attnzoo.nn.MultiHeadAttention(16, 2, "local", attn_dropout=0.1)
+        attnzoo.nn.MultiHeadAttention(16, 2, "linformer", attn_dropout=0.1)
     with pytest.raises(ValueError, match="dropout_p must be a number in"):
         attnzoo.nn.MultiHeadAttention(16, 2, attn_dropout=1.5)

@@ -39,7 +39,7 @@ Notes:
       reorders the cache, is not supported for these); one without a decode step (``random``,
       ``bigbird``, ...) refuses a call with cached keys.
     - Attention-probability dropout (the model's, in training mode) is applied by mechanisms with
-      ``Capabilities.dropout`` (``softmax``) and refused, naming them, by the others (set the
+      ``Capabilities.dropout`` (``softmax``, the pattern mechanisms) and refused, naming them, by the others (set the
       model's attention dropout to 0 to train those). Attention weights are not returned
       (``None``, as SDPA).
 """
@@ -288,7 +288,7 @@ def attention(
     if extra:
         raise ValueError(f"the attnzoo attention function does not support {', '.join(extra)} (given by the model)")
     # transformers passes the model's attention dropout in training and 0 in eval: honoured by
-    # mechanisms with Capabilities.dropout (softmax), refused by the others with their names.
+    # mechanisms with Capabilities.dropout (softmax, the patterns), refused by the others with their names.
     dropout = float(dropout) if module.training else 0.0
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", False)) if causal is None else bool(causal)

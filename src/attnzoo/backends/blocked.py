@@ -18,6 +18,10 @@ How a call runs:
    log-sum-exp, so the gradient of each piece is exact and nothing N x N is ever stored.
 
 A ``score_mod`` (ALiBi, ...) runs pieces through an einsum path instead of the flash kernel.
+So does attention dropout (``Call.dropout``): dropout acts after normalisation and is linear, so a
+piece returns ``sum_j keep_ij / (1 - p) * exp(s_ij - lse) v_j`` with the log-sum-exp taken
+*without* dropout, and pieces still merge exactly; ``keep`` (``_ops.dropout_keep_at``) is evaluated
+on each tile's own (b, h, i, j) from the seed, forward and backward, never stored.
 Rows that see no key give zeros and zero gradient.
 
 ``Blocked`` is the backend object ``dispatch`` runs: the structured path (``structured.py``,
@@ -28,7 +32,7 @@ plans and their caches live in ``plan.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -37,7 +41,11 @@ from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Backend, Call, compute_dtype
 from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
 from attnzoo.backends.windowed import structured_attention
+from attnzoo.mechanisms._ops import dropout_flat_index, dropout_keep_at
 from attnzoo.spec import MaskMod, ScoreMod
+
+if TYPE_CHECKING:
+    from attnzoo.mechanisms.base import Dropout
 
 _flash = flash_attention_cpu
 _flash_backward = flash_attention_cpu_backward
@@ -58,6 +66,8 @@ class Context:
     key_mask: Tensor | None
     #: PyTorch's CPU flash kernel needs one head size for q, k and v.
     same_head_dims: bool = True
+    #: Attention dropout: pieces take the einsum path and apply ``_dropped``.
+    dropout: Dropout | None = None
 
 
 def _positions(piece: Piece, ctx: Context, qx: Tensor) -> tuple[Tensor, ...]:
@@ -81,6 +91,21 @@ def _visible(piece: Piece, ctx: Context, qx: Tensor) -> Tensor:
     return ok
 
 
+def _keep(piece: Piece, ctx: Context, qx: Tensor) -> Tensor:
+    """Bool ``(Q', B*Hg, block, keys)``: which of the piece's weights survive dropout, the bits of
+    the dense mask ``_ops.dropout_keep(seed, (B, H, N_q, N_kv))`` at this piece's (b, h, i, j)
+    only. Padded rows and keys get bits too; their probabilities are 0 (masked) or cut off."""
+    b, h, q_pos, kv_pos = _positions(piece, ctx, qx)
+    plan = ctx.plan
+    flat = dropout_flat_index(b, h, q_pos - (plan.n_kv - plan.n_q), kv_pos, plan.heads, plan.n_q, plan.n_kv)
+    return dropout_keep_at(ctx.dropout.seed, flat, ctx.dropout.p)
+
+
+def _dropped(x: Tensor, keep: Tensor, p: float) -> Tensor:
+    """``x`` times the dropout factor ``keep / (1 - p)`` (as the reference applies it)."""
+    return torch.where(keep, x / (1 - p), 0.0)
+
+
 def _take(x: Tensor, piece: Piece, blocks: Tensor, block: int) -> Tensor:
     """``(B, H, Npad, D)`` -> the rows of ``blocks`` for this piece's heads, as the view
     ``(Q', B*Hg, rows, D)`` (rows = block, or c * block for a ``(Q', c)`` index)."""
@@ -101,9 +126,10 @@ def _additive(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _uses_flash(piece: Piece, ctx: Context) -> bool:
-    # The flash kernel takes no score_mod, and its mask cannot depend on the batch row (tiles
-    # with padded keys are always of kind "mask").
-    return ctx.same_head_dims and ctx.score_mod is None and (piece.kind != "mask" or ctx.key_mask is None)
+    # The flash kernel takes no score_mod nor a seeded dropout mask, and its mask cannot depend
+    # on the batch row (tiles with padded keys are always of kind "mask").
+    no_mods = ctx.score_mod is None and ctx.dropout is None
+    return ctx.same_head_dims and no_mods and (piece.kind != "mask" or ctx.key_mask is None)
 
 
 def _needs_mask(piece: Piece, ctx: Context) -> bool:
@@ -139,6 +165,8 @@ def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    if ctx.dropout is not None:
+        probs = _dropped(probs, _keep(piece, ctx, qx), ctx.dropout.p)  # after the lse: the merge stays exact
     return torch.matmul(probs, vx.to(cd)), lse
 
 
@@ -182,13 +210,19 @@ def piece_backward(
         probs = torch.exp(scores - lse_x[..., None])
         if visible is not None:
             probs = probs.masked_fill(~visible, 0.0)
-        d_scores = probs * (torch.matmul(dox, vx.transpose(-1, -2)) - delta_x[..., None])
+        d_probs, applied = torch.matmul(dox, vx.transpose(-1, -2)), probs  # applied: what multiplied v
+        if ctx.dropout is not None:
+            # out = (P * D) v with D = keep / (1 - p): dv = (P * D)^T dO, dP = D * (dO v^T), and
+            # delta = rowsum(dO * out) is still rowsum(P * dP).
+            keep, p = _keep(piece, ctx, qx), ctx.dropout.p
+            d_probs, applied = _dropped(d_probs, keep, p), _dropped(probs, keep, p)
+        d_scores = probs * (d_probs - delta_x[..., None])
         (d_raw,) = torch.autograd.grad(scores, raw, d_scores) if ctx.score_mod is not None else (d_scores,)
     d_raw = d_raw * ctx.scale
     return (
         torch.matmul(d_raw, kx),
         torch.matmul(d_raw.transpose(-1, -2), qx),
-        torch.matmul(probs.detach().transpose(-1, -2), dox),
+        torch.matmul(applied.detach().transpose(-1, -2), dox),
     )
 
 
@@ -317,7 +351,8 @@ def blocked_attention(call: Call, plan: Plan, *, return_lse: bool = False) -> Te
     Differentiable, the log-sum-exp ``(B, H, N_q)`` too (``-inf`` for rows that see no key) when
     ``return_lse``."""
     q, k, v = call.q, call.k, call.v
-    ctx = Context(plan, call.scale, call.mask_mod(), call.score_mod, call.key_mask, q.shape[-1] == v.shape[-1])
+    same_dims = q.shape[-1] == v.shape[-1]
+    ctx = Context(plan, call.scale, call.mask_mod(), call.score_mod, call.key_mask, same_dims, call.dropout)
     out, lse = BlockedAttention.apply(q, k, v, ctx)
     return (out, lse[:, :, : plan.n_q]) if return_lse else out
 

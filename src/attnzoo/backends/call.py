@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import ClassVar, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -18,6 +18,9 @@ from torch import Tensor
 from attnzoo.patterns import Pattern
 from attnzoo.patterns import causal as causal_pattern
 from attnzoo.spec import MaskMod, ScoreMod
+
+if TYPE_CHECKING:  # a type only: mechanisms import the backends, never the other way round
+    from attnzoo.mechanisms.base import Dropout
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,10 @@ class Call:
     score_mod: ScoreMod | None
     scale: float
     block: int
+    #: Attention-probability dropout (a pattern mechanism's ``dropout_p``): the seeded mask of
+    #: ``_ops.dropout_keep``, applied after normalisation. Only the reference and the blocked
+    #: tile plan's explicit path apply it; the flash-kernel paths and flex decline such calls.
+    dropout: Dropout | None = None
 
     @property
     def head_groups(self) -> Tensor:

@@ -110,6 +110,8 @@ class Flex(Backend):
                 reasons.append(f"flex on CPU supports {', '.join(map(str, CPU_DTYPES))}, got {q.dtype}")
         elif q.device.type != "cuda":
             reasons.append(f"flex runs on CPU or CUDA, got {q.device.type}")
+        if call.dropout is not None:
+            reasons.append("flex cannot apply attnzoo's seeded attention dropout; use backend='blocked' (CPU)")
         for name, dim in (("D", q.shape[-1]), ("D_v", call.v.shape[-1])):
             if dim < 16 or dim & (dim - 1):
                 reasons.append(f"flex needs a power-of-two head dimension >= 16, got {name}={dim}")

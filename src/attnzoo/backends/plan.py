@@ -109,10 +109,13 @@ STRUCTURES: PlanCache[tuple, structured.Structure | None] = PlanCache(maxsize=64
 def structure_for(call: Call) -> structured.Structure | None:
     """The structured plan for this call (cached by the pattern's value and the sizes), or None
     where the call needs the generic tile plan: a pattern without window structure, a
-    ``score_mod``, value and key head sizes that differ, or a dtype the CPU flash kernel does
-    not run (cross-attention of unequal lengths: ``structure`` returns None)."""
+    ``score_mod``, attention dropout (the flash kernel cannot take its seeded mask), value and
+    key head sizes that differ, or a dtype the CPU flash kernel does not run (cross-attention of
+    unequal lengths: ``structure`` returns None)."""
     q, v = call.q, call.v
     if call.score_mod is not None or q.shape[-1] != v.shape[-1] or q.dtype not in FLASH_DTYPES:
+        return None
+    if call.dropout is not None:
         return None
     return _structure(call.pattern, *call.sizes())
 

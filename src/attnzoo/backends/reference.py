@@ -10,6 +10,7 @@ from torch import Tensor
 
 from attnzoo._checks import check_causal, check_choice, check_key_mask, check_qkv
 from attnzoo.backends.call import Backend, Call
+from attnzoo.mechanisms._ops import dropout_keep
 from attnzoo.spec import MaskMod, ScoreMod
 
 NORMALIZERS = ("softmax", "relu")
@@ -142,8 +143,8 @@ def reference_attention(
 
 def reference_call(call: Call, return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """``reference_attention`` over a resolved ``Call``: its pattern (causal already and-ed in),
-    padding, ``score_mod`` and scale."""
-    return reference_attention(
+    padding, ``score_mod``, scale and dropout (the weights returned are those applied)."""
+    weighted = reference_attention(
         call.q,
         call.k,
         call.v,
@@ -151,8 +152,16 @@ def reference_call(call: Call, return_weights: bool = False) -> Tensor | tuple[T
         mask_mod=call.mask_mod(),
         score_mod=call.score_mod,
         scale=call.scale,
-        return_weights=return_weights,
+        return_weights=return_weights or call.dropout is not None,
     )
+    if call.dropout is None:
+        return weighted
+    # Dropout on the normalised weights (Vaswani et al. 2017, 5.4): the seeded mask, rescaled.
+    weights, p = weighted[1], call.dropout.p
+    keep = dropout_keep(call.dropout.seed, tuple(weights.shape), p, weights.device)
+    weights = torch.where(keep, weights / (1 - p), 0.0)
+    out = torch.einsum("bhij,bhjd->bhid", weights, call.v.to(weights.dtype)).to(call.q.dtype)
+    return (out, weights) if return_weights else out
 
 
 class Reference(Backend):

@@ -70,14 +70,31 @@ def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:
 
 def dropout_keep(seed: int, shape: tuple[int, int, int, int], p: float, device: torch.device) -> Tensor:
     """Bool ``(B, H, N_q, N_kv)``: which attention weights survive dropout with probability
-    ``p``, a pure function of ``seed`` and each weight's flat index (a 64-bit mix, splitmix64's
-    finaliser, in int64 arithmetic that wraps), so any path that knows the seed - the fast
-    path, the reference, a backward - draws the same mask without storing it."""
-    x = torch.arange(math.prod(shape), device=device, dtype=torch.int64).view(shape)
+    ``p``, a pure function of ``seed`` and each weight's flat index (``dropout_keep_at``), so any
+    path that knows the seed - the fast path, the reference, a backward - draws the same mask
+    without storing it."""
+    return dropout_keep_at(seed, torch.arange(math.prod(shape), device=device, dtype=torch.int64).view(shape), p)
+
+
+def dropout_flat_index(b: Tensor, h: Tensor, i: Tensor, j: Tensor, heads: int, n_q: int, n_kv: int) -> Tensor:
+    """The flat index of weight ``(b, h, i, j)`` in a ``(B, heads, n_q, n_kv)`` tensor,
+    ``((b * heads + h) * n_q + i) * n_kv + j`` (int64, broadcast): what ``dropout_keep_at`` hashes,
+    so a tiled path (``backends.blocked``) draws, on its own tiles, the dense mask's bits. ``i``
+    counts queries from 0 (not the end-aligned position)."""
+    return ((b.long() * heads + h.long()) * n_q + i.long()) * n_kv + j.long()
+
+
+def dropout_keep_at(seed: int, flat: Tensor, p: float) -> Tensor:
+    """Bool, shaped like the int64 ``flat``: whether the weights at these flat indices (see
+    ``dropout_flat_index``) survive dropout with probability ``p``. A 64-bit mix of the index
+    offset by the seed (splitmix64's finaliser, in int64 arithmetic that wraps) turned into a
+    uniform ``u = top53 / 2^53`` in [0, 1); the weight is kept when ``u >= p``, compared exactly as
+    ``top53 >= ceil(p * 2^53)`` (an integer against an exact double). In place on one fresh
+    tensor: the blocked backend evaluates it on every tile, forward and backward."""
     offset = (seed * 0x9E3779B97F4A7C15) % 2**64  # seed times the golden-ratio odd constant, mod 2^64
-    x = x + (offset - 2**64 if offset >= 2**63 else offset)
+    x = flat + (offset - 2**64 if offset >= 2**63 else offset)
     for shift, mult in ((30, -4658895280553007687), (27, -7723592293110705685)):
-        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult  # logical shift on int64
-    x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    uniform = ((x >> 11) & ((1 << 53) - 1)).double() * 2.0**-53
-    return uniform >= p
+        x ^= (x >> shift) & ((1 << (64 - shift)) - 1)  # a logical shift on int64
+        x *= mult  # wraps mod 2^64
+    x ^= (x >> 31) & ((1 << 33) - 1)
+    return ((x >> 11) & ((1 << 53) - 1)) >= math.ceil(p * 2.0**53)

@@ -78,7 +78,7 @@ class PatternAttention(Attention):
         cfg = self.config
         pattern = resolve_pattern(self.pattern, q.shape[1], args.causal)
         scale = default_scale(cfg.scale, q.shape[-1])
-        return Call(q, k, v, pattern, args.key_mask, args.score_mod, scale, cfg.backend_tile())
+        return Call(q, k, v, pattern, args.key_mask, args.score_mod, scale, cfg.backend_tile(), dropout=args.dropout)
 
     def _init_state(self, spec: StateSpec) -> Any:
         """The cache the pattern needs (``pattern_decode``): the keys a later row can still see
@@ -97,6 +97,11 @@ GLOBAL_DECODE = (
     "decode step: the window and every key up to the last global token are kept (a global token's row "
     "sees all before it): O(window + globals) memory and time per token at any position"
 )
+DROPOUT_NOTE = (
+    "dropout_p > 0 runs the blocked tile plan's explicit path (not the flash kernel): slower, same memory; "
+    "the mask is a seeded function of (b, h, i, j) that the reference reproduces. flex cannot apply it "
+    "(on CUDA, backend='auto' then runs the dense reference)"
+)
 _COMPLEXITY = Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True)
 
 
@@ -111,12 +116,13 @@ def register_pattern(
     notes: tuple[str, ...] = (),
 ) -> Callable[[type[SparseConfig]], type[SparseConfig]]:
     """Class decorator on a ``SparseConfig``: register ``name`` as a ``PatternAttention`` built
-    from it, with ``notes`` (default: what ``causal=True`` means). It decodes (``init_state`` /
+    from it, with ``notes`` (default: what ``causal=True`` means) and ``DROPOUT_NOTE`` (every
+    pattern takes ``dropout_p``: the blocked backend's tile plan applies it). It decodes (``init_state`` /
     ``step``) unless ``no_decode`` says why not: the step needs row t of the causal pattern to be
     the same whatever the final length, which random draws over N, grids of a fixed size and
     graphs are not; else ``decode`` (unless ``notes`` has one) says what its state keeps.
     ``cross=False`` for patterns defined on one sequence (grids, graphs)."""
-    notes = notes or (CAUSAL_NOTE,)
+    notes = (*(notes or (CAUSAL_NOTE,)), DROPOUT_NOTE)
     if no_decode:
         notes = (*notes, f"no decode step: {no_decode}")
     elif not any(note.startswith("decode step: ") for note in notes):
@@ -127,6 +133,7 @@ def register_pattern(
         decode_step=not no_decode,
         cross_attention=cross,
         score_mod=True,
+        dropout=True,
         scale=True,
         backends=("blocked", "flex", "reference"),
     )

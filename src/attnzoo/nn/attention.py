@@ -50,7 +50,8 @@ class MultiHeadAttention(nn.Module):
             to the query and key inputs (not the values).
         dropout: dropout on the output projection. Default 0.
         attn_dropout: attention-probability dropout in training mode (the mechanism's
-            ``dropout_p``, for mechanisms with ``Capabilities.dropout``: ``softmax``); default 0.
+            ``dropout_p``, for mechanisms with ``Capabilities.dropout``: ``softmax`` and the
+            pattern mechanisms); default 0.
         bias: whether the projections have biases. Default True.
         max_len: the longest sequence the layer will see, if known; default None. With the
             heads and head width it makes the ``attnzoo.Shape`` the layer builds each mechanism
