@@ -214,7 +214,7 @@ class BasedConfig(Config):
         "whatever the position",
         "the projection W_h (H, D, f) is learned, one per head, shared by q and k, from head_dim D "
         "(nn.Linear's uniform init): the paper projects q and k from the model width; composed with the "
-        "layer's own q and k projections it is the same family of maps",
+        "layer's own q and k projections it is the same family of maps when D >= f",
         "the paper's Based model interleaves these layers with small sliding-window softmax layers (`local` "
         "with left=63, right=0 here) and BaseConv (gated short convolution) layers; that hybrid is a per-layer "
         "choice: attnzoo.hf.use(model, [...]) takes one mechanism per layer; attnzoo.nn.TransformerEncoder / "
