@@ -1,6 +1,7 @@
 """Kernel / linear attention: the shared core. The mechanisms built on it: ``kernel_linear.py``
 (the base class ``KernelAttention``, ``linear``, ``efficient``), ``kernel_features.py`` (the
-random-feature base and ``rfa``), ``kernel_performer.py`` (``performer``).
+random-feature base and ``rfa``), ``kernel_performer.py`` (``performer``), ``based.py``
+(``based``, the Taylor feature map).
 
 Every member replaces ``exp(q . k)`` by a dot product of feature maps, ``phi(q) . phi(k)``, and
 shares one core ("Transformers are RNNs", Katharopoulos et al. 2020,
@@ -21,6 +22,7 @@ mechanism is a ``KernelAttention`` with two small methods, ``query_features`` an
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -61,9 +63,24 @@ class KeyFeatures(NamedTuple):
     c: Tensor | None = None
 
 
+class PairWeights(NamedTuple):
+    """The pairs inside a causal chunk from other inputs than the features: ``fn(q_c, k_c)`` on
+    chunks of ``q (B, H, N, D)``, ``k (B, H, N, D)`` (see ``FeatureMaps``)."""
+
+    fn: Callable[[Tensor, Tensor], Tensor]
+    q: Tensor
+    k: Tensor
+
+
 class FeatureMaps(Protocol):
     """What the core needs from a mechanism (``KernelAttention`` is one): its two feature maps,
-    how rows are normalised, the causal chunk length and the denominator's eps."""
+    how rows are normalised, the causal chunk length and the denominator's eps.
+
+    A mechanism may also define ``pair_weights(q (..., L, D), k (..., L, D)) -> (..., L, L)`` on
+    chunks of the inputs the core was given, equal to ``query_features(q) @ key_features(k).phi^T``
+    for real keys but cheaper (Based's Taylor features: a polynomial of ``q . k``, a D-wide product
+    where the features are ``1 + D + D^2`` wide); the causal chunks use it for the pairs inside a
+    chunk. Padded keys need no care there: their values and their count column are zero."""
 
     normalizer: Normalizer
     chunk: int
@@ -126,16 +143,27 @@ def kernel_attention(
         phi_k = torch.where(real[..., None], phi_k, 0.0)
         log_decay = None if log_decay is None else torch.where(real, log_decay, 0.0)
     s0 = None if state is None else torch.cat([state.s, state.z[..., None]], dim=-1)
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, H, N_kv, E + 1]
+    # the count column of z: 0 for a padded key, so it adds nothing whatever weight it gets
+    count = torch.ones_like(v[..., :1]) if real is None else real[..., None].to(v.dtype).expand_as(v[..., :1])
+    v1 = torch.cat([v, count], dim=-1)  # [B, H, N_kv, E + 1]
     shift = k.shape[2] - q.shape[2]
     phi_q = maps.query_features(q)
     phi_q = F.pad(phi_q, (0, 0, shift, 0)) if shift else phi_q  # queries end-aligned: zero rows first
     if k.shape[2] == 1 and s0 is not None:
         out1, s1 = _one_token(phi_q, phi_k, v1, log_decay, s0)
     else:
-        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, maps.chunk)
+        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, maps.chunk, _pairs(maps, q, k, real, shift))
     out = normalise(out1[:, :, shift:, :-1], out1[:, :, shift:, -1], maps.normalizer, maps.eps)
     return out, KernelState(s1[..., :-1], s1[..., -1], f.c if f.c is not None else c0)
+
+
+def _pairs(maps: FeatureMaps, q: Tensor, k: Tensor, real: Tensor | None, shift: int) -> PairWeights | None:
+    """The mechanism's ``pair_weights`` on q (end-aligned like ``phi_q``) and k, or None."""
+    fn = getattr(maps, "pair_weights", None)
+    if fn is None:
+        return None
+    k = k if real is None else torch.where(real[..., None], k, 0.0)  # a NaN in padding must not leak
+    return PairWeights(fn, F.pad(q, (0, 0, shift, 0)) if shift else q, k)
 
 
 def _one_token(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, s0: Tensor) -> tuple[Tensor, Tensor]:
@@ -184,9 +212,16 @@ def _merge(s: Tensor | None, c: Tensor | None, s_b: Tensor, c_b: Tensor | None) 
 
 
 def _causal_sums(
-    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, s0: Tensor | None, chunk: int
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None,
+    s0: Tensor | None,
+    chunk: int,
+    pairs: PairWeights | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Chunkwise ``sum_{j <= i} decay(j, i) (q_i . k_j) v_j`` and the final ``sum_j k_j v_j^T``.
+    ``pairs``: the products ``q_i . k_j`` inside a chunk computed another way (``PairWeights``).
 
     Inside a chunk the pairs are a masked ``(L, L)`` product; the sums over earlier chunks come
     from the state at each chunk's start (a cumulative sum, or with a decay a scan over chunks).
@@ -195,16 +230,22 @@ def _causal_sums(
     b, h, n, m = k.shape
     size = min(chunk, n)
     pad = -n % size
-    q, k, v = (rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> b h c l e", l=size) for x in (q, k, v))
-    s0 = k.new_zeros(b, h, m, v.shape[-1]) if s0 is None else s0
+
+    def chunks(x: Tensor) -> Tensor:
+        return rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> b h c l e", l=size)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
     tril = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
-    scores = q @ k.transpose(-1, -2)  # [B, H, C, L, L]
+    if pairs is None:
+        scores = q @ k.transpose(-1, -2)  # [B, H, C, L, L]
+    else:
+        scores = pairs.fn(chunks(pairs.q), chunks(pairs.k))
     if log_decay is None:
         chunk_sums = k.transpose(-1, -2) @ v  # [B, H, C, m, E]
-        starts = s0[:, :, None] + F.pad(chunk_sums.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
-        final = starts[:, :, -1] + chunk_sums[:, :, -1]
+        starts, final = _prefix_sums(chunk_sums, s0)
         out = scores.masked_fill(~tril, 0.0) @ v + q @ starts
     else:
+        s0 = k.new_zeros(b, h, m, v.shape[-1]) if s0 is None else s0
         # float64 sums: a difference of two sums near -1000 keeps its digits (float32 loses 1e-4)
         cum = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size).double().cumsum(-1)
         pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~tril, -math.inf).to(q.dtype).exp()
@@ -214,6 +255,24 @@ def _causal_sums(
         starts, final = _scan(chunk_sums, cum[..., -1].to(q.dtype), s0)
         out = (scores * pair_decay) @ v + (q @ starts) * cum.to(q.dtype).exp()[..., None]
     return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final
+
+
+def _prefix_sums(chunk_sums: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``_scan`` without gates: the states at each chunk start, ``S_c = S_0 + sum_{c' < c} U_c'``
+    ``(B, H, C, m, E)``, and after the last chunk ``(B, H, m, E)``. Up to ``SCAN_MATMUL_CHUNKS``
+    chunks one matmul with a ``(C, C)`` 0/1 matrix (one pass, and one matmul backward, where a
+    cumulative sum, its padding and its flipped backward cost several passes over the states)."""
+    b, h, c, m, e = chunk_sums.shape
+    if c > SCAN_MATMUL_CHUNKS:
+        starts = F.pad(chunk_sums.cumsum(2)[:, :, :-1], (0, 0, 0, 0, 1, 0))
+        final = starts[:, :, -1] + chunk_sums[:, :, -1]
+    else:
+        earlier = torch.ones(c, c, dtype=chunk_sums.dtype, device=chunk_sums.device).tril(-1)  # c' < c
+        starts = (earlier @ chunk_sums.flatten(-2)).view(b, h, c, m, e)  # contiguous, as the next matmul wants
+        final = starts[:, :, -1] + chunk_sums[:, :, -1]
+    if s0 is None:
+        return starts, final
+    return starts + s0[:, :, None], final + s0
 
 
 def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
