@@ -25,7 +25,17 @@ NATIVE = {
     "performer": (False, True),
     "efficient": (False,),
     "rfa": (False,),  # causal: the gate is per query head (gate_weight (H, D)): repeated, documented
+    # pattern mechanisms whose blocked plan is one band of windows: group rows stacked per block
+    "local": (False, True),
+    "dilated": (False, True),
+    "block_local": (False, True),
+    # plans with global tokens, dense sub-sequences, tiles: dispatch repeats K/V for the backend
+    "longformer": (),
+    "strided": (),
+    "bigbird": (),
 }
+#: Decode states kept at H_kv heads (kernel sums; pattern caches, attended by SDPA's enable_gqa).
+DECODE = ["linear", "performer", "local", "dilated", "longformer", "sinks", "strided"]
 
 
 def _inputs(kv_heads: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -99,7 +109,7 @@ def test_native_grouped_kv_equal_repeated_forward_and_gradients(name, kv_heads, 
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
-@pytest.mark.parametrize("name", [n for n, modes in NATIVE.items() if True in modes])
+@pytest.mark.parametrize("name", DECODE)
 def test_native_grouped_decode_equals_forward(name, kv_heads, monkeypatch):
     attn = small_mechanism(name, N, heads=H, head_dim=D)
     q, k, v = _inputs(kv_heads, seed=1)
@@ -128,3 +138,12 @@ def test_rfa_causal_keeps_a_state_per_query_head():
     attn = small_mechanism("rfa", N, heads=H, head_dim=D)
     state = attn.init_state(B, H, D, D, kv_heads=2, dtype=torch.float64)
     assert state.s.shape[:2] == (B, H)
+
+
+@pytest.mark.parametrize("name", ["local", "longformer", "strided"])
+def test_pattern_decode_cache_keeps_kv_heads(name):
+    attn = small_mechanism(name, N, heads=H, head_dim=D)
+    q, k, v = _inputs(2)
+    state = attn.init_state(B, H, D, D, kv_heads=2, dtype=torch.float64)
+    _, state = attn.step(state, q[:, :, :5], k[:, :, :5], v[:, :, :5])
+    assert state.k.shape[:3] == (B, 2, 5) and state.v.shape[:3] == (B, 2, 5)

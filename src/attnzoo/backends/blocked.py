@@ -36,7 +36,7 @@ from torch import Tensor
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Backend, Call, compute_dtype
 from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
-from attnzoo.backends.windowed import structured_attention
+from attnzoo.backends.windowed import grouped_windows, structured_attention
 from attnzoo.spec import MaskMod, ScoreMod
 
 _flash = flash_attention_cpu
@@ -335,6 +335,11 @@ class Blocked(Backend):
 
     def path(self, call: Call) -> str:
         return "tiles" if structure_for(call) is None else "structured"
+
+    def grouped_kv(self, call: Call) -> bool:
+        """Grouped-query K/V as they are on a single band of windows (``windowed.grouped_windows``)."""
+        structure = structure_for(call)
+        return structure is not None and grouped_windows(structure)
 
     def run(self, call: Call) -> Tensor:
         structure = structure_for(call)

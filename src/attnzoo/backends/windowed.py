@@ -2,7 +2,8 @@
 are): zero-copy K/V windows and de-interleaved sub-sequences through PyTorch's CPU flash
 kernel, window parts united with global columns by log-sum-exp, and their backward (the flash
 kernel's backward on the union's output and log-sum-exp; overlapping windows' key gradients
-added back block by block)."""
+added back block by block). A single band of windows takes grouped-query K/V as they are: the
+query heads of a group are stacked as the rows of each block against one key window."""
 
 from __future__ import annotations
 
@@ -54,6 +55,30 @@ def _split_keys(key_valid: Tensor | None, batch: int, n: int, stride: int, sub: 
         key_valid = torch.ones(batch, n, dtype=torch.bool)
     key_valid = F.pad(key_valid, (0, sub * stride - n), value=False)
     return rearrange(key_valid, "b (n m) -> (b m) n", m=stride)
+
+
+def _rows_to_blocks(x: Tensor, blocks: int, block: int, groups: int) -> Tensor:
+    """Query-side rows ``(B', H, sub, E)`` -> the kernel's ``(B' H_kv, blocks, G block, E)``
+    (padded with zeros). Grouped-query K/V (``G = H / H_kv`` query heads per K/V head): the G
+    query heads of a group share each block's key window, so they are stacked as the block's
+    rows (member ``i`` is rows ``i block .. (i + 1) block``) and K/V are never repeated."""
+    x = F.pad(x, (0, 0, 0, blocks * block - x.shape[2]))
+    return rearrange(x, "b (h g) (t l) e -> (b h) t (g l) e", g=groups, l=block)
+
+
+def _blocks_to_rows(x: Tensor, heads: int, groups: int, sub: int) -> Tensor:
+    """The inverse of ``_rows_to_blocks``: ``(B' H_kv, blocks, G block, E) -> (B', H, sub, E)``."""
+    return rearrange(x, "(b h) t (g l) e -> b (h g) (t l) e", h=heads // groups, g=groups)[:, :, :sub]
+
+
+def grouped_windows(plan: Structure) -> bool:
+    """Whether ``structured_attention`` runs ``plan`` on grouped-query K/V as they are: one
+    window part for all heads (a band: ``local``, ``dilated``, ``block_local``). Other plans
+    (dense sub-sequences, global tokens, unions, per-head parts) get K/V repeated first."""
+    if len(plan.parts) != 1 or plan.parts[0][0] is not None:
+        return False
+    part = plan.parts[0][1]
+    return isinstance(part, Windows) and part.width > 0
 
 
 def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
@@ -124,6 +149,8 @@ class _Saved:
 
 
 def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -> tuple[Tensor, _Saved]:
+    """One part's rows ``(B, H, N, D_v)``. A window part takes grouped-query K/V with ``H_kv``
+    heads dividing ``H`` (see ``_rows_to_blocks``); a dense part takes ``H_kv == H``."""
     n, sub = q.shape[2], -(-q.shape[2] // w.stride)
     qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
     valid = _split_keys(opts.key_valid, q.shape[0], n, w.stride, sub)
@@ -132,12 +159,14 @@ def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -
         is_causal = w.causal and mask is None and w.allowed is None
         out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=opts.scale)[:2]
         return _merge(out, w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
-    bb, h, blocks = qs.shape[0], qs.shape[1], -(-sub // w.block)
-    qx = F.pad(qs, (0, 0, 0, blocks * w.block - sub)).reshape(bb * h, blocks, w.block, q.shape[-1])
+    h, groups, blocks = qs.shape[1], qs.shape[1] // ks.shape[1], -(-sub // w.block)
+    qx = _rows_to_blocks(qs, blocks, w.block, groups)  # [B' H_kv, blocks, G block, D]
     kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
-    mask = _window_mask(w, valid, h, blocks, q.dtype)
+    mask = _window_mask(w, valid, ks.shape[1], blocks, q.dtype)
+    if mask is not None and groups > 1:
+        mask = mask.repeat(1, 1, groups, 1)  # the band (and padding) once per group member's rows
     out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
-    rows = out.reshape(bb, h, blocks * w.block, -1)[:, :, :sub]
+    rows = _blocks_to_rows(out, h, groups, sub)
     return _merge(rows, w.stride, n), _Saved(qx, kx, vx, out, lse, mask, False)
 
 
@@ -147,7 +176,7 @@ def _to_kernel(x: Tensor, w: Windows, saved: _Saved) -> Tensor:
     x = _split(x, w.stride, sub)
     if w.width == 0:  # dense
         return x
-    return F.pad(x, (0, 0, 0, saved.q.shape[1] * w.block - sub)).reshape(saved.out.shape[:-1] + (x.shape[-1],))
+    return _rows_to_blocks(x, saved.q.shape[1], w.block, saved.q.shape[2] // w.block)
 
 
 def _part_backward(
@@ -166,9 +195,10 @@ def _part_backward(
     )
     if w.width == 0:  # dense
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
-    bb = dq.shape[0] // heads
-    dq = dq.reshape(bb, heads, -1, dq.shape[-1])[:, :, :sub]
-    dk, dv = (_overlap_add(x, w, sub).view(bb, heads, sub, -1) for x in (dk, dv))
+    groups = saved.q.shape[2] // w.block
+    bb = dq.shape[0] * groups // heads
+    dq = _blocks_to_rows(dq, heads, groups, sub)
+    dk, dv = (_overlap_add(x, w, sub).view(bb, heads // groups, sub, -1) for x in (dk, dv))
     return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
 
 
@@ -181,8 +211,7 @@ def _part_lse(w: Windows, saved: _Saved, n: int, heads: int) -> Tensor:
     if w.width == 0:  # dense
         return _merge(lse[..., None], w.stride, n)[..., 0]
     sub = -(-n // w.stride)
-    bb = lse.shape[0] // heads
-    return _merge(lse.reshape(bb, heads, -1)[:, :, :sub, None], w.stride, n)[..., 0]
+    return _merge(_blocks_to_rows(lse[..., None], heads, saved.q.shape[2] // w.block, sub), w.stride, n)[..., 0]
 
 
 def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
@@ -335,7 +364,8 @@ def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Ten
 
 def structured_attention(call: Call, plan: Structure) -> Tensor:
     """Exact attention of ``call`` over ``plan`` (see the module docstring). ``(B, H, N, D)`` in
-    and out; rows with no visible key give zeros and zero gradient."""
+    and out; rows with no visible key give zeros and zero gradient. K/V may have ``H_kv``
+    heads dividing ``H`` where ``grouped_windows(plan)`` (else ``H``)."""
     q, k, v, opts = call.q, call.k, call.v, _Options(call.key_mask, call.scale)
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
         return _run_part(plan.parts[0][1], q, k, v, opts)

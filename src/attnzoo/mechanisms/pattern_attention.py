@@ -97,6 +97,11 @@ GLOBAL_DECODE = (
     "decode step: the window and every key up to the last global token are kept (a global token's row "
     "sees all before it): O(window + globals) memory and time per token at any position"
 )
+GQA_NOTE = (
+    "grouped-query K/V (H_kv dividing H): on the blocked backend's band windows (local, dilated, block_local) "
+    "the query heads of a group are stacked as the rows of each block against one K/V window, never repeated; "
+    "other backends and plans repeat them per call; a decode cache keeps H_kv heads"
+)
 _COMPLEXITY = Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True)
 
 
@@ -116,7 +121,7 @@ def register_pattern(
     the same whatever the final length, which random draws over N, grids of a fixed size and
     graphs are not; else ``decode`` (unless ``notes`` has one) says what its state keeps.
     ``cross=False`` for patterns defined on one sequence (grids, graphs)."""
-    notes = notes or (CAUSAL_NOTE,)
+    notes = (*(notes or (CAUSAL_NOTE,)), GQA_NOTE)
     if no_decode:
         notes = (*notes, f"no decode step: {no_decode}")
     elif not any(note.startswith("decode step: ") for note in notes):
@@ -128,6 +133,7 @@ def register_pattern(
         cross_attention=cross,
         score_mod=True,
         scale=True,
+        gqa=True,
         backends=("blocked", "flex", "reference"),
     )
 
