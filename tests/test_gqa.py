@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnzoo.backends import dispatch, windowed
 from attnzoo.mechanisms.base import Attention
 from conftest import grads, small_mechanism
 from tolerances import assert_same
@@ -25,13 +26,16 @@ NATIVE = {
     "performer": (False, True),
     "efficient": (False,),
     "rfa": (False,),  # causal: the gate is per query head (gate_weight (H, D)): repeated, documented
-    # pattern mechanisms whose blocked plan is one band of windows: group rows stacked per block
+    # pattern mechanisms whose blocked plan is bands of windows: group rows stacked per block
     "local": (False, True),
     "dilated": (False, True),
     "block_local": (False, True),
-    # plans with global tokens, dense sub-sequences, tiles: dispatch repeats K/V for the backend
-    "longformer": (),
+    "longformer": (False, True),  # + global tokens: rows and columns as grouped products
+    "sinks": (False, True),  # + key columns
+    "sparse_transformer_fixed": (False, True),  # per-head parts: whole K/V groups only (see below)
+    # dense sub-sequences, unions, tiles: dispatch repeats K/V for the backend
     "strided": (),
+    "axial": (),
     "bigbird": (),
 }
 #: Decode states kept at H_kv heads (kernel sums; pattern caches, attended by SDPA's enable_gqa).
@@ -58,11 +62,12 @@ def _modes(attn: Attention) -> tuple[bool, ...]:
 
 
 class _NoRepeat:
-    """Inside: repeating K/V heads raises (``Attention._kv_heads`` asked to repeat, or any
-    ``repeat_interleave``), so a path that passes built no ``(B, H, N, D)`` repeated K/V."""
+    """Inside: repeating K/V heads raises (``Attention._kv_heads`` asked to repeat, dispatch's
+    ``repeated_kv`` for a backend, or with ``any_repeat`` any ``repeat_interleave``), so a path
+    that passes built no ``(B, H, N, D)`` repeated K/V."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.mp = monkeypatch
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, any_repeat: bool = True) -> None:
+        self.mp, self.any_repeat = monkeypatch, any_repeat
 
     def __enter__(self) -> _NoRepeat:
         real = Attention._kv_heads
@@ -76,8 +81,10 @@ class _NoRepeat:
             raise AssertionError("repeat_interleave called")
 
         self.mp.setattr(Attention, "_kv_heads", staticmethod(kv_heads))
-        self.mp.setattr(torch.Tensor, "repeat_interleave", refuse)
-        self.mp.setattr(torch, "repeat_interleave", refuse)
+        self.mp.setattr(dispatch, "repeated_kv", refuse)
+        if self.any_repeat:
+            self.mp.setattr(torch.Tensor, "repeat_interleave", refuse)
+            self.mp.setattr(torch, "repeat_interleave", refuse)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -147,3 +154,34 @@ def test_pattern_decode_cache_keeps_kv_heads(name):
     state = attn.init_state(B, H, D, D, kv_heads=2, dtype=torch.float64)
     _, state = attn.step(state, q[:, :, :5], k[:, :, :5], v[:, :, :5])
     assert state.k.shape[:3] == (B, 2, 5) and state.v.shape[:3] == (B, 2, 5)
+
+
+@pytest.mark.slow  # FlexAttention compiles on CPU (~15 s per shape)
+def test_flex_takes_grouped_kv_as_they_are(monkeypatch):
+    """flex runs grouped K/V with ``enable_gqa``: equal to the blocked backend on repeated K/V,
+    also for a per-head pattern (its mask_mod sees query heads) and with padding."""
+    from attnzoo import attend
+    from attnzoo import patterns as P
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, N, 16, generator=g)
+    k, v = (torch.randn(B, 2, N, 16, generator=g) for _ in range(2))
+    for pattern in (P.local(5), P.per_head([P.local(2), P.local(9), P.local(4)])):
+        kw = dict(pattern=pattern, causal=True, key_mask=_mask())
+        want = attend(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), backend="blocked", **kw)
+        with _NoRepeat(monkeypatch, any_repeat=False):  # (block lists use repeat_interleave on indices)
+            got = attend(q, k, v, backend="flex", **kw)
+        assert_same(got, want, what=f"flex grouped vs blocked repeated, {pattern!r}")
+
+
+def test_per_head_parts_take_grouped_kv_only_where_grouped_themselves():
+    """H = 6 in two parts of 3 heads: H_kv = 2 gives each part one K/V head, H_kv = 1 both the
+    same one; H_kv = 3 (pairs of heads) splits the pair (2, 3) across the parts: K/V repeated,
+    and the output still equals the repeated run."""
+    assert windowed.part_kv_heads(torch.tensor([3, 4, 5]), 3).tolist() == [1]
+    assert windowed.part_kv_heads(torch.tensor([3, 4, 5]), 6).tolist() == [0]
+    assert windowed.part_kv_heads(torch.tensor([0, 1, 2]), 2) is None
+    attn = small_mechanism("sparse_transformer_fixed", N, heads=H, head_dim=D)
+    q, k, v = _inputs(3)
+    got = attn(q, k, v, causal=True)
+    assert_same(got, attn(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True), what="H_kv = 3")

@@ -337,9 +337,9 @@ class Blocked(Backend):
         return "tiles" if structure_for(call) is None else "structured"
 
     def grouped_kv(self, call: Call) -> bool:
-        """Grouped-query K/V as they are on a single band of windows (``windowed.grouped_windows``)."""
+        """Grouped-query K/V as they are on band windows (``windowed.grouped_windows``)."""
         structure = structure_for(call)
-        return structure is not None and grouped_windows(structure)
+        return structure is not None and grouped_windows(structure, call.q.shape[1] // call.k.shape[1])
 
     def run(self, call: Call) -> Tensor:
         structure = structure_for(call)

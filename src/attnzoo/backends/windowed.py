@@ -71,14 +71,45 @@ def _blocks_to_rows(x: Tensor, heads: int, groups: int, sub: int) -> Tensor:
     return rearrange(x, "(b h) t (g l) e -> b (h g) (t l) e", h=heads // groups, g=groups)[:, :, :sub]
 
 
-def grouped_windows(plan: Structure) -> bool:
-    """Whether ``structured_attention`` runs ``plan`` on grouped-query K/V as they are: one
-    window part for all heads (a band: ``local``, ``dilated``, ``block_local``). Other plans
-    (dense sub-sequences, global tokens, unions, per-head parts) get K/V repeated first."""
-    if len(plan.parts) != 1 or plan.parts[0][0] is not None:
-        return False
-    part = plan.parts[0][1]
-    return isinstance(part, Windows) and part.width > 0
+def grouped_windows(plan: Structure, groups: int) -> bool:
+    """Whether ``structured_attention`` runs ``plan`` on grouped-query K/V (``groups`` query
+    heads per K/V head) as they are: every part a band of windows (``local``, ``dilated``,
+    ``block_local``), possibly with global tokens or key columns (``longformer``, ``sinks``,
+    ...), and per-head parts whose heads are themselves grouped (``part_kv_heads``). Dense
+    sub-sequences and unions (``strided``, ``axial``) get K/V repeated first."""
+    for heads, part in plan.parts:
+        windows = part.windows if isinstance(part, WithGlobals) else part
+        if windows is not None and not (isinstance(windows, Windows) and windows.width > 0):
+            return False
+        if heads is not None and part_kv_heads(heads, groups) is None:
+            return False
+    return True
+
+
+def part_kv_heads(heads: Tensor, groups: int) -> Tensor | None:
+    """The K/V heads a per-head part with query ``heads`` (ascending) reads, when the part is
+    itself grouped-query: its ``m`` heads in runs of ``m / |kv|`` per K/V head (so one K/V
+    head's queries are consecutive); else None (the part needs K/V repeated)."""
+    kv = torch.unique(heads // groups)
+    if heads.numel() % kv.numel():
+        return None
+    per = heads.numel() // kv.numel()
+    return kv if torch.equal(heads // groups, kv[:, None].expand(-1, per).flatten()) else None
+
+
+def _grouped_matmul(x: Tensor, y: Tensor) -> Tensor:
+    """``x (B, H, M, A) @ y (B, H_kv, A, X) -> (B, H, M, X)``, query head ``h`` against head
+    ``h // G`` of ``y`` (grouped-query): the G heads of a group as the rows of one product
+    (views), ``y`` never repeated. A plain matmul when ``H_kv == H``."""
+    out = rearrange(x, "b (h g) m a -> b h (g m) a", h=y.shape[1]) @ y
+    return rearrange(out, "b h (g m) e -> b (h g) m e", g=x.shape[1] // y.shape[1])
+
+
+def _grouped_outer(x: Tensor, y: Tensor, kv_heads: int) -> Tensor:
+    """``x (B, H, M, A)^T @ y (B, H, M, X)`` summed over the query heads of each group:
+    ``(B, H_kv, A, X)``, the gradient of a K/V head that G query heads share."""
+    x, y = (rearrange(t, "b (h g) m a -> b h (g m) a", h=kv_heads) for t in (x, y))
+    return x.transpose(-1, -2) @ y
 
 
 def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
@@ -247,7 +278,7 @@ def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, opts: _Options) -> T
     if opts.key_valid is not None:
         allowed = allowed & opts.key_valid[:, None, None, part.tokens.to(q.device)]
     cd = compute_dtype(q)
-    scores = torch.matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
+    scores = _grouped_matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
     return scores.masked_fill(~allowed, float("-inf"))
 
 
@@ -269,7 +300,7 @@ class _UnionAttention(torch.autograd.Function):
             lse_w = _part_lse(part.windows, saved, q.shape[2], q.shape[1]).to(lse.dtype)
             lse = torch.logaddexp(lse, lse_w)
         probs = torch.exp(scores - _finite(lse, 0.0)[..., None])
-        out = torch.matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
+        out = _grouped_matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
         if out_w is not None:
             out = out + out_w.to(out.dtype) * torch.exp(lse_w - _finite(lse, 0.0))[..., None]
         out = out.to(q.dtype)
@@ -293,10 +324,10 @@ class _UnionAttention(torch.autograd.Function):
         index = part.tokens.to(q.device)
         g = grad.to(probs.dtype)
         delta = (g * out.to(probs.dtype)).sum(-1, keepdim=True)
-        d_scores = probs * (torch.matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
-        dq = dq + torch.matmul(d_scores, k[:, :, index].to(probs.dtype))
-        dk = dk.index_add(2, index, torch.matmul(d_scores.transpose(-1, -2), q.to(probs.dtype)))
-        dv = dv.index_add(2, index, torch.matmul(probs.transpose(-1, -2), g))
+        d_scores = probs * (_grouped_matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
+        dq = dq + _grouped_matmul(d_scores, k[:, :, index].to(probs.dtype))
+        dk = dk.index_add(2, index, _grouped_outer(d_scores, q.to(probs.dtype), k.shape[1]))
+        dv = dv.index_add(2, index, _grouped_outer(probs, g, k.shape[1]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -305,7 +336,7 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: _Opti
     ``(B, H, g, Dv)``; O(g N) memory; differentiable by autograd."""
     index = part.tokens.to(q.device)
     cd = compute_dtype(q)
-    scores = torch.matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
+    scores = _grouped_matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if part.causal:
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
@@ -315,7 +346,7 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: _Opti
     has_key = allowed.any(-1, keepdim=True)
     scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
     weights = torch.softmax(scores, dim=-1) * has_key
-    return torch.matmul(weights, v.to(cd)).to(q.dtype)
+    return _grouped_matmul(weights, v.to(cd)).to(q.dtype)
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -369,9 +400,10 @@ def structured_attention(call: Call, plan: Structure) -> Tensor:
     q, k, v, opts = call.q, call.k, call.v, _Options(call.key_mask, call.scale)
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
         return _run_part(plan.parts[0][1], q, k, v, opts)
-    pieces = []
+    pieces, groups = [], q.shape[1] // k.shape[1]
     for heads, part in plan.parts:
-        pieces.append((heads, _run_part(part, q[:, heads], k[:, heads], v[:, heads], opts)))
+        kv = heads if groups == 1 else part_kv_heads(heads, groups)  # not None: see grouped_windows
+        pieces.append((heads, _run_part(part, q[:, heads], k[:, kv], v[:, kv], opts)))
     # Head groups are disjoint: put each group's rows back at its heads (differentiably).
     order = torch.cat([heads for heads, _ in pieces]).argsort()
     return torch.cat([piece for _, piece in pieces], dim=1)[:, order.to(q.device)]

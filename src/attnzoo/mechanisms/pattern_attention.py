@@ -98,9 +98,11 @@ GLOBAL_DECODE = (
     "sees all before it): O(window + globals) memory and time per token at any position"
 )
 GQA_NOTE = (
-    "grouped-query K/V (H_kv dividing H): on the blocked backend's band windows (local, dilated, block_local) "
-    "the query heads of a group are stacked as the rows of each block against one K/V window, never repeated; "
-    "other backends and plans repeat them per call; a decode cache keeps H_kv heads"
+    "grouped-query K/V (H_kv dividing H): never repeated on flex (FlexAttention's enable_gqa) and on the "
+    "blocked backend's band windows, with global tokens or key columns too (a group's query heads stacked as "
+    "the rows of each block against one K/V window; global rows and columns as grouped products); the blocked "
+    "tile plan, dense sub-sequences (strided, axial) and the reference repeat them per call; a decode cache "
+    "keeps H_kv heads"
 )
 _COMPLEXITY = Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True)
 
