@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnzoo.backends import dispatch, windowed
+from attnzoo.backends import dispatch, grouped
 from attnzoo.mechanisms.base import Attention
 from conftest import grads, small_mechanism
 from tolerances import assert_same
@@ -33,10 +33,9 @@ NATIVE = {
     "longformer": (False, True),  # + global tokens: rows and columns as grouped products
     "sinks": (False, True),  # + key columns
     "sparse_transformer_fixed": (False, True),  # per-head parts: whole K/V groups only (see below)
-    # dense sub-sequences, unions, tiles: dispatch repeats K/V for the backend
-    "strided": (),
-    "axial": (),
-    "bigbird": (),
+    "axial": (False, True),  # a union of windows and a dense, masked sub-sequence part
+    "strided": (False,),  # causal: a dense part with the kernel's is_causal: repeated
+    "bigbird": (),  # the tile plan: dispatch repeats K/V for the backend
 }
 #: Decode states kept at H_kv heads (kernel sums; pattern caches, attended by SDPA's enable_gqa).
 DECODE = ["linear", "performer", "local", "dilated", "longformer", "sinks", "strided"]
@@ -178,9 +177,9 @@ def test_per_head_parts_take_grouped_kv_only_where_grouped_themselves():
     """H = 6 in two parts of 3 heads: H_kv = 2 gives each part one K/V head, H_kv = 1 both the
     same one; H_kv = 3 (pairs of heads) splits the pair (2, 3) across the parts: K/V repeated,
     and the output still equals the repeated run."""
-    assert windowed.part_kv_heads(torch.tensor([3, 4, 5]), 3).tolist() == [1]
-    assert windowed.part_kv_heads(torch.tensor([3, 4, 5]), 6).tolist() == [0]
-    assert windowed.part_kv_heads(torch.tensor([0, 1, 2]), 2) is None
+    assert grouped.part_kv_heads(torch.tensor([3, 4, 5]), 3).tolist() == [1]
+    assert grouped.part_kv_heads(torch.tensor([3, 4, 5]), 6).tolist() == [0]
+    assert grouped.part_kv_heads(torch.tensor([0, 1, 2]), 2) is None
     attn = small_mechanism("sparse_transformer_fixed", N, heads=H, head_dim=D)
     q, k, v = _inputs(3)
     got = attn(q, k, v, causal=True)

@@ -35,8 +35,9 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Backend, Call, compute_dtype
+from attnzoo.backends.grouped import grouped_windows
 from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
-from attnzoo.backends.windowed import grouped_windows, structured_attention
+from attnzoo.backends.windowed import structured_attention
 from attnzoo.spec import MaskMod, ScoreMod
 
 _flash = flash_attention_cpu
@@ -337,7 +338,7 @@ class Blocked(Backend):
         return "tiles" if structure_for(call) is None else "structured"
 
     def grouped_kv(self, call: Call) -> bool:
-        """Grouped-query K/V as they are on band windows (``windowed.grouped_windows``)."""
+        """Grouped-query K/V as they are on most structured plans (``grouped.grouped_windows``)."""
         structure = structure_for(call)
         return structure is not None and grouped_windows(structure, call.q.shape[1] // call.k.shape[1])
 

@@ -2,8 +2,8 @@
 are): zero-copy K/V windows and de-interleaved sub-sequences through PyTorch's CPU flash
 kernel, window parts united with global columns by log-sum-exp, and their backward (the flash
 kernel's backward on the union's output and log-sum-exp; overlapping windows' key gradients
-added back block by block). A single band of windows takes grouped-query K/V as they are: the
-query heads of a group are stacked as the rows of each block against one key window."""
+added back block by block). Grouped-query K/V (``H_kv`` heads dividing ``H``) are taken as they
+are where ``grouped.grouped_windows`` says so: the layouts are in ``attnzoo.backends.grouped``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Call, compute_dtype
+from attnzoo.backends.grouped import (
+    blocks_to_rows,
+    fold_rows,
+    grouped_matmul,
+    grouped_outer,
+    part_kv_heads,
+    rows_to_blocks,
+    unfold_rows,
+)
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
 
 
@@ -55,61 +64,6 @@ def _split_keys(key_valid: Tensor | None, batch: int, n: int, stride: int, sub: 
         key_valid = torch.ones(batch, n, dtype=torch.bool)
     key_valid = F.pad(key_valid, (0, sub * stride - n), value=False)
     return rearrange(key_valid, "b (n m) -> (b m) n", m=stride)
-
-
-def _rows_to_blocks(x: Tensor, blocks: int, block: int, groups: int) -> Tensor:
-    """Query-side rows ``(B', H, sub, E)`` -> the kernel's ``(B' H_kv, blocks, G block, E)``
-    (padded with zeros). Grouped-query K/V (``G = H / H_kv`` query heads per K/V head): the G
-    query heads of a group share each block's key window, so they are stacked as the block's
-    rows (member ``i`` is rows ``i block .. (i + 1) block``) and K/V are never repeated."""
-    x = F.pad(x, (0, 0, 0, blocks * block - x.shape[2]))
-    return rearrange(x, "b (h g) (t l) e -> (b h) t (g l) e", g=groups, l=block)
-
-
-def _blocks_to_rows(x: Tensor, heads: int, groups: int, sub: int) -> Tensor:
-    """The inverse of ``_rows_to_blocks``: ``(B' H_kv, blocks, G block, E) -> (B', H, sub, E)``."""
-    return rearrange(x, "(b h) t (g l) e -> b (h g) (t l) e", h=heads // groups, g=groups)[:, :, :sub]
-
-
-def grouped_windows(plan: Structure, groups: int) -> bool:
-    """Whether ``structured_attention`` runs ``plan`` on grouped-query K/V (``groups`` query
-    heads per K/V head) as they are: every part a band of windows (``local``, ``dilated``,
-    ``block_local``), possibly with global tokens or key columns (``longformer``, ``sinks``,
-    ...), and per-head parts whose heads are themselves grouped (``part_kv_heads``). Dense
-    sub-sequences and unions (``strided``, ``axial``) get K/V repeated first."""
-    for heads, part in plan.parts:
-        windows = part.windows if isinstance(part, WithGlobals) else part
-        if windows is not None and not (isinstance(windows, Windows) and windows.width > 0):
-            return False
-        if heads is not None and part_kv_heads(heads, groups) is None:
-            return False
-    return True
-
-
-def part_kv_heads(heads: Tensor, groups: int) -> Tensor | None:
-    """The K/V heads a per-head part with query ``heads`` (ascending) reads, when the part is
-    itself grouped-query: its ``m`` heads in runs of ``m / |kv|`` per K/V head (so one K/V
-    head's queries are consecutive); else None (the part needs K/V repeated)."""
-    kv = torch.unique(heads // groups)
-    if heads.numel() % kv.numel():
-        return None
-    per = heads.numel() // kv.numel()
-    return kv if torch.equal(heads // groups, kv[:, None].expand(-1, per).flatten()) else None
-
-
-def _grouped_matmul(x: Tensor, y: Tensor) -> Tensor:
-    """``x (B, H, M, A) @ y (B, H_kv, A, X) -> (B, H, M, X)``, query head ``h`` against head
-    ``h // G`` of ``y`` (grouped-query): the G heads of a group as the rows of one product
-    (views), ``y`` never repeated. A plain matmul when ``H_kv == H``."""
-    out = rearrange(x, "b (h g) m a -> b h (g m) a", h=y.shape[1]) @ y
-    return rearrange(out, "b h (g m) e -> b (h g) m e", g=x.shape[1] // y.shape[1])
-
-
-def _grouped_outer(x: Tensor, y: Tensor, kv_heads: int) -> Tensor:
-    """``x (B, H, M, A)^T @ y (B, H, M, X)`` summed over the query heads of each group:
-    ``(B, H_kv, A, X)``, the gradient of a K/V head that G query heads share."""
-    x, y = (rearrange(t, "b (h g) m a -> b h (g m) a", h=kv_heads) for t in (x, y))
-    return x.transpose(-1, -2) @ y
 
 
 def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
@@ -180,24 +134,29 @@ class _Saved:
 
 
 def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -> tuple[Tensor, _Saved]:
-    """One part's rows ``(B, H, N, D_v)``. A window part takes grouped-query K/V with ``H_kv``
-    heads dividing ``H`` (see ``_rows_to_blocks``); a dense part takes ``H_kv == H``."""
+    """One part's rows ``(B, H, N, D_v)``; K/V may have ``H_kv`` heads dividing ``H`` (a group's
+    query heads stacked as rows: ``grouped.rows_to_blocks``, ``grouped.fold_rows``), except
+    for a dense part run with ``is_causal`` (``grouped.grouped_windows`` refuses those)."""
     n, sub = q.shape[2], -(-q.shape[2] // w.stride)
     qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
     valid = _split_keys(opts.key_valid, q.shape[0], n, w.stride, sub)
     if w.width == 0:  # dense
         mask = _dense_mask(w, valid, sub, q.dtype)
         is_causal = w.causal and mask is None and w.allowed is None
+        groups = qs.shape[1] // ks.shape[1]  # > 1 only without is_causal (grouped.grouped_windows)
+        qs = fold_rows(qs, groups)  # [B', H_kv, G sub, D]
+        if mask is not None and groups > 1 and mask.shape[-2] > 1:
+            mask = mask.repeat(1, 1, groups, 1)  # the pattern once per group member's rows
         out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=opts.scale)[:2]
-        return _merge(out, w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
+        return _merge(unfold_rows(out, groups), w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
     h, groups, blocks = qs.shape[1], qs.shape[1] // ks.shape[1], -(-sub // w.block)
-    qx = _rows_to_blocks(qs, blocks, w.block, groups)  # [B' H_kv, blocks, G block, D]
+    qx = rows_to_blocks(qs, blocks, w.block, groups)  # [B' H_kv, blocks, G block, D]
     kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
     mask = _window_mask(w, valid, ks.shape[1], blocks, q.dtype)
     if mask is not None and groups > 1:
         mask = mask.repeat(1, 1, groups, 1)  # the band (and padding) once per group member's rows
     out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
-    rows = _blocks_to_rows(out, h, groups, sub)
+    rows = blocks_to_rows(out, h, groups, sub)
     return _merge(rows, w.stride, n), _Saved(qx, kx, vx, out, lse, mask, False)
 
 
@@ -206,8 +165,8 @@ def _to_kernel(x: Tensor, w: Windows, saved: _Saved) -> Tensor:
     sub = -(-x.shape[2] // w.stride)
     x = _split(x, w.stride, sub)
     if w.width == 0:  # dense
-        return x
-    return _rows_to_blocks(x, saved.q.shape[1], w.block, saved.q.shape[2] // w.block)
+        return fold_rows(x, saved.q.shape[2] // saved.k.shape[2])
+    return rows_to_blocks(x, saved.q.shape[1], w.block, saved.q.shape[2] // w.block)
 
 
 def _part_backward(
@@ -225,10 +184,11 @@ def _part_backward(
         g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0, saved.is_causal, attn_mask=saved.mask, scale=scale
     )
     if w.width == 0:  # dense
+        dq = unfold_rows(dq, saved.q.shape[2] // saved.k.shape[2])
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
     groups = saved.q.shape[2] // w.block
     bb = dq.shape[0] * groups // heads
-    dq = _blocks_to_rows(dq, heads, groups, sub)
+    dq = blocks_to_rows(dq, heads, groups, sub)
     dk, dv = (_overlap_add(x, w, sub).view(bb, heads // groups, sub, -1) for x in (dk, dv))
     return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
 
@@ -240,9 +200,9 @@ def _part_lse(w: Windows, saved: _Saved, n: int, heads: int) -> Tensor:
     if saved.mask is not None:
         lse = lse.masked_fill((saved.mask == float("-inf")).all(-1).expand_as(lse), float("-inf"))
     if w.width == 0:  # dense
-        return _merge(lse[..., None], w.stride, n)[..., 0]
+        return _merge(unfold_rows(lse[..., None], saved.q.shape[2] // saved.k.shape[2]), w.stride, n)[..., 0]
     sub = -(-n // w.stride)
-    return _merge(_blocks_to_rows(lse[..., None], heads, saved.q.shape[2] // w.block, sub), w.stride, n)[..., 0]
+    return _merge(blocks_to_rows(lse[..., None], heads, saved.q.shape[2] // w.block, sub), w.stride, n)[..., 0]
 
 
 def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
@@ -278,7 +238,7 @@ def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, opts: _Options) -> T
     if opts.key_valid is not None:
         allowed = allowed & opts.key_valid[:, None, None, part.tokens.to(q.device)]
     cd = compute_dtype(q)
-    scores = _grouped_matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
+    scores = grouped_matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
     return scores.masked_fill(~allowed, float("-inf"))
 
 
@@ -300,7 +260,7 @@ class _UnionAttention(torch.autograd.Function):
             lse_w = _part_lse(part.windows, saved, q.shape[2], q.shape[1]).to(lse.dtype)
             lse = torch.logaddexp(lse, lse_w)
         probs = torch.exp(scores - _finite(lse, 0.0)[..., None])
-        out = _grouped_matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
+        out = grouped_matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
         if out_w is not None:
             out = out + out_w.to(out.dtype) * torch.exp(lse_w - _finite(lse, 0.0))[..., None]
         out = out.to(q.dtype)
@@ -324,10 +284,10 @@ class _UnionAttention(torch.autograd.Function):
         index = part.tokens.to(q.device)
         g = grad.to(probs.dtype)
         delta = (g * out.to(probs.dtype)).sum(-1, keepdim=True)
-        d_scores = probs * (_grouped_matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
-        dq = dq + _grouped_matmul(d_scores, k[:, :, index].to(probs.dtype))
-        dk = dk.index_add(2, index, _grouped_outer(d_scores, q.to(probs.dtype), k.shape[1]))
-        dv = dv.index_add(2, index, _grouped_outer(probs, g, k.shape[1]))
+        d_scores = probs * (grouped_matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
+        dq = dq + grouped_matmul(d_scores, k[:, :, index].to(probs.dtype))
+        dk = dk.index_add(2, index, grouped_outer(d_scores, q.to(probs.dtype), k.shape[1]))
+        dv = dv.index_add(2, index, grouped_outer(probs, g, k.shape[1]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -336,7 +296,7 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: _Opti
     ``(B, H, g, Dv)``; O(g N) memory; differentiable by autograd."""
     index = part.tokens.to(q.device)
     cd = compute_dtype(q)
-    scores = _grouped_matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
+    scores = grouped_matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if part.causal:
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
@@ -346,7 +306,7 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: _Opti
     has_key = allowed.any(-1, keepdim=True)
     scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
     weights = torch.softmax(scores, dim=-1) * has_key
-    return _grouped_matmul(weights, v.to(cd)).to(q.dtype)
+    return grouped_matmul(weights, v.to(cd)).to(q.dtype)
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -396,7 +356,7 @@ def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Ten
 def structured_attention(call: Call, plan: Structure) -> Tensor:
     """Exact attention of ``call`` over ``plan`` (see the module docstring). ``(B, H, N, D)`` in
     and out; rows with no visible key give zeros and zero gradient. K/V may have ``H_kv``
-    heads dividing ``H`` where ``grouped_windows(plan)`` (else ``H``)."""
+    heads dividing ``H`` where ``grouped.grouped_windows(plan, H / H_kv)`` (else ``H``)."""
     q, k, v, opts = call.q, call.k, call.v, _Options(call.key_mask, call.scale)
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
         return _run_part(plan.parts[0][1], q, k, v, opts)
