@@ -302,7 +302,8 @@ def attention(
     if window is not None:
         _check_window(mech, window)
     # Grouped-query K/V (B, H_kv, N, D) go in as they are: a mechanism that attends them itself
-    # (softmax: SDPA's enable_gqa) never repeats them; the others repeat them per call.
+    # (Capabilities.gqa: softmax through SDPA's enable_gqa, the kernel family's per-K/V-head sums, ...)
+    # never repeats them; the others repeat them per call.
     key_mask, causal = key_padding(attention_mask, query.shape[2], key.shape[2], causal)
     if not mech._attnzoo_takes_scale and abs(scaling * head_dim**0.5 - 1) > 1e-6:
         # Mechanisms without a scale key use 1/sqrt(D) (Linformer, Nystrom, compressed, and the

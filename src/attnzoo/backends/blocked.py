@@ -39,6 +39,7 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Backend, Call, compute_dtype
+from attnzoo.backends.grouped import grouped_windows
 from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
 from attnzoo.backends.windowed import structured_attention
 from attnzoo.mechanisms._ops import dropout_flat_index, dropout_keep_at
@@ -370,6 +371,11 @@ class Blocked(Backend):
 
     def path(self, call: Call) -> str:
         return "tiles" if structure_for(call) is None else "structured"
+
+    def grouped_kv(self, call: Call) -> bool:
+        """Grouped-query K/V as they are on most structured plans (``grouped.grouped_windows``)."""
+        structure = structure_for(call)
+        return structure is not None and grouped_windows(structure, call.q.shape[1] // call.k.shape[1])
 
     def run(self, call: Call) -> Tensor:
         structure = structure_for(call)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
@@ -115,6 +115,20 @@ class Backend:
         """Which of its own strategies the backend will take for ``call`` (recorded in
         ``last_choice()``); None for backends with one strategy."""
         return None
+
+    def grouped_kv(self, call: Call) -> bool:
+        """Whether ``run`` takes ``call``'s grouped-query K/V (``H_kv`` heads dividing ``H``) as
+        they are; where not, ``dispatch`` hands it ``repeated_kv(call)``."""
+        return False
+
+
+def repeated_kv(call: Call) -> Call:
+    """``call`` with each K/V head repeated for the ``H / H_kv`` query heads it serves (SDPA's
+    ``enable_gqa`` semantics), for a backend that indexes K/V by query head."""
+    groups = call.q.shape[1] // call.k.shape[1]
+    if groups == 1:
+        return call
+    return replace(call, k=call.k.repeat_interleave(groups, dim=1), v=call.v.repeat_interleave(groups, dim=1))
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:

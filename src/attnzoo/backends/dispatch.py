@@ -23,7 +23,7 @@ from torch import Tensor
 
 from attnzoo._checks import check_causal, check_choice, check_key_mask, check_positive_int, check_qkv, renamed_key_mask
 from attnzoo.backends.blocked import Blocked
-from attnzoo.backends.call import Backend, Call, resolve_pattern
+from attnzoo.backends.call import Backend, Call, repeated_kv, resolve_pattern
 from attnzoo.backends.flex import Flex
 from attnzoo.backends.reference import Reference
 from attnzoo.patterns import Pattern, full
@@ -74,7 +74,9 @@ def attend(
     """Exact softmax attention restricted to ``pattern`` (default: every pair).
 
     Args:
-        q, k, v: ``(B, H, N_q, D)``, ``(B, H, N_kv, D)``, ``(B, H, N_kv, D_v)``.
+        q, k, v: ``(B, H, N_q, D)``, ``(B, H_kv, N_kv, D)``, ``(B, H_kv, N_kv, D_v)``; ``H_kv``
+            divides ``H`` (grouped-query attention; repeated only for a backend that cannot
+            index K/V heads itself, see ``Backend.grouped_kv``).
         pattern: an ``attnzoo.patterns.Pattern``; per-head patterns are resolved for H heads.
         causal: and-ed with the pattern (queries end-aligned, see ``attnzoo.spec``).
         key_mask: bool ``(B, N_kv)``, True = real token.
@@ -107,6 +109,8 @@ def attend_call(call: Call, backend: str = "auto") -> Tensor:
     inputs and whose config the backend and block, calls it directly."""
     chosen, skipped = choose(backend, call)
     _LAST.choice = Choice(chosen.NAME, skipped, chosen.path(call))
+    if call.k.shape[1] != call.q.shape[1] and not chosen.grouped_kv(call):
+        call = repeated_kv(call)
     return chosen.run(call)
 
 

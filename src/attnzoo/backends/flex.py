@@ -126,4 +126,12 @@ class Flex(Backend):
             def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return user(score, b, h, q_idx + offset, kv_idx)
 
-        return _compiled()(call.q, call.k, call.v, score_mod=score_mod, block_mask=block_mask, scale=call.scale)
+        # Grouped-query K/V (H_kv heads dividing H) as they are: FlexAttention indexes K/V head
+        # h // G for query head h (the block mask, mask_mod and score_mod see query heads).
+        gqa = call.k.shape[1] != call.q.shape[1]
+        return _compiled()(
+            call.q, call.k, call.v, score_mod=score_mod, block_mask=block_mask, scale=call.scale, enable_gqa=gqa
+        )
+
+    def grouped_kv(self, call: Call) -> bool:
+        return True

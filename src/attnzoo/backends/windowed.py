@@ -2,7 +2,8 @@
 are): zero-copy K/V windows and de-interleaved sub-sequences through PyTorch's CPU flash
 kernel, window parts united with global columns by log-sum-exp, and their backward (the flash
 kernel's backward on the union's output and log-sum-exp; overlapping windows' key gradients
-added back block by block)."""
+added back block by block). Grouped-query K/V (``H_kv`` heads dividing ``H``) are taken as they
+are where ``grouped.grouped_windows`` says so: the layouts are in ``attnzoo.backends.grouped``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Call, compute_dtype
+from attnzoo.backends.grouped import (
+    blocks_to_rows,
+    fold_rows,
+    grouped_matmul,
+    grouped_outer,
+    part_kv_heads,
+    rows_to_blocks,
+    unfold_rows,
+)
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
 
 
@@ -124,20 +134,29 @@ class _Saved:
 
 
 def _part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -> tuple[Tensor, _Saved]:
+    """One part's rows ``(B, H, N, D_v)``; K/V may have ``H_kv`` heads dividing ``H`` (a group's
+    query heads stacked as rows: ``grouped.rows_to_blocks``, ``grouped.fold_rows``), except
+    for a dense part run with ``is_causal`` (``grouped.grouped_windows`` refuses those)."""
     n, sub = q.shape[2], -(-q.shape[2] // w.stride)
     qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
     valid = _split_keys(opts.key_valid, q.shape[0], n, w.stride, sub)
     if w.width == 0:  # dense
         mask = _dense_mask(w, valid, sub, q.dtype)
         is_causal = w.causal and mask is None and w.allowed is None
+        groups = qs.shape[1] // ks.shape[1]  # > 1 only without is_causal (grouped.grouped_windows)
+        qs = fold_rows(qs, groups)  # [B', H_kv, G sub, D]
+        if mask is not None and groups > 1 and mask.shape[-2] > 1:
+            mask = mask.repeat(1, 1, groups, 1)  # the pattern once per group member's rows
         out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=opts.scale)[:2]
-        return _merge(out, w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
-    bb, h, blocks = qs.shape[0], qs.shape[1], -(-sub // w.block)
-    qx = F.pad(qs, (0, 0, 0, blocks * w.block - sub)).reshape(bb * h, blocks, w.block, q.shape[-1])
+        return _merge(unfold_rows(out, groups), w.stride, n), _Saved(qs, ks, vs, out, lse, mask, is_causal)
+    h, groups, blocks = qs.shape[1], qs.shape[1] // ks.shape[1], -(-sub // w.block)
+    qx = rows_to_blocks(qs, blocks, w.block, groups)  # [B' H_kv, blocks, G block, D]
     kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
-    mask = _window_mask(w, valid, h, blocks, q.dtype)
+    mask = _window_mask(w, valid, ks.shape[1], blocks, q.dtype)
+    if mask is not None and groups > 1:
+        mask = mask.repeat(1, 1, groups, 1)  # the band (and padding) once per group member's rows
     out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
-    rows = out.reshape(bb, h, blocks * w.block, -1)[:, :, :sub]
+    rows = blocks_to_rows(out, h, groups, sub)
     return _merge(rows, w.stride, n), _Saved(qx, kx, vx, out, lse, mask, False)
 
 
@@ -146,8 +165,8 @@ def _to_kernel(x: Tensor, w: Windows, saved: _Saved) -> Tensor:
     sub = -(-x.shape[2] // w.stride)
     x = _split(x, w.stride, sub)
     if w.width == 0:  # dense
-        return x
-    return F.pad(x, (0, 0, 0, saved.q.shape[1] * w.block - sub)).reshape(saved.out.shape[:-1] + (x.shape[-1],))
+        return fold_rows(x, saved.q.shape[2] // saved.k.shape[2])
+    return rows_to_blocks(x, saved.q.shape[1], w.block, saved.q.shape[2] // w.block)
 
 
 def _part_backward(
@@ -165,10 +184,12 @@ def _part_backward(
         g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0, saved.is_causal, attn_mask=saved.mask, scale=scale
     )
     if w.width == 0:  # dense
+        dq = unfold_rows(dq, saved.q.shape[2] // saved.k.shape[2])
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
-    bb = dq.shape[0] // heads
-    dq = dq.reshape(bb, heads, -1, dq.shape[-1])[:, :, :sub]
-    dk, dv = (_overlap_add(x, w, sub).view(bb, heads, sub, -1) for x in (dk, dv))
+    groups = saved.q.shape[2] // w.block
+    bb = dq.shape[0] * groups // heads
+    dq = blocks_to_rows(dq, heads, groups, sub)
+    dk, dv = (_overlap_add(x, w, sub).view(bb, heads // groups, sub, -1) for x in (dk, dv))
     return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
 
 
@@ -179,10 +200,9 @@ def _part_lse(w: Windows, saved: _Saved, n: int, heads: int) -> Tensor:
     if saved.mask is not None:
         lse = lse.masked_fill((saved.mask == float("-inf")).all(-1).expand_as(lse), float("-inf"))
     if w.width == 0:  # dense
-        return _merge(lse[..., None], w.stride, n)[..., 0]
+        return _merge(unfold_rows(lse[..., None], saved.q.shape[2] // saved.k.shape[2]), w.stride, n)[..., 0]
     sub = -(-n // w.stride)
-    bb = lse.shape[0] // heads
-    return _merge(lse.reshape(bb, heads, -1)[:, :, :sub, None], w.stride, n)[..., 0]
+    return _merge(blocks_to_rows(lse[..., None], heads, saved.q.shape[2] // w.block, sub), w.stride, n)[..., 0]
 
 
 def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
@@ -218,7 +238,7 @@ def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, opts: _Options) -> T
     if opts.key_valid is not None:
         allowed = allowed & opts.key_valid[:, None, None, part.tokens.to(q.device)]
     cd = compute_dtype(q)
-    scores = torch.matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
+    scores = grouped_matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
     return scores.masked_fill(~allowed, float("-inf"))
 
 
@@ -240,7 +260,7 @@ class _UnionAttention(torch.autograd.Function):
             lse_w = _part_lse(part.windows, saved, q.shape[2], q.shape[1]).to(lse.dtype)
             lse = torch.logaddexp(lse, lse_w)
         probs = torch.exp(scores - _finite(lse, 0.0)[..., None])
-        out = torch.matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
+        out = grouped_matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
         if out_w is not None:
             out = out + out_w.to(out.dtype) * torch.exp(lse_w - _finite(lse, 0.0))[..., None]
         out = out.to(q.dtype)
@@ -264,10 +284,10 @@ class _UnionAttention(torch.autograd.Function):
         index = part.tokens.to(q.device)
         g = grad.to(probs.dtype)
         delta = (g * out.to(probs.dtype)).sum(-1, keepdim=True)
-        d_scores = probs * (torch.matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
-        dq = dq + torch.matmul(d_scores, k[:, :, index].to(probs.dtype))
-        dk = dk.index_add(2, index, torch.matmul(d_scores.transpose(-1, -2), q.to(probs.dtype)))
-        dv = dv.index_add(2, index, torch.matmul(probs.transpose(-1, -2), g))
+        d_scores = probs * (grouped_matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
+        dq = dq + grouped_matmul(d_scores, k[:, :, index].to(probs.dtype))
+        dk = dk.index_add(2, index, grouped_outer(d_scores, q.to(probs.dtype), k.shape[1]))
+        dv = dv.index_add(2, index, grouped_outer(probs, g, k.shape[1]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -276,7 +296,7 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: _Opti
     ``(B, H, g, Dv)``; O(g N) memory; differentiable by autograd."""
     index = part.tokens.to(q.device)
     cd = compute_dtype(q)
-    scores = torch.matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
+    scores = grouped_matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if part.causal:
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
@@ -286,7 +306,7 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: _Opti
     has_key = allowed.any(-1, keepdim=True)
     scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
     weights = torch.softmax(scores, dim=-1) * has_key
-    return torch.matmul(weights, v.to(cd)).to(q.dtype)
+    return grouped_matmul(weights, v.to(cd)).to(q.dtype)
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -335,13 +355,15 @@ def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Ten
 
 def structured_attention(call: Call, plan: Structure) -> Tensor:
     """Exact attention of ``call`` over ``plan`` (see the module docstring). ``(B, H, N, D)`` in
-    and out; rows with no visible key give zeros and zero gradient."""
+    and out; rows with no visible key give zeros and zero gradient. K/V may have ``H_kv``
+    heads dividing ``H`` where ``grouped.grouped_windows(plan, H / H_kv)`` (else ``H``)."""
     q, k, v, opts = call.q, call.k, call.v, _Options(call.key_mask, call.scale)
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
         return _run_part(plan.parts[0][1], q, k, v, opts)
-    pieces = []
+    pieces, groups = [], q.shape[1] // k.shape[1]
     for heads, part in plan.parts:
-        pieces.append((heads, _run_part(part, q[:, heads], k[:, heads], v[:, heads], opts)))
+        kv = heads if groups == 1 else part_kv_heads(heads, groups)  # not None: see grouped_windows
+        pieces.append((heads, _run_part(part, q[:, heads], k[:, kv], v[:, kv], opts)))
     # Head groups are disjoint: put each group's rows back at its heads (differentiably).
     order = torch.cat([heads for heads, _ in pieces]).argsort()
     return torch.cat([piece for _, piece in pieces], dim=1)[:, order.to(q.device)]

@@ -121,8 +121,10 @@ def kernel_attention(
         state: causal only: sums of earlier keys (decoding); default empty.
 
     Shapes:
-        q ``(B, H, N_q, D)``, k ``(B, H, N_kv, D)``, v ``(B, H, N_kv, E)`` ->
-        ``(out (B, H, N_q, E), state after the last key)``.
+        q ``(B, H, N_q, D)``, k ``(B, H_kv, N_kv, D)``, v ``(B, H_kv, N_kv, E)`` ->
+        ``(out (B, H, N_q, E), state after the last key)``. ``H_kv`` divides ``H``
+        (grouped-query attention): key features, ``S``, ``z`` and the state are per K/V head,
+        and the ``H / H_kv`` query heads of a group read them as extra rows (never repeated).
 
     Notes:
         Non-causal: ``phi(Q) (phi(K)^T [V, 1])`` over blocks of rows; O(N m E) time, O(block m +
@@ -169,15 +171,33 @@ def _pairs(maps: FeatureMaps, q: Tensor, k: Tensor, real: Tensor | None, shift: 
 def _one_token(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, s0: Tensor) -> tuple[Tensor, Tensor]:
     """``_causal_sums`` for one new token on a carried state (a decode step): the recurrence
     ``S = exp(a) S_0 + phi(k)^T [v, 1]`` and ``phi(q) S`` as two small products, without the
-    chunk layout (its padding, cumulative sums and masks cost more than the step itself)."""
-    s0 = s0 if log_decay is None else s0 * log_decay.exp()[..., None]  # log_decay [B, H, 1]
-    s1 = s0 + k.transpose(-1, -2) @ v  # [B, H, m, E + 1]
-    return q @ s1, s1
+    chunk layout (its padding, cumulative sums and masks cost more than the step itself). The
+    state is per K/V head; the ``G`` query heads of a group read it as ``G`` rows."""
+    s0 = s0 if log_decay is None else s0 * log_decay.exp()[..., None]  # log_decay [B, H_kv, 1]
+    s1 = s0 + k.transpose(-1, -2) @ v  # [B, H_kv, m, E + 1]
+    out = _grouped_rows(q, k.shape[1]) @ s1  # [B, H_kv, G T, E + 1]
+    return _ungrouped_rows(out, q.shape[1] // k.shape[1]), s1
+
+
+def _grouped_rows(q: Tensor, kv_heads: int) -> Tensor:
+    """Grouped-query: ``(B, H, N, m) -> (B, H_kv, G N, m)``, the ``G = H / H_kv`` query heads
+    that read K/V head ``h`` stacked as rows of head ``h`` (query head ``h G + i`` is rows ``i N
+    .. (i + 1) N``), so one product with a per-K/V-head state serves the whole group and K/V
+    are never repeated. A view when ``G = 1``."""
+    return rearrange(q, "b (h g) n m -> b h (g n) m", h=kv_heads)
+
+
+def _ungrouped_rows(out: Tensor, groups: int) -> Tensor:
+    """The inverse of ``_grouped_rows``: ``(B, H_kv, G N, E) -> (B, H, N, E)``."""
+    return rearrange(out, "b h (g n) e -> b (h g) n e", g=groups)
 
 
 def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: FeatureMaps) -> tuple[Tensor, KernelState]:
     """Non-causal: ``S1 = sum over key blocks of phi(K_b)^T [V_b, 1]`` (offsets merged as in
-    ``_merge``), then ``phi(Q_b) S1`` per query block."""
+    ``_merge``), then ``phi(Q_b) S1`` per query block. Grouped-query K/V (``H_kv`` heads):
+    ``S1`` is per K/V head and the query heads of a group are its rows (``_grouped_rows``)."""
+    groups = q.shape[1] // k.shape[1]
+    q = _grouped_rows(q, k.shape[1])  # [B, H_kv, G N_q, D]: feature maps are row-wise
     rows = max(1, BLOCK_ROWS // (q.shape[0] * q.shape[1]))
     s1 = c = None
     for i in range(0, k.shape[2], rows):
@@ -190,7 +210,7 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: Feature
         z = s1[..., -1:]
         s1 = torch.cat([s1[..., :-1] / torch.where(z > 0, z, 1.0), z], dim=-1)
     outs = [maps.query_features(q[:, :, i : i + rows]) @ s1 for i in range(0, q.shape[2], rows)]
-    out1 = torch.cat(outs, dim=2)  # [B, H, N_q, E + 1]
+    out1 = _ungrouped_rows(torch.cat(outs, dim=2), groups)  # [B, H, N_q, E + 1]
     state = KernelState(s1[..., :-1], s1[..., -1], c)
     return normalise(out1[..., :-1], out1[..., -1], maps.normalizer, maps.eps), state
 
@@ -226,24 +246,32 @@ def _causal_sums(
     Inside a chunk the pairs are a masked ``(L, L)`` product; the sums over earlier chunks come
     from the state at each chunk's start (a cumulative sum, or with a decay a scan over chunks).
     Decays enter only as differences of in-chunk cumulative log decays (all exponents <= 0).
+
+    Grouped-query: ``q`` may have ``G`` times the heads of ``k, v`` (and of ``log_decay``,
+    ``s0``): the ``G`` query heads of a group become ``G L`` rows of each chunk (the mask and
+    decays repeated per group member by broadcasting), against one K/V chunk and one state.
     """
     b, h, n, m = k.shape
-    size = min(chunk, n)
+    groups, size = q.shape[1] // h, min(chunk, n)
     pad = -n % size
 
-    def chunks(x: Tensor) -> Tensor:
+    def chunks(x: Tensor) -> Tensor:  # [B, H_kv, C, L, e]
         return rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> b h c l e", l=size)
 
-    q, k, v = chunks(q), chunks(k), chunks(v)
+    def query_chunks(x: Tensor) -> Tensor:  # [B, H_kv, C, G L, e]: a group's query heads as rows
+        x = F.pad(x, (0, 0, 0, pad)) if pad else x
+        return rearrange(x, "b (h g) (c l) e -> b h c (g l) e", h=h, l=size)
+
+    q, k, v = query_chunks(q), chunks(k), chunks(v)
     tril = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
     if pairs is None:
-        scores = q @ k.transpose(-1, -2)  # [B, H, C, L, L]
+        scores = q @ k.transpose(-1, -2)  # [B, H_kv, C, G L, L]
     else:
-        scores = pairs.fn(chunks(pairs.q), chunks(pairs.k))
+        scores = pairs.fn(query_chunks(pairs.q), chunks(pairs.k))
     if log_decay is None:
-        chunk_sums = k.transpose(-1, -2) @ v  # [B, H, C, m, E]
+        chunk_sums = k.transpose(-1, -2) @ v  # [B, H_kv, C, m, E]
         starts, final = _prefix_sums(chunk_sums, s0)
-        out = scores.masked_fill(~tril, 0.0) @ v + q @ starts
+        out = scores.masked_fill(~tril.repeat(groups, 1), 0.0) @ v + q @ starts
     else:
         s0 = k.new_zeros(b, h, m, v.shape[-1]) if s0 is None else s0
         # float64 sums: a difference of two sums near -1000 keeps its digits (float32 loses 1e-4)
@@ -253,8 +281,11 @@ def _causal_sums(
         # Per-position factors scale the E-wide values and outputs, not the m-wide features.
         chunk_sums = k.transpose(-1, -2) @ (v * to_end[..., None])
         starts, final = _scan(chunk_sums, cum[..., -1].to(q.dtype), s0)
-        out = (scores * pair_decay) @ v + (q @ starts) * cum.to(q.dtype).exp()[..., None]
-    return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final
+        # The per-K/V-head decays broadcast over the group axis (G, L): nothing repeated.
+        within = (scores.unflatten(-2, (groups, size)) * pair_decay[:, :, :, None]).flatten(-3, -2)
+        across = (q @ starts).unflatten(-2, (groups, size)) * cum.to(q.dtype).exp()[:, :, :, None, :, None]
+        out = within @ v + across.flatten(-3, -2)
+    return rearrange(out, "b h c (g l) e -> b (h g) (c l) e", g=groups)[:, :, :n], final
 
 
 def _prefix_sums(chunk_sums: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -356,8 +387,9 @@ def reference_kernel_attention(
 
 @dataclass(frozen=True)
 class KernelState:
-    """Sums of the keys so far: ``s (B, H, m, D_v)``, ``z (B, H, m)``, and ``c`` (Performer's
-    running key maximum ``(B, H)``, -inf before the first key; None for the others)."""
+    """Sums of the keys so far: ``s (B, H_kv, m, D_v)``, ``z (B, H_kv, m)``, and ``c``
+    (Performer's running key maximum ``(B, H_kv)``, -inf before the first key; None for the
+    others); ``H_kv`` the K/V heads (``H`` unless grouped-query)."""
 
     s: Tensor
     z: Tensor

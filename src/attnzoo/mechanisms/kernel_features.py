@@ -13,15 +13,15 @@ construction, so every layer has its own projection. ``redraw()`` draws the next
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.mechanisms.base import AttendArgs
-from attnzoo.mechanisms.kernel import KeyFeatures, Normalizer
+from attnzoo.mechanisms.base import AttendArgs, StateSpec
+from attnzoo.mechanisms.kernel import KernelState, KeyFeatures, Normalizer
 from attnzoo.mechanisms.kernel_linear import KernelAttention, register_kernel
 from attnzoo.registry import Config, bounded
 from attnzoo.spec import Complexity
@@ -215,6 +215,9 @@ class RFAConfig(RandomFeatureConfig):
         "non-causal: plain random-feature attention, no gate",
     ),
     causal=True,
+    gqa_note="grouped-query K/V (H_kv dividing H): non-causal, S and z per K/V head, never repeated; causal "
+    "(and decoding), K/V repeated per query head: the gate reads k with per-query-head weights (H, D), so "
+    "the query heads of a group keep different sums",
 )
 class RFAAttention(RandomFeatureAttention):
     """RFA: ``phi`` = ``fourier_features``; causal adds the learned per-head gate.
@@ -250,6 +253,16 @@ class RFAAttention(RandomFeatureAttention):
                 f"rfa's gate was made for (heads, head_dim) = {tuple(self.gate_weight.shape)}, got "
                 f"inputs with ({heads}, {head_dim}); build it with heads={heads}, head_dim={head_dim}"
             )
+
+    def _run(
+        self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, state: KernelState | None = None
+    ) -> tuple[Tensor, KernelState]:
+        if args.causal:  # the gate weights are per query head: each keeps its own gated sums
+            k, v = self._kv_heads(q, k, v, native=False)
+        return super()._run(q, k, v, args, state)
+
+    def _init_state(self, spec: StateSpec) -> KernelState:
+        return super()._init_state(replace(spec, kv_heads=spec.heads))  # as _run: one state per query head
 
     def query_features(self, q: Tensor) -> Tensor:
         return fourier_features(q, self.projection_for(q), self.config.sigma)

@@ -98,8 +98,9 @@ class KernelAttention(Attention):
         dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
         self.prepare(spec.heads, spec.head_dim, spec.device, dtype)
         features = self.num_features(spec.head_dim)
-        s = torch.zeros(spec.batch, spec.heads, features, spec.value_dim, device=spec.device, dtype=dtype)
-        c = torch.full((spec.batch, spec.heads), -math.inf, device=spec.device, dtype=dtype)
+        # Per K/V head: the query heads of a group read one state (spec.kv_heads = H unless grouped)
+        s = torch.zeros(spec.batch, spec.kv_heads, features, spec.value_dim, device=spec.device, dtype=dtype)
+        c = torch.full((spec.batch, spec.kv_heads), -math.inf, device=spec.device, dtype=dtype)
         return KernelState(s, s.new_zeros(s.shape[:3]), c)
 
     def _step(
@@ -116,15 +117,29 @@ _CORE_NOTES = (
     "causal: chunkwise (quadratic inside a chunk of `chunk` positions, sums carried across chunks)",
     "decode step: the recurrence on (S, z), O(1) per token",
 )
+#: Every member whose key features read the keys alone (no per-query-head parameter).
+GQA_NOTE = (
+    "grouped-query K/V (H_kv dividing H): the sums S, z are per K/V head (a decode state too), the H / H_kv "
+    "query heads of a group read them as extra rows; K/V never repeated"
+)
 
 
 def register_kernel(
-    name: str, config: type, summary: str, paper: str, complexity: Complexity, notes: tuple[str, ...], *, causal: bool
+    name: str,
+    config: type,
+    summary: str,
+    paper: str,
+    complexity: Complexity,
+    notes: tuple[str, ...],
+    *,
+    causal: bool,
+    gqa_note: str = GQA_NOTE,
 ) -> Callable[[type], type]:
-    """Register a member of the kernel family: key padding and cross-attention always; a causal
-    member also decodes (the recurrence on ``(S, z)``) and its notes follow the core's."""
-    caps = Capabilities(causal=causal, key_mask=True, decode_step=causal, cross_attention=True)
-    notes = _CORE_NOTES + notes if causal else notes
+    """Register a member of the kernel family: key padding, cross-attention and grouped-query
+    K/V (``gqa``: the core keeps its sums per K/V head) always; a causal member also decodes (the
+    recurrence on ``(S, z)``) and its notes follow the core's."""
+    caps = Capabilities(causal=causal, key_mask=True, decode_step=causal, cross_attention=True, gqa=True)
+    notes = (_CORE_NOTES + notes if causal else notes) + (gqa_note,)
     about = dict(family="kernel", summary=summary, paper=paper, notes=notes)
     return register(name, config=config, capabilities=caps, complexity=complexity, **about)
 

@@ -102,6 +102,13 @@ DROPOUT_NOTE = (
     "the mask is a seeded function of (b, h, i, j) that the reference reproduces. flex cannot apply it "
     "(on CUDA, backend='auto' then runs the dense reference)"
 )
+GQA_NOTE = (
+    "grouped-query K/V (H_kv dividing H): never repeated on flex (FlexAttention's enable_gqa) and on the "
+    "blocked backend's structured plans (band windows: a group's query heads stacked as the rows of each block "
+    "against one K/V window; global rows and columns as grouped products; dense sub-sequences as G n rows), "
+    "except a causal dense sub-sequence part (strided causal); the blocked tile plan (bigbird, random, graph) "
+    "and the reference repeat them per call; a decode cache keeps H_kv heads"
+)
 _COMPLEXITY = Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True)
 
 
@@ -122,7 +129,7 @@ def register_pattern(
     the same whatever the final length, which random draws over N, grids of a fixed size and
     graphs are not; else ``decode`` (unless ``notes`` has one) says what its state keeps.
     ``cross=False`` for patterns defined on one sequence (grids, graphs)."""
-    notes = (*(notes or (CAUSAL_NOTE,)), DROPOUT_NOTE)
+    notes = (*(notes or (CAUSAL_NOTE,)), DROPOUT_NOTE, GQA_NOTE)
     if no_decode:
         notes = (*notes, f"no decode step: {no_decode}")
     elif not any(note.startswith("decode step: ") for note in notes):
@@ -135,6 +142,7 @@ def register_pattern(
         score_mod=True,
         dropout=True,
         scale=True,
+        gqa=True,
         backends=("blocked", "flex", "reference"),
     )
 

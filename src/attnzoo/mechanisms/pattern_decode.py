@@ -43,7 +43,7 @@ DIRECT_STEP_TOKENS = 64
 
 @dataclass(frozen=True)
 class KeptKeys:
-    """The keys a later row can still see: ``k (B, H, L, D)``, ``v (B, H, L, D_v)`` at absolute
+    """The keys a later row can still see: ``k (B, H_kv, L, D)``, ``v (B, H_kv, L, D_v)`` at absolute
     ``positions (L,)`` (ascending), which of them are real tokens (``real (B, L)``, None while
     all are), ``seen`` tokens so far; a row reaches ``reach`` keys back and always sees the key
     ``columns``."""
@@ -102,8 +102,9 @@ def init_state(attn: PatternAttention, spec: StateSpec) -> KeptKeys | KVCache:
     shape = _kept_keys_shape(attn.pattern)
     if shape is None:
         return KVCache.for_state(spec)
-    k = torch.empty(spec.batch, spec.heads, 0, spec.head_dim, device=spec.device, dtype=spec.dtype)
-    v = torch.empty(spec.batch, spec.heads, 0, spec.value_dim, device=spec.device, dtype=spec.dtype)
+    # K/V heads as step gets them: H_kv for grouped-query K/V (the mechanisms declare gqa)
+    k = torch.empty(spec.batch, spec.kv_heads, 0, spec.head_dim, device=spec.device, dtype=spec.dtype)
+    v = torch.empty(spec.batch, spec.kv_heads, 0, spec.value_dim, device=spec.device, dtype=spec.dtype)
     empty = torch.zeros(0, dtype=torch.long, device=spec.device)
     return KeptKeys(k, v, empty, 0, shape[0], shape[1].to(spec.device))
 
@@ -150,7 +151,8 @@ def _attend_span(attn: PatternAttention, q: Tensor, span: _Span, score_mod: Scor
         if span.real is not None:
             visible = visible & span.real[:, None, None, :]  # (B, H | 1, T, L)
         k, v, visible = _seen_keys_only(k, v, visible)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.config.scale)
+        gqa = k.shape[1] != q.shape[1]  # grouped K/V kept at H_kv heads: SDPA indexes them
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.config.scale, enable_gqa=gqa)
         out = torch.where(visible.any(-1, keepdim=True), out, 0.0)  # rows that see no key: zeros, not NaN
         return nan_rows_of_non_finite_queries(out, q)
     if score_mod is not None and not (contiguous and start == 0):  # span index != position
@@ -172,6 +174,7 @@ def _attend_span(attn: PatternAttention, q: Tensor, span: _Span, score_mod: Scor
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return visible[h if visible.shape[0] > 1 else 0, q_idx - (n_kv - n_q), kv_idx]
 
+    k, v = attn._kv_heads(q, k, v, native=False)  # the dense fallback takes one K/V per query head
     out = reference_attention(
         q, k, v, key_mask=span.real, score_mod=score_mod, scale=attn.config.scale, mask_mod=mask_mod
     )

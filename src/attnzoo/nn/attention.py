@@ -42,7 +42,7 @@ class MultiHeadAttention(nn.Module):
         kv_heads: K/V heads for grouped-query (``1 < kv_heads < heads``) or multi-query
             (``kv_heads=1``) attention: each K/V head serves ``heads / kv_heads`` query heads
             (Ainslie et al. 2023); default ``heads``. Mechanisms that attend grouped K/V
-            themselves (``Capabilities.gqa``: ``softmax``) never repeat them; the others get
+            themselves (``Capabilities.gqa``: ``attnzoo.names(gqa=True)``) never repeat them; the others get
             them repeated per call. Head groups must each cover whole K/V groups.
         head_dim: width per head; default ``dim // heads`` (then ``dim % heads`` must be 0).
         positional: None, a name (``"sinusoidal"``, ``"rope"``, ``"alibi"``, ``"relative"``) or
