@@ -342,7 +342,8 @@ class DSAState:
         "selected ones are gathered (4-8x faster on CPU than gathering each query's k keys and values), "
         "so the attention costs O(N^2 D H) time like dense attention; never N x N in memory",
         "decode step: a KV cache and a cache of indexer keys (d_I numbers per token); per token the new "
-        "query is scored against every cached indexer key, O(t d_I H_I), and attends over topk keys",
+        "query is scored against every cached indexer key, O(t d_I H_I), then its attention scores by one GEMM "
+        "over the cache, O(t D H), of which its topk keys are used",
     ),
 )
 class DSAAttention(Attention):
@@ -369,9 +370,6 @@ class DSAAttention(Attention):
         index_q = rearrange(F.linear(x_q, self.index_q.weight.to(wide)), "b n (j e) -> b n j e", j=cfg.index_heads)
         return index_q, F.linear(x_k, self.index_k.weight.to(wide)), F.linear(x_q, self.index_w.weight.to(wide))
 
-    def _options(self, args: AttendArgs) -> dict[str, Any]:
-        return dict(top_k=self.config.topk, causal=args.causal, key_mask=args.key_mask, scale=self.config.scale)
-
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         with torch.no_grad():
             index = self.indexer(q, k)
@@ -382,7 +380,10 @@ class DSAAttention(Attention):
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         with torch.no_grad():
             index = self.indexer(q, k)
-        out, weights = reference_dsa(q, k, v, *index, **self._options(args))
+        cfg = self.config
+        out, weights = reference_dsa(
+            q, k, v, *index, top_k=cfg.topk, causal=args.causal, key_mask=args.key_mask, scale=cfg.scale
+        )
         return (out, weights) if return_weights else out
 
     def indexer_loss(self, q: Tensor, k: Tensor, *, causal: bool = False, key_mask: Tensor | None = None) -> Tensor:
