@@ -221,8 +221,11 @@ class BasedConfig(Config):
         "CausalLM take one mechanism for all layers; BaseConv is not built",
         "swapped in untrained: a learned projection to 16 dims and a Taylor kernel: not an approximation "
         "of the model's softmax attention",
+        "grouped-query K/V (H_kv dividing H) are repeated per query head: each head projects its keys with its "
+        "own W_h, so the query heads of a group cannot share one state",
     ),
     causal=True,
+    gqa_note=None,
 )
 class BasedAttention(KernelAttention):
     """Based: ``taylor_features`` of q and k projected per head to ``feature_dim`` dims.

@@ -133,13 +133,15 @@ def register_kernel(
     notes: tuple[str, ...],
     *,
     causal: bool,
-    gqa_note: str = GQA_NOTE,
+    gqa_note: str | None = GQA_NOTE,
 ) -> Callable[[type], type]:
-    """Register a member of the kernel family: key padding, cross-attention and grouped-query
-    K/V (``gqa``: the core keeps its sums per K/V head) always; a causal member also decodes (the
+    """Register a member of the kernel family: key padding and cross-attention always, grouped-query
+    K/V (``gqa``: the core keeps its sums per K/V head) unless ``gqa_note`` is None (key features
+    made with per-query-head parameters: the base repeats K/V); a causal member also decodes (the
     recurrence on ``(S, z)``) and its notes follow the core's."""
-    caps = Capabilities(causal=causal, key_mask=True, decode_step=causal, cross_attention=True, gqa=True)
-    notes = (_CORE_NOTES + notes if causal else notes) + (gqa_note,)
+    gqa = gqa_note is not None
+    caps = Capabilities(causal=causal, key_mask=True, decode_step=causal, cross_attention=True, gqa=gqa)
+    notes = (_CORE_NOTES + notes if causal else notes) + ((gqa_note,) if gqa else ())
     about = dict(family="kernel", summary=summary, paper=paper, notes=notes)
     return register(name, config=config, capabilities=caps, complexity=complexity, **about)
 
