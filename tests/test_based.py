@@ -75,7 +75,8 @@ def test_the_taylor_feature_map_is_the_second_order_expansion_of_exp():
     g = torch.Generator().manual_seed(2)
     q, k = (torch.randn(7, 16, generator=g, dtype=F64) for _ in range(2))
     phi_q, phi_k = based.taylor_features(q), based.taylor_features(k)
-    assert phi_q.shape == (7, 273) == (7, based.taylor_size(16))  # 1 + d + d^2 at the paper's d = 16
+    # the paper's 1 + d + d^2 = 273 features at d = 16, each symmetric product x_i x_j stored once: 153
+    assert phi_q.shape == (7, 153) == (7, based.taylor_size(16))
     s = q @ k.T
     want = 1 + s / 4 + s**2 / 32  # 1 + q.k / sqrt(d) + (q.k)^2 / (2 d)
     assert_same(phi_q @ phi_k.T, want, what="phi(q) . phi(k)")
@@ -111,7 +112,7 @@ def test_decode_steps_equal_the_causal_forward_and_the_state_does_not_grow():
     mask = _mask()
     want = attn(q, k, v, causal=True, key_mask=mask)
     state = attn.init_state(B, H, D, DV, dtype=F64)
-    size = 1 + 16 + 16**2  # the paper's feature_dim = 16: 273 features
+    size = 1 + 16 + 16 * 17 // 2  # the paper's feature_dim = 16: 273 features, 153 stored (x_i x_j once)
     shapes = {(tuple(state.s.shape), tuple(state.z.shape))}
     outs = []
     for lo, hi in [(0, 9), *((t, t + 1) for t in range(9, N))]:  # a prompt of 9, then token by token
@@ -174,6 +175,6 @@ def test_the_paper_and_the_departures_are_declared():
     caps = spec.capabilities
     assert caps.causal and caps.key_mask and caps.decode_step and spec.complexity.subquadratic_memory
     notes = " ".join(spec.notes)
-    for needed in ("left=63", "BaseConv", "attnzoo.hf.use", "model width", "273"):
+    for needed in ("left=63", "BaseConv", "attnzoo.hf.use", "model width", "273", "153"):
         assert needed in notes, needed
     assert attnzoo.build("based").config.feature_dim == 16

@@ -319,7 +319,7 @@ def test_fast_path_never_allocates_n_by_n(name, monkeypatch):
     q, k, v = torch.empty(3, 1, heads, n, 16, device="meta").unbind(0)
     mask = torch.ones(1, n, dtype=torch.bool, device="meta")
     attn = attnzoo.build(name)
-    # features (H, N, m), never N x N; m <= 256 but for Based's 1 + 16 + 16^2 Taylor features
+    # features (H, N, m), never N x N; m <= 256 but for Based's 1 + 16 + 16 * 17 / 2 Taylor features
     width = max(256, attn.num_features(16)) if name in CAUSAL else 256
     for causal in (False, True) if name in CAUSAL else (False,):
         with torch.no_grad(), Largest() as largest:
