@@ -15,14 +15,16 @@ block is read once per tile, not once per query.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
@@ -30,9 +32,6 @@ from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import select_topk, topk_mask
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
-
-#: Queries per tile of ``attend_blocks`` (fewer when there are fewer query rows, as in decoding).
-TILE = 64
 
 
 def block_means(k: Tensor, real: Tensor | None, block: int) -> tuple[Tensor, Tensor]:
@@ -76,110 +75,197 @@ def moba_selection(gates: Tensor, positions: Tensor, has_real: Tensor, block: in
     return keep
 
 
+#: A bucket's groups are at least this fraction of its longest: padding costs at most 1 - FILL.
+BUCKET_FILL = 0.8
+
+
+class _Bucket(NamedTuple):
+    """Groups ``first .. first + count`` of ``_Layout.order``, each padded to ``length`` rows;
+    their pairs are ``span``, laid out ``(count, length)``: one kernel call."""
+
+    span: slice
+    first: int
+    count: int
+    length: int
+
+
 @dataclass(frozen=True)
-class _Tiles:
-    """Where the (query row, block) pairs of ``attend_blocks`` go (integers only, no gradient).
+class _Layout:
+    """Where the (query row, key block) pairs of ``attend_blocks`` go (integers only, no gradient).
 
-    ``slot_row (n_tiles * tile,)``: the flat query row ``(b h r)`` in each tile slot, ``B H R``
-    for an empty slot; ``tile_group (n_tiles,)``: the flat key block ``(b h c)`` that every slot
-    of a tile reads (ascending: a block's tiles are adjacent); ``per_group (B H C,)``: tiles per
-    block; ``masked (M,)`` the tiles where some pair is hidden (a future key, a padded or missing
-    one) and ``visible (M, tile, block)`` their visible pairs."""
+    A group is the rows of one (b, h) that attend one key block, in ascending order. The groups
+    that hold a row are ordered longest first (``order (G,)``, their flat index ``(b h c)``) and
+    cut into buckets of similar length (``BUCKET_FILL``); a bucket pads its groups with the spare
+    row ``B H R`` (a zero row) to its longest and runs as one flash-kernel call, its groups the
+    batch. ``row (P,)``: the flat query row ``(b h r)`` of each pair, bucket after bucket.
+    ``own_first``: causal self-attention in which every row attends its own block and no later
+    one, so each group starts with its own block's rows in order and the kernel's top-left
+    causal mask (row i sees keys 0..i) is exactly the causal rule."""
 
-    slot_row: Tensor
-    tile_group: Tensor
-    per_group: Tensor
-    masked: Tensor
-    visible: Tensor
-    n_tiles: int
-    tile: int
+    row: Tensor
+    order: Tensor
+    buckets: list[_Bucket]
+    own_first: bool
+    heads: int
+    n_blocks: int
+
+    @staticmethod
+    def kernel(pairs: Tensor, u: _Bucket) -> Tensor:
+        """Pair rows ``(P, E)`` -> bucket ``u``'s kernel input ``(count, 1, length, E)`` (a view)."""
+        return pairs[u.span].view(u.count, 1, u.length, pairs.shape[-1])
 
 
-def _tiles(keep: Tensor, n: int, block: int, causal: bool, real: Tensor | None) -> _Tiles:
-    """Pack the pairs of ``keep (B, H, R, C)`` into tiles: pairs ordered by flat key block, then
-    by row (``nonzero`` of the block-major mask lists them so: no sort), each block's pairs
-    filling ``ceil(count / tile)`` tiles of ``tile`` slots."""
+def _buckets(lengths: Tensor) -> list[_Bucket]:
+    """Cut group ``lengths (G,)`` (longest first) where ``log(length)`` crosses a multiple of
+    ``-log(BUCKET_FILL)``: each bucket's groups are at least ``BUCKET_FILL`` of its first."""
+    step = -math.log(BUCKET_FILL)
+    _, counts = torch.unique_consecutive(torch.floor(lengths.double().log() / step), return_counts=True)
+    buckets, first, start = [], 0, 0
+    for count in counts.tolist():
+        length = int(lengths[first])
+        buckets.append(_Bucket(slice(start, start + count * length), first, count, length))
+        first, start = first + count, start + count * length
+    return buckets
+
+
+def _layout(keep: Tensor, block: int, causal: bool, self_attention: bool) -> _Layout:
+    """Lay out the pairs of ``keep (B, H, R, C)`` (see ``_Layout``)."""
     batch, heads, rows, n_blocks = keep.shape
-    tile, bh, device = min(TILE, rows), batch * heads, keep.device
-    by_block = rearrange(keep, "b h r c -> (b h c) r")
-    size = by_block.sum(-1)  # (B H C,) pairs per key block
-    per_group = (size + tile - 1) // tile
-    n_tiles = int(per_group.sum())
-    group, row = by_block.nonzero(as_tuple=True)  # ordered by group, then row
-    first_pair, first_tile = size.cumsum(0) - size, per_group.cumsum(0) - per_group
-    slot = first_tile[group] * tile + torch.arange(group.shape[0], device=device) - first_pair[group]
-    flat_row = torch.div(group, n_blocks, rounding_mode="floor") * rows + row
-    slot_row = torch.full((n_tiles * tile,), bh * rows, device=device).scatter_(0, slot, flat_row)
-    tile_group = torch.repeat_interleave(torch.arange(bh * n_blocks, device=device), per_group, output_size=n_tiles)
-    key_pos = (tile_group % n_blocks)[:, None] * block + torch.arange(block, device=device)  # (n_tiles, block)
-    key_ok = key_pos < n
-    if real is not None:
-        flat = rearrange(F.pad(real, (0, n_blocks * block - n)), "b (c j) -> (b c) j", j=block)
-        batch_of = torch.div(tile_group, heads * n_blocks, rounding_mode="floor")
-        key_ok = key_ok & flat[batch_of * n_blocks + tile_group % n_blocks]
-    # Most tiles hide nothing (causal: only a query's own block holds future keys): mask only the rest.
-    hides = ~key_ok.all(-1)
-    query_pos = (slot_row % rows + (n - rows)).view(n_tiles, tile)
-    if causal:
-        hides |= key_pos[:, -1] > query_pos.min(-1).values
-    masked = hides.nonzero()[:, 0]
-    visible = key_ok[masked][:, None, :].expand(-1, tile, -1)
-    if causal:
-        visible = visible & (key_pos[masked][:, None, :] <= query_pos[masked][:, :, None])
-    return _Tiles(slot_row, tile_group, per_group, masked, visible, n_tiles, tile)
+    device = keep.device
+    counts = rearrange(keep.sum(2), "b h c -> (b h c)")  # rows per group
+    order = counts.argsort(descending=True, stable=True)[: int((counts > 0).sum())]
+    buckets = _buckets(counts[order])
+    padded = torch.cat([torch.full((u.count,), u.length, device=device) for u in buckets])  # (G,)
+    start = torch.zeros_like(counts).index_put_((order,), padded.cumsum(0) - padded)  # each group's first pair
+    b, h, c, r = keep.transpose(2, 3).nonzero(as_tuple=True)  # ordered by group, then row
+    group = (b * heads + h) * n_blocks + c
+    pair = start[group] + torch.arange(b.shape[0], device=device) - (counts.cumsum(0) - counts)[group]
+    total = buckets[-1].span.stop if buckets else 0
+    row = torch.full((total,), batch * heads * rows, device=device).index_put_((pair,), (b * heads + h) * rows + r)
+    own_first = False
+    if causal and self_attention:
+        own = torch.div(r, block, rounding_mode="floor")
+        own_first = bool((c <= own).all()) and int((c == own).sum()) == batch * heads * rows
+    return _Layout(row, order, buckets, own_first, heads, n_blocks)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What every kernel call runs with: ``rows`` queries end-aligned to ``n`` keys in blocks of
+    ``block``, the real keys ``real (B, N)`` (None: all), causality and the scale."""
+
+    block: int
+    n: int
+    rows: int
+    causal: bool
+    real: Tensor | None
+    scale: float
+
+
+def _mask(t: _Layout, u: _Bucket, o: _Options, dtype: torch.dtype) -> tuple[Tensor | None, bool, Tensor | None]:
+    """Bucket ``u``'s kernel mask: ``(additive mask or None, is_causal, rows that see a key or
+    None)``; the mask is ``(count, 1, length | 1, block)``: no larger than its scores."""
+    groups = t.order[u.first : u.first + u.count]
+    key = (groups % t.n_blocks)[:, None] * o.block + torch.arange(o.block, device=groups.device)  # (count, block)
+    visible = None
+    if o.real is not None or (not o.causal and o.n % o.block):  # with causality a short last block needs none
+        batch = torch.div(groups, t.heads * t.n_blocks, rounding_mode="floor")[:, None]
+        real = torch.ones_like(key, dtype=torch.bool) if o.real is None else F.pad(o.real, (0, o.block))[batch, key]
+        visible = (real & (key < o.n))[:, None, None, :]
+    if o.causal and t.own_first:
+        if visible is None:
+            return None, True, None
+        visible = visible & torch.ones(u.length, o.block, dtype=torch.bool, device=key.device).tril()
+    elif o.causal:  # rows at their own positions (decoding): the causal rule row by row
+        position = t.kernel(t.row[:, None], u)[:, 0, :, 0] % o.rows + (o.n - o.rows)  # (count, length)
+        causal = key[:, None, None, :] <= position[:, None, :, None]
+        visible = causal if visible is None else causal & visible
+    if visible is None:
+        return None, False, None
+    additive = torch.zeros(visible.shape, dtype=dtype, device=key.device).masked_fill_(~visible, -math.inf)
+    return additive, False, visible.any(-1)
 
 
 def _rows(x: Tensor) -> Tensor:
-    """``(B, H, R, E)`` -> ``(B H R + 1, E)``: one row per query and a zero row for empty slots."""
+    """``(B, H, R, E)`` -> ``(B H R + 1, E)``: one row per query and a zero row for padding pairs."""
     return F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, 1))
 
 
-def _per_slot(x: Tensor, t: _Tiles) -> Tensor:
-    """Row values ``(B H R + 1,)`` -> ``(n_tiles, tile, 1)``, the value of each slot's row."""
-    return x[t.slot_row].view(t.n_tiles, t.tile, 1)
+def _key_blocks(x: Tensor, t: _Layout, block: int) -> Tensor:
+    """``(B, H, N, E)`` -> the key blocks of the groups, in ``t.order``: ``(G, block, E)`` (zero-padded)."""
+    x = F.pad(x, (0, 0, 0, t.n_blocks * block - x.shape[2]))
+    return rearrange(x, "b h (c j) e -> (b h c) j e", j=block).index_select(0, t.order)
 
 
-def _per_block(x: Tensor, t: _Tiles, shape: torch.Size) -> Tensor:
-    """Tile values ``(n_tiles, block, E)`` summed per key block -> ``shape`` ``(B H C, block, E)``."""
-    return torch.segment_reduce(x, "sum", lengths=t.per_group, axis=0, unsafe=True).view(shape)
+def _unblock(x: Tensor, t: _Layout, shape: torch.Size) -> Tensor:
+    """Inverse of ``_key_blocks``: ``(G, block, E)`` -> ``shape`` ``(B, H, N, E)``, zero for the
+    blocks no row attends."""
+    x = x.new_zeros(shape[0] * shape[1] * t.n_blocks, *x.shape[1:]).index_copy_(0, t.order, x)
+    return rearrange(x, "(b h c) j e -> b h (c j) e", b=shape[0], h=shape[1])[:, :, : shape[2]]
+
+
+def _row_lse(lse: Tensor, row: Tensor, rows: int) -> Tensor:
+    """Pair log-sum-exps ``(P,)`` -> each row's over all its pairs, ``(rows + 1,)``: ``-inf`` for
+    a row that sees no key and for the spare row (its pairs are padding)."""
+    peak = lse.new_full((rows + 1,), -math.inf).scatter_reduce_(0, row, lse, "amax")
+    peak = torch.where(peak == -math.inf, 0.0, peak)
+    total = peak + lse.new_zeros(rows + 1).index_put_((row,), torch.exp(lse - peak[row]), accumulate=True).log()
+    total[-1] = -math.inf
+    return total
 
 
 class _BlockAttention(torch.autograd.Function):
-    """``attend_blocks``: forward in tiles (scores, masked, exponentiated against each row's
-    max, summed per row by ``index_add``), backward in the same tiles from the saved weights
-    (``dS = P (dP - rowsum(dO O))``), key and value gradients summed per block (adjacent tiles)."""
+    """``attend_blocks``: one flash-kernel call per bucket of groups (see ``_Layout``), the pairs
+    merged per row by log-sum-exp; backward the kernel's backward per bucket, given each row's
+    merged output and log-sum-exp (so that its softmax is over the union of its blocks)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, t: _Tiles, scale: float) -> Tensor:  # type: ignore[override]
-        rows = q.shape[0] * q.shape[1] * q.shape[2]
-        q_t = _rows(q * scale).index_select(0, t.slot_row).view(t.n_tiles, t.tile, -1)  # scaled once, per row
-        k_t, v_t = k_blocks.index_select(0, t.tile_group), v_blocks.index_select(0, t.tile_group)
-        scores = torch.bmm(q_t, k_t.transpose(1, 2))  # (n_tiles, tile, block)
-        scores[t.masked] = scores[t.masked].masked_fill_(~t.visible, float("-inf"))
-        row_max = scores.new_full((rows + 1,), float("-inf"))
-        row_max.scatter_reduce_(0, t.slot_row, scores.amax(-1).flatten(), "amax")
-        row_max = torch.where(row_max.isinf(), 0.0, row_max)  # a row that sees nothing: exp(-inf) = 0
-        weights = scores.sub_(_per_slot(row_max, t)).exp_()
-        total = weights.new_zeros(rows + 1).index_add_(0, t.slot_row, weights.sum(-1).flatten())
-        weights.mul_(_per_slot(torch.where(total > 0, 1 / total, 0.0), t))
-        out = q.new_zeros(rows + 1, v_t.shape[-1]).index_add_(0, t.slot_row, torch.bmm(weights, v_t).flatten(0, 1))
-        out = out[:-1].view(*q.shape[:3], -1)
-        ctx.save_for_backward(q_t, k_t, v_t, weights, out)
-        ctx.tiles, ctx.scale, ctx.shapes = t, scale, (q.shape, k_blocks.shape, v_blocks.shape)
-        return out
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, t: _Layout, o: _Options) -> Tensor:  # type: ignore[override]
+        (batch, heads, rows, _), d_v = q.shape, v.shape[-1]
+        q_pairs = _rows(q).index_select(0, t.row)  # (P, D)
+        k_blocks, v_blocks = _key_blocks(k, t, o.block), _key_blocks(v, t, o.block)
+        outs, lses = [], []
+        for u in t.buckets:
+            mask, is_causal, seen = _mask(t, u, o, q.dtype)
+            k_u, v_u = (x[u.first : u.first + u.count, None] for x in (k_blocks, v_blocks))
+            out, lse = flash_attention_cpu(
+                t.kernel(q_pairs, u), k_u, v_u, 0.0, is_causal, attn_mask=mask, scale=o.scale
+            )[:2]
+            if seen is not None:  # the kernel gives a row that sees nothing lse = 0
+                lse = lse.masked_fill(~seen.expand_as(lse), -math.inf)
+            outs.append(out.reshape(-1, d_v))
+            lses.append(lse.flatten().to(q.dtype))
+        lse = torch.cat(lses)  # (P,)
+        row_lse = _row_lse(lse, t.row, batch * heads * rows)
+        weight = torch.exp(lse - torch.where(row_lse == -math.inf, 0.0, row_lse)[t.row])[:, None]
+        merged = q.new_zeros(batch * heads * rows + 1, d_v)
+        for u, out in zip(t.buckets, outs):
+            merged.index_put_((t.row[u.span],), out.mul_(weight[u.span]), accumulate=True)
+        merged[-1] = 0.0
+        ctx.save_for_backward(q_pairs, k_blocks, v_blocks, merged, row_lse)
+        ctx.layout, ctx.options, ctx.shapes = t, o, (k.shape, v.shape)
+        return merged[:-1].view(batch, heads, rows, d_v)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q_t, k_t, v_t, weights, out = ctx.saved_tensors
-        t, scale, (q_shape, k_shape, v_shape) = ctx.tiles, ctx.scale, ctx.shapes
-        grad_t = _rows(grad).index_select(0, t.slot_row).view(t.n_tiles, t.tile, -1)
-        delta = _per_slot(_rows((grad * out).sum(-1, keepdim=True))[:, 0], t)
-        d_scores = torch.bmm(grad_t, v_t.transpose(1, 2)).sub_(delta).mul_(weights)
-        d_q = q_t.new_zeros(q_shape.numel() // q_shape[-1] + 1, q_shape[-1])
-        d_q.index_add_(0, t.slot_row, torch.bmm(d_scores, k_t).flatten(0, 1))
-        d_k = _per_block(torch.bmm(d_scores.transpose(1, 2), q_t), t, k_shape)  # q_t carries the scale
-        d_v = _per_block(torch.bmm(weights.transpose(1, 2), grad_t), t, v_shape)
-        return d_q[:-1].view(q_shape) * scale, d_k, d_v, None, None
+        q_pairs, k_blocks, v_blocks, out, row_lse = ctx.saved_tensors
+        t, o, (k_shape, v_shape) = ctx.layout, ctx.options, ctx.shapes
+        # A row that sees no key (and the spare row): lse = inf makes every weight exp(s - lse) 0.
+        lse = torch.where(row_lse == -math.inf, math.inf, row_lse)[t.row, None]
+        grad_pairs, out_pairs = _rows(grad).index_select(0, t.row), out.index_select(0, t.row)
+        d_q, d_k, d_v = q_pairs.new_zeros(out.shape[0], q_pairs.shape[-1]), [], []
+        for u in t.buckets:
+            mask, is_causal, _ = _mask(t, u, o, q_pairs.dtype)
+            k_u, v_u = (x[u.first : u.first + u.count, None] for x in (k_blocks, v_blocks))
+            d_out, q_u, out_u, lse_u = (t.kernel(x, u) for x in (grad_pairs, q_pairs, out_pairs, lse))
+            dq, dk, dv = flash_attention_cpu_backward(
+                d_out, q_u, k_u, v_u, out_u, lse_u[..., 0].contiguous(), 0.0, is_causal, attn_mask=mask, scale=o.scale
+            )
+            d_q.index_put_((t.row[u.span],), dq.reshape(-1, dq.shape[-1]), accumulate=True)
+            d_k.append(dk[:, 0])
+            d_v.append(dv[:, 0])
+        d_k, d_v = _unblock(torch.cat(d_k), t, k_shape), _unblock(torch.cat(d_v), t, v_shape)
+        return d_q[:-1].view(*grad.shape[:3], -1), d_k, d_v, None, None
 
 
 def attend_blocks(
@@ -198,17 +284,21 @@ def attend_blocks(
         ``(B, H, R, D_v)``; a row with no visible key gets zeros (and passes zero gradient).
 
     Notes:
-        The weights of the tiles are kept for backward: O(R S block) numbers for S blocks per
-        row, besides the gathered queries, keys and values, O(R S D).
+        The rows that attend key block c (its group) are gathered and run through PyTorch's CPU
+        flash kernel against that block's keys, a zero-copy view: C calls of ``(B, H, rows in
+        the group, D)`` by ``(B, H, block, D)``. Memory O(R S D) for S blocks per row; no scores
+        are kept (backward recomputes them from the merged log-sum-exp).
     """
-    (batch, heads, rows, _), n, d_v = q.shape, k.shape[2], v.shape[-1]
+    (batch, heads, rows, dim), n, d_v = q.shape, k.shape[2], v.shape[-1]
     with torch.no_grad():
-        t = _tiles(keep, n, block, causal, real)
-    if t.n_tiles == 0:
+        t = _layout(keep, block, causal, rows == n)
+    if not t.buckets:
         return v.new_zeros(batch, heads, rows, d_v)
-    k_blocks = rearrange(_blocks(k, block), "b h c j d -> (b h c) j d")
-    v_blocks = rearrange(_blocks(v, block), "b h c j d -> (b h c) j d")
-    return _BlockAttention.apply(q, k_blocks, v_blocks, t, scale)
+    if dim != d_v:  # the kernel takes one head size: zero columns change no score and no output
+        width = max(dim, d_v)
+        q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+    options = _Options(block, n, rows, causal, real, scale)
+    return _BlockAttention.apply(q, k, v, t, options)[..., :d_v]
 
 
 def _check_blocks(block: int, topk: int, what: str) -> None:
