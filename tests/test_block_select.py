@@ -184,3 +184,10 @@ def test_moba_over_many_buckets_and_a_wider_value_equals_the_reference(causal):
     assert_same(fast, want, what=f"moba N=256 causal={causal}")
     for got, ref, name in zip(grads(fast, (q, k, v)), grads(want, (q, k, v)), "qkv"):
         assert_same(got, ref, what=f"moba N=256 gradient {name}")
+
+
+def test_attend_blocks_with_no_block_selected_gives_zeros():
+    q, k, v = _qkv()
+    keep = torch.zeros(B, H, N, -(-N // BLOCK), dtype=torch.bool)
+    out = attend_blocks(q, k, v, keep, block=BLOCK, scale=0.4, causal=True, real=None)
+    assert out.shape == v.shape and not out.any()

@@ -89,12 +89,14 @@ def _layout(keep: Tensor, block: int, causal: bool, self_attention: bool) -> _La
     counts = rearrange(keep.sum(2), "b h c -> (b h c)")  # rows per group
     order = counts.argsort(descending=True, stable=True)[: int((counts > 0).sum())]
     buckets = _buckets(counts[order])
+    if not buckets:  # no row attends any block
+        return _Layout(counts[:0], order, [], False, heads, n_blocks)
     padded = torch.cat([torch.full((u.count,), u.length, device=device) for u in buckets])  # (G,)
     start = torch.zeros_like(counts).index_put_((order,), padded.cumsum(0) - padded)  # each group's first pair
     b, h, c, r = keep.transpose(2, 3).nonzero(as_tuple=True)  # ordered by group, then row
     group = (b * heads + h) * n_blocks + c
     pair = start[group] + torch.arange(b.shape[0], device=device) - (counts.cumsum(0) - counts)[group]
-    total = buckets[-1].span.stop if buckets else 0
+    total = buckets[-1].span.stop
     row = torch.full((total,), batch * heads * rows, device=device).index_put_((pair,), (b * heads + h) * rows + r)
     own_first = False
     if causal and self_attention:
