@@ -142,6 +142,31 @@ def _mask(t: _Layout, u: _Bucket, o: _Options, dtype: torch.dtype) -> tuple[Tens
     return additive, False, visible.any(-1)
 
 
+def _scores(q: Tensor, k: Tensor, is_causal: bool, mask: Tensor | None, scale: float) -> Tensor:
+    s = q @ k.transpose(-1, -2) * scale
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return s if mask is None else s + mask
+
+
+def _plain_forward(q: Tensor, k: Tensor, v: Tensor, _: float, is_causal: bool, *, attn_mask, scale) -> tuple:  # noqa: ANN001
+    """The flash kernel's forward in plain tensor ops (devices other than the CPU): ``(out, lse)``,
+    zeros and ``lse = 0`` for a row that sees no key, as the kernel gives."""
+    s = _scores(q, k, is_causal, attn_mask, scale)
+    lse = torch.logsumexp(s, -1)
+    lse = torch.where(lse == -math.inf, 0.0, lse)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def _plain_backward(
+    g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, _: float, is_causal: bool, *, attn_mask, scale
+) -> tuple:  # noqa: ANN001, E501
+    """The flash kernel's backward in plain tensor ops: ``dS = P (dP - rowsum(dO O))``."""
+    p = torch.exp(_scores(q, k, is_causal, attn_mask, scale) - lse[..., None])
+    d_s = p * (g @ v.transpose(-1, -2) - (g * out).sum(-1, keepdim=True))
+    return d_s @ k * scale, d_s.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ g
+
+
 def _rows(x: Tensor) -> Tensor:
     """``(B, H, R, E)`` -> ``(B H R + 1, E)``: one row per query and a zero row for padding pairs."""
     return F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, 1))
@@ -184,7 +209,7 @@ class _BlockAttention(torch.autograd.Function):
         for u in t.buckets:
             mask, is_causal, seen = _mask(t, u, o, q.dtype)
             k_u, v_u = (x[u.first : u.first + u.count, None] for x in (k_blocks, v_blocks))
-            out, lse = flash_attention_cpu(
+            out, lse = (flash_attention_cpu if q.is_cpu else _plain_forward)(
                 t.kernel(q_pairs, u), k_u, v_u, 0.0, is_causal, attn_mask=mask, scale=o.scale
             )[:2]
             if seen is not None:  # the kernel gives a row that sees nothing lse = 0
@@ -214,7 +239,7 @@ class _BlockAttention(torch.autograd.Function):
             mask, is_causal, _ = _mask(t, u, o, q_pairs.dtype)
             k_u, v_u = (x[u.first : u.first + u.count, None] for x in (k_blocks, v_blocks))
             d_out, q_u, out_u, lse_u = (t.kernel(x, u) for x in (grad_pairs, q_pairs, out_pairs, lse))
-            dq, dk, dv = flash_attention_cpu_backward(
+            dq, dk, dv = (flash_attention_cpu_backward if q_pairs.is_cpu else _plain_backward)(
                 d_out, q_u, k_u, v_u, out_u, lse_u[..., 0].contiguous(), 0.0, is_causal, attn_mask=mask, scale=o.scale
             )
             d_q.index_put_((t.row[u.span],), dq.reshape(-1, dq.shape[-1]), accumulate=True)
