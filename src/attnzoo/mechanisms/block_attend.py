@@ -10,6 +10,8 @@ log-sum-exp into one softmax over the union of its blocks; backward runs the ker
 per bucket from the merged output and log-sum-exp. Causal self-attention in which every row
 attends its own block and nothing later needs no mask: each group then starts with its own
 block's rows in order, and the kernel's top-left causal mask is exactly the causal rule.
+Off the CPU the kernel's forward and backward run as plain tensor ops (``_plain_forward``,
+``_plain_backward``: the same math, scores per bucket materialised).
 
 Memory: O(R S D) for R rows of S blocks each (gathered rows, per-pair outputs); no scores are
 kept and nothing is N x N. Sums over pairs use ``index_put_(accumulate=True)``: ``index_add_``
