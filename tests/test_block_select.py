@@ -2,7 +2,8 @@
 the plain functions against the independent oracles of tests/oracles_modern.py (forward and
 gradients, float64, a length the block does not divide, ties), the selection laws (every block
 selected is causal softmax), the refusals, decode in chunks that straddle blocks, and no N x N
-allocation at N = 4096 forward and backward."""
+allocation at N = 4096 forward and backward; ``attend_blocks`` (``block_attend.py``) on any
+selection against a dense softmax, and over several kernel calls."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
-from attnzoo.mechanisms.block_select import moba
+from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms.block_attend import _layout, attend_blocks
+from attnzoo.mechanisms.block_select import _moba_gates, moba, moba_selection, reference_moba
 from attnzoo.mechanisms.nsa import nsa
 from conftest import grads, largest_tensor
 from oracles_modern import oracle_moba, oracle_nsa
@@ -134,3 +137,76 @@ def test_no_n_by_n_tensor_forward_or_backward_at_4096(name):
         run = lambda: nsa(q, k, v, k_cmp, v_cmp, gates, **kw)  # noqa: E731
     largest = largest_tensor(lambda: run().sum().backward())
     assert largest < n * n // 4, f"{name}: a tensor of {largest} elements at N = {n}"
+
+
+def _dense_blocks(q, k, v, keep, block, causal, real):
+    """``attend_blocks`` written densely: softmax over the keys of the kept blocks (N x N)."""
+    n, rows = k.shape[2], q.shape[2]
+    pos, key = torch.arange(rows) + n - rows, torch.arange(n)
+    visible = keep[..., key // block]
+    if causal:
+        visible = visible & (key <= pos[:, None])
+    if real is not None:
+        visible = visible & real[:, None, None, :]
+    return normalize_scores(q @ k.transpose(-1, -2) * 0.4, visible, "softmax") @ v
+
+
+@pytest.mark.parametrize("rows", [N, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attend_blocks_any_selection_equals_dense_softmax(causal, rows):
+    # Random blocks per row, the own block not always among them (the kernel's top-left causal
+    # mask cannot be used: every group gets its own mask), padded keys, fewer rows than keys.
+    q, k, v = _qkv(seed=5)
+    q = q.detach()[:, :, N - rows :].requires_grad_()
+    g = torch.Generator().manual_seed(6)
+    keep = torch.rand(B, H, rows, -(-N // BLOCK), generator=g) < 0.4
+    real = torch.ones(B, N, dtype=torch.bool)
+    real[0, :11] = False
+    kw = dict(block=BLOCK, scale=0.4, causal=causal, real=real)
+    fast, want = attend_blocks(q, k, v, keep, **kw), _dense_blocks(q, k, v, keep, BLOCK, causal, real)
+    assert_same(fast, want, what=f"attend_blocks causal={causal} rows={rows}")
+    for got, ref, name in zip(grads(fast, (q, k, v)), grads(want, (q, k, v)), "qkv"):
+        assert_same(got, ref, what=f"attend_blocks gradient {name}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_moba_over_many_buckets_and_a_wider_value_equals_the_reference(causal):
+    # 256 keys in 32 blocks: groups of many lengths, so several kernel calls (buckets); values
+    # wider than keys (the kernel takes one head size: q and k are zero-padded).
+    q, k, _ = _qkv(n=256, seed=7)
+    v = torch.randn(B, H, 256, D + 3, dtype=torch.float64, requires_grad=True)
+    kw = dict(block=BLOCK, topk=5, causal=causal, scale=D**-0.5)
+    with torch.no_grad():
+        gates, has_real = _moba_gates(q, k, None, BLOCK)
+        keep = moba_selection(gates, torch.arange(256), has_real, BLOCK, 5, causal)
+    assert len(_layout(keep, BLOCK, causal, True).buckets) > 1
+    fast, (want, _) = moba(q, k, v, **kw), reference_moba(q, k, v, key_mask=None, **kw)
+    assert_same(fast, want, what=f"moba N=256 causal={causal}")
+    for got, ref, name in zip(grads(fast, (q, k, v)), grads(want, (q, k, v)), "qkv"):
+        assert_same(got, ref, what=f"moba N=256 gradient {name}")
+
+
+def test_attend_blocks_with_no_block_selected_gives_zeros():
+    q, k, v = _qkv()
+    keep = torch.zeros(B, H, N, -(-N // BLOCK), dtype=torch.bool)
+    out = attend_blocks(q, k, v, keep, block=BLOCK, scale=0.4, causal=True, real=None)
+    assert out.shape == v.shape and not out.any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_plain_kernel_for_other_devices_equals_the_reference(causal, monkeypatch):
+    # Off the CPU the flash kernel's forward and backward run as plain tensor ops: run those here.
+    import attnzoo.mechanisms.block_attend as module
+
+    monkeypatch.setattr(module, "flash_attention_cpu", module._plain_forward)
+    monkeypatch.setattr(module, "flash_attention_cpu_backward", module._plain_backward)
+    q, k, v = _qkv(seed=8)
+    real = torch.ones(B, N, dtype=torch.bool)
+    real[1, :9] = False
+    kw = dict(block=BLOCK, topk=3, causal=causal, scale=D**-0.5, key_mask=real)
+    for mask in (None, real):
+        kw["key_mask"] = mask
+        fast, (want, _) = moba(q, k, v, **kw), reference_moba(q, k, v, **kw)
+        assert_same(fast, want, what=f"plain kernel causal={causal} padded={mask is not None}")
+        for got, ref, name in zip(grads(fast, (q, k, v)), grads(want, (q, k, v)), "qkv"):
+            assert_same(got, ref, what=f"plain kernel gradient {name}")

@@ -5,12 +5,11 @@ keys into blocks, gates each (query, block) pair by ``q_i . mean(k in block)`` a
 query attend to the keys of its ``topk`` best blocks (causal: its own block always, the rest
 among earlier blocks). NSA (``nsa.py``) selects blocks by the attention of a compressed branch.
 
-Both run on ``attend_blocks``: each query attends to the keys of its own few selected blocks.
-The (query, block) pairs are sorted by block and packed into tiles of up to ``TILE`` queries
-that share one key block, so a tile is two small dense products (scores, then weights times
-values); the scores are moved to a (query, slot, key) layout for one softmax per query over the
-union of its blocks. Memory and time are O(N * slots * block): no N x N tensor, and every key
-block is read once per tile, not once per query.
+Both run on ``attend_blocks`` (``block_attend.py``): each query attends to the keys of its own
+few selected blocks, one softmax over their union. The rows that attend one key block are
+gathered and run through PyTorch's CPU flash kernel against that block, many such groups per
+call, and merged per row by log-sum-exp: O(N * blocks per row * (block + D)) time and memory,
+no N x N tensor and no scores kept for backward.
 """
 
 from __future__ import annotations
@@ -26,13 +25,11 @@ from torch import Tensor
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
+from attnzoo.mechanisms.block_attend import attend_blocks
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import select_topk, topk_mask
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
-
-#: Queries per tile of ``attend_blocks`` (fewer when there are fewer query rows, as in decoding).
-TILE = 64
 
 
 def block_means(k: Tensor, real: Tensor | None, block: int) -> tuple[Tensor, Tensor]:
@@ -74,141 +71,6 @@ def moba_selection(gates: Tensor, positions: Tensor, has_real: Tensor, block: in
             torch.zeros(gates.shape, dtype=torch.long, device=gates.device).scatter_add_(-1, idx, valid.long()) > 0
         )
     return keep
-
-
-@dataclass(frozen=True)
-class _Tiles:
-    """Where the (query row, block) pairs of ``attend_blocks`` go (integers only, no gradient).
-
-    ``slot_row (n_tiles * tile,)``: the flat query row ``(b h r)`` in each tile slot, ``B H R``
-    for an empty slot; ``tile_group (n_tiles,)``: the flat key block ``(b h c)`` that every slot
-    of a tile reads (ascending: a block's tiles are adjacent); ``per_group (B H C,)``: tiles per
-    block; ``masked (M,)`` the tiles where some pair is hidden (a future key, a padded or missing
-    one) and ``visible (M, tile, block)`` their visible pairs."""
-
-    slot_row: Tensor
-    tile_group: Tensor
-    per_group: Tensor
-    masked: Tensor
-    visible: Tensor
-    n_tiles: int
-    tile: int
-
-
-def _tiles(keep: Tensor, n: int, block: int, causal: bool, real: Tensor | None) -> _Tiles:
-    """Pack the pairs of ``keep (B, H, R, C)`` into tiles: pairs ordered by flat key block, then
-    by row (``nonzero`` of the block-major mask lists them so: no sort), each block's pairs
-    filling ``ceil(count / tile)`` tiles of ``tile`` slots."""
-    batch, heads, rows, n_blocks = keep.shape
-    tile, bh, device = min(TILE, rows), batch * heads, keep.device
-    by_block = rearrange(keep, "b h r c -> (b h c) r")
-    size = by_block.sum(-1)  # (B H C,) pairs per key block
-    per_group = (size + tile - 1) // tile
-    n_tiles = int(per_group.sum())
-    group, row = by_block.nonzero(as_tuple=True)  # ordered by group, then row
-    first_pair, first_tile = size.cumsum(0) - size, per_group.cumsum(0) - per_group
-    slot = first_tile[group] * tile + torch.arange(group.shape[0], device=device) - first_pair[group]
-    flat_row = torch.div(group, n_blocks, rounding_mode="floor") * rows + row
-    slot_row = torch.full((n_tiles * tile,), bh * rows, device=device).scatter_(0, slot, flat_row)
-    tile_group = torch.repeat_interleave(torch.arange(bh * n_blocks, device=device), per_group, output_size=n_tiles)
-    key_pos = (tile_group % n_blocks)[:, None] * block + torch.arange(block, device=device)  # (n_tiles, block)
-    key_ok = key_pos < n
-    if real is not None:
-        flat = rearrange(F.pad(real, (0, n_blocks * block - n)), "b (c j) -> (b c) j", j=block)
-        batch_of = torch.div(tile_group, heads * n_blocks, rounding_mode="floor")
-        key_ok = key_ok & flat[batch_of * n_blocks + tile_group % n_blocks]
-    # Most tiles hide nothing (causal: only a query's own block holds future keys): mask only the rest.
-    hides = ~key_ok.all(-1)
-    query_pos = (slot_row % rows + (n - rows)).view(n_tiles, tile)
-    if causal:
-        hides |= key_pos[:, -1] > query_pos.min(-1).values
-    masked = hides.nonzero()[:, 0]
-    visible = key_ok[masked][:, None, :].expand(-1, tile, -1)
-    if causal:
-        visible = visible & (key_pos[masked][:, None, :] <= query_pos[masked][:, :, None])
-    return _Tiles(slot_row, tile_group, per_group, masked, visible, n_tiles, tile)
-
-
-def _rows(x: Tensor) -> Tensor:
-    """``(B, H, R, E)`` -> ``(B H R + 1, E)``: one row per query and a zero row for empty slots."""
-    return F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, 1))
-
-
-def _per_slot(x: Tensor, t: _Tiles) -> Tensor:
-    """Row values ``(B H R + 1,)`` -> ``(n_tiles, tile, 1)``, the value of each slot's row."""
-    return x[t.slot_row].view(t.n_tiles, t.tile, 1)
-
-
-def _per_block(x: Tensor, t: _Tiles, shape: torch.Size) -> Tensor:
-    """Tile values ``(n_tiles, block, E)`` summed per key block -> ``shape`` ``(B H C, block, E)``."""
-    return torch.segment_reduce(x, "sum", lengths=t.per_group, axis=0, unsafe=True).view(shape)
-
-
-class _BlockAttention(torch.autograd.Function):
-    """``attend_blocks``: forward in tiles (scores, masked, exponentiated against each row's
-    max, summed per row by ``index_add``), backward in the same tiles from the saved weights
-    (``dS = P (dP - rowsum(dO O))``), key and value gradients summed per block (adjacent tiles)."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k_blocks: Tensor, v_blocks: Tensor, t: _Tiles, scale: float) -> Tensor:  # type: ignore[override]
-        rows = q.shape[0] * q.shape[1] * q.shape[2]
-        q_t = _rows(q * scale).index_select(0, t.slot_row).view(t.n_tiles, t.tile, -1)  # scaled once, per row
-        k_t, v_t = k_blocks.index_select(0, t.tile_group), v_blocks.index_select(0, t.tile_group)
-        scores = torch.bmm(q_t, k_t.transpose(1, 2))  # (n_tiles, tile, block)
-        scores[t.masked] = scores[t.masked].masked_fill_(~t.visible, float("-inf"))
-        row_max = scores.new_full((rows + 1,), float("-inf"))
-        row_max.scatter_reduce_(0, t.slot_row, scores.amax(-1).flatten(), "amax")
-        row_max = torch.where(row_max.isinf(), 0.0, row_max)  # a row that sees nothing: exp(-inf) = 0
-        weights = scores.sub_(_per_slot(row_max, t)).exp_()
-        total = weights.new_zeros(rows + 1).index_add_(0, t.slot_row, weights.sum(-1).flatten())
-        weights.mul_(_per_slot(torch.where(total > 0, 1 / total, 0.0), t))
-        out = q.new_zeros(rows + 1, v_t.shape[-1]).index_add_(0, t.slot_row, torch.bmm(weights, v_t).flatten(0, 1))
-        out = out[:-1].view(*q.shape[:3], -1)
-        ctx.save_for_backward(q_t, k_t, v_t, weights, out)
-        ctx.tiles, ctx.scale, ctx.shapes = t, scale, (q.shape, k_blocks.shape, v_blocks.shape)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q_t, k_t, v_t, weights, out = ctx.saved_tensors
-        t, scale, (q_shape, k_shape, v_shape) = ctx.tiles, ctx.scale, ctx.shapes
-        grad_t = _rows(grad).index_select(0, t.slot_row).view(t.n_tiles, t.tile, -1)
-        delta = _per_slot(_rows((grad * out).sum(-1, keepdim=True))[:, 0], t)
-        d_scores = torch.bmm(grad_t, v_t.transpose(1, 2)).sub_(delta).mul_(weights)
-        d_q = q_t.new_zeros(q_shape.numel() // q_shape[-1] + 1, q_shape[-1])
-        d_q.index_add_(0, t.slot_row, torch.bmm(d_scores, k_t).flatten(0, 1))
-        d_k = _per_block(torch.bmm(d_scores.transpose(1, 2), q_t), t, k_shape)  # q_t carries the scale
-        d_v = _per_block(torch.bmm(weights.transpose(1, 2), grad_t), t, v_shape)
-        return d_q[:-1].view(q_shape) * scale, d_k, d_v, None, None
-
-
-def attend_blocks(
-    q: Tensor, k: Tensor, v: Tensor, keep: Tensor, *, block: int, scale: float, causal: bool, real: Tensor | None
-) -> Tensor:
-    """Each query row attends (one softmax) to the keys of its selected blocks.
-
-    Args:
-        q: ``(B, H, R, D)``: rows at the last R key positions (R = N: self-attention).
-        k, v: ``(B, H, N, D)``, ``(B, H, N, D_v)``, cut into blocks of ``block`` (the last may be short).
-        keep: ``(B, H, R, C)`` bool: the blocks each row attends to.
-        scale: score scale. causal: keys after a row's position are never attended.
-        real: ``(B, N)`` bool or None: padded keys are never attended.
-
-    Returns:
-        ``(B, H, R, D_v)``; a row with no visible key gets zeros (and passes zero gradient).
-
-    Notes:
-        The weights of the tiles are kept for backward: O(R S block) numbers for S blocks per
-        row, besides the gathered queries, keys and values, O(R S D).
-    """
-    (batch, heads, rows, _), n, d_v = q.shape, k.shape[2], v.shape[-1]
-    with torch.no_grad():
-        t = _tiles(keep, n, block, causal, real)
-    if t.n_tiles == 0:
-        return v.new_zeros(batch, heads, rows, d_v)
-    k_blocks = rearrange(_blocks(k, block), "b h c j d -> (b h c) j d")
-    v_blocks = rearrange(_blocks(v, block), "b h c j d -> (b h c) j d")
-    return _BlockAttention.apply(q, k_blocks, v_blocks, t, scale)
 
 
 def _check_blocks(block: int, topk: int, what: str) -> None:
@@ -341,8 +203,9 @@ class MoBAState:
         "counts toward topk",
         "key_mask: padded keys are never attended and never averaged into a block mean; a block with no real "
         "key is never selected",
-        "fast path: (query, block) pairs sorted by block into tiles of 64 queries that share one key block; "
-        "scores, softmax (per query, across its tiles) and backward in those tiles: never N x N",
+        "fast path: the rows that attend each key block run through PyTorch's CPU flash kernel against it "
+        "(groups of similar length batched into one call), merged per row by log-sum-exp; backward by the "
+        "kernel's backward from the merged log-sum-exp: never N x N",
         "decode step: a KV cache and the running mean of each block's real keys; O(t D / block) gates and "
         "O(topk block D) attention per token",
     ),

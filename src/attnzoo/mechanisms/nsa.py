@@ -4,7 +4,7 @@ Three branches per query, mixed by gates: attention over compressed blocks (one 
 per block of ``block`` tokens), attention over the raw keys of the blocks the compressed branch
 attends to most (``n_select`` of them, the own block and block 0 always), and a sliding window.
 Here compression block = stride = selection block = ``block``. The selected branch runs on
-``block_select.attend_blocks`` (tiles of (query, block) pairs, never N x N), the window on the
+``block_attend.attend_blocks`` (flash-kernel calls per key block, never N x N), the window on the
 sparse backends (``attnzoo.attend`` with ``sliding_window(window - 1, 0)``).
 """
 
@@ -21,7 +21,7 @@ from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
-from attnzoo.mechanisms.block_select import attend_blocks
+from attnzoo.mechanisms.block_attend import attend_blocks
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import select_topk, topk_mask
 from attnzoo.patterns import sliding_window
