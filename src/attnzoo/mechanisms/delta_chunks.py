@@ -21,8 +21,8 @@ unit lower-triangular system per chunk::
     (I + tril(diag(beta) (K K^T * Dec), -1)) U = diag(beta) V - diag(beta G) K S_0,
     Dec_tj = G_t / G_j,  so  U = U_v - W S_0  with  [U_v, W] = T [diag(beta) V, diag(beta G) K]
 
-(``T`` the inverse, for all chunks at once and independent of the state: formed by recursive
-doubling in log2(C) batched matmuls, with the inverse's own backward). Then, carrying ``S`` from
+(``T`` the inverse, for all chunks at once and independent of the state: formed from its
+diagonal blocks by recursive doubling in batched matmuls, with the inverse's own backward). Then, carrying ``S`` from
 chunk to chunk (the only sequential part, N / C small steps, two matmuls each way)::
 
     O = diag(G) Q S_0 + (Q K^T * Dec * M) U,    S_C = G_C S_0 + (K * G_C / G)^T U
@@ -161,24 +161,37 @@ def _chunked(x: Tensor, size: int) -> Tensor:
     return rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> (b h) c l e", l=size)
 
 
+#: Diagonal blocks up to this size are inverted row by row with elementwise ops; larger ones by doubling.
+_ROWS = 8
+
+
+def _diagonal_blocks(x: Tensor, size: int) -> Tensor:
+    """``(..., P, P) -> (..., P / size, size, size)``: the diagonal blocks, as a view."""
+    return x.unflatten(-1, (-1, size)).unflatten(-3, (-1, size)).diagonal(0, -4, -2).movedim(-1, -3)
+
+
 def _unit_lower_inverse(a: Tensor) -> Tensor:
-    """``(I + tril(a, -1))^-1`` for ``a (..., L, L)`` by recursive doubling: with the inverses
-    ``T11, T22`` of two diagonal blocks of size s, the block of size 2s holding them has the
-    inverse ``[[T11, 0], [-T22 A21 T11, T22]]`` (the blocked inversion of LAPACK's ``trtri``, as
-    stable as forward substitution). log2(L) levels of batched matmuls instead of a LAPACK call
-    per matrix, which on CPU costs far more for the many small matrices of the fast path."""
+    """``(I + tril(a, -1))^-1`` for ``a (..., L, L)``, from blocks: the diagonal blocks of size 8
+    by forward substitution (row i is ``-a_i T``, elementwise over all blocks at once), then by
+    doubling: with the inverses ``T11, T22`` of two diagonal blocks of size s, the block of size 2s
+    holding them has the inverse ``[[T11, 0], [-T22 A21 T11, T22]]`` (the blocked inversion of
+    LAPACK's ``trtri``, as stable as forward substitution). Batched matmuls over every chunk
+    instead of a LAPACK call per matrix, which on CPU costs far more for the many small matrices
+    of the fast path; tiny blocks stay out of matmuls, which also run matrix by matrix."""
     n = a.shape[-1]
     p = 1 << max(n - 1, 0).bit_length()  # the next power of two: zero rows and columns invert to I
-    a = F.pad(a.tril(-1), (0, p - n, 0, p - n))
-    t = torch.eye(p, dtype=a.dtype, device=a.device).expand_as(a).clone()
-    size = 1
-    while size < p:
-        # The p / 2s diagonal blocks of size 2s, as views (..., p / 2s, 2s, 2s); t's is written in place.
-        tb, ab = (x.unflatten(-1, (-1, 2 * size)).unflatten(-3, (-1, 2 * size)).diagonal(0, -4, -2) for x in (t, a))
-        tb, ab = tb.movedim(-1, -3), ab.movedim(-1, -3)
-        tb[..., size:, :size] = -(tb[..., size:, size:] @ ab[..., size:, :size] @ tb[..., :size, :size])
+    a = F.pad(a, (0, p - n, 0, p - n)) if p != n else a
+    size = min(_ROWS, p)
+    t = torch.eye(size, dtype=a.dtype, device=a.device).repeat(*a.shape[:-2], p // size, 1, 1)
+    blocks = _diagonal_blocks(a, size).contiguous()  # [..., P / 8, 8, 8]; above the diagonal unread
+    for i in range(1, size):
+        t[..., i, :i] = -(blocks[..., i, :i, None] * t[..., :i, :i]).sum(-2)
+    while size < p:  # t: the contiguous diagonal blocks (..., P / s, s, s) of the inverse
+        t11, t22 = t[..., 0::2, :, :], t[..., 1::2, :, :]
+        t21 = -(t22 @ _diagonal_blocks(a, 2 * size)[..., size:, :size] @ t11)
+        t = torch.cat([torch.cat([t11, torch.zeros_like(t11)], -1), torch.cat([t21, t22], -1)], -2)
         size *= 2
-    return t[..., :n, :n]
+    return t[..., 0, :n, :n]
 
 
 class _UnitLowerInverse(torch.autograd.Function):
