@@ -274,21 +274,21 @@ def _solved(k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, chunk:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     size = min(chunk, max(k.shape[2], 1))
     k, v, beta = (_chunked(x, size) for x in (k, v, beta))
-    k_beta = k * beta[..., None]
-    gram = k_beta @ k.transpose(-1, -2)  # [BH, C, L, L]: beta_t k_t . k_j
+    # diag(beta) scales rows of the Gram matrix and columns of T: (L, L) products, not (L, D) ones.
+    gram = (k @ k.transpose(-1, -2)) * beta[..., None]  # [BH, C, L, L]: beta_t k_t . k_j
     g = dec = gates = None
-    k_start, k_end = k_beta, k
+    k_end, start = k, beta  # start: diag(beta G), how the chunk's start state enters u
     if log_alpha is not None:
         g = _chunked(log_alpha, size).cumsum(-1)
         upto = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
         dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()
         gram = gram * dec
-        k_start = k_beta * g.exp()[..., None]  # how the chunk's start state enters u
+        start = beta * g.exp()
         k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
         gates = g[..., -1].exp()
     # The inverse reads gram strictly below the diagonal (I + tril(gram, -1)).
     t = _UnitLowerInverse.apply(gram)
-    u_v, w = t @ (v * beta[..., None]), t @ k_start
+    u_v, w = (t * beta[..., None, :]) @ v, (t * start[..., None, :]) @ k
     return _Solved(u_v, w, k, k_end, g, dec, gates)
 
 
