@@ -1,6 +1,7 @@
 """Time the chunkwise forms of the recurrent family against their token-by-token recurrences.
 
     python scripts/recurrent_vs_naive.py --n 4096 --repeats 3 > benchmarks/recurrent-vs-naive-cpu.jsonl
+    python scripts/recurrent_vs_naive.py --only delta_rule,gated_delta_rule   # a subset
 
 For each plain function (``retention``, ``gla``, ``ssd``, ``delta_rule``, ``gated_delta_rule``)
 forward+backward on random inputs (B=1, H=8, D=64, fp32; decays and betas as the mechanisms make
@@ -72,10 +73,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated functions to time (default: all)")
     args = parser.parse_args()
     command = "python scripts/recurrent_vs_naive.py " + " ".join(sys.argv[1:])
     print(json.dumps({"kind": "meta", **machine(), "git": git_revision(), "command": command}), flush=True)
-    for name, (fast, naive, inputs) in _cases(_inputs(args.n)).items():
+    cases = _cases(_inputs(args.n))
+    only = [name for name in args.only.split(",") if name]
+    unknown = sorted(set(only) - set(cases))
+    if unknown:
+        parser.error(f"--only: unknown function(s) {', '.join(unknown)}; known: {', '.join(cases)}")
+    for name, (fast, naive, inputs) in cases.items():
+        if only and name not in only:
+            continue
         _fwd_bwd(fast, inputs), _fwd_bwd(naive, inputs)  # warm-up
         pairs = [(_fwd_bwd(fast, inputs), _fwd_bwd(naive, inputs)) for _ in range(args.repeats)]
         fast_s, naive_s = (statistics.median(p[i] for p in pairs) for i in (0, 1))

@@ -86,11 +86,11 @@ _NOTES = (
     "(the papers project the hidden state, which a mechanism does not see)",
     "causal only: causal=False is refused (the papers define no non-causal form)",
     "padded tokens do not touch the state (beta = 0, no decay); a padded query's row is 0",
-    "chunkwise (Yang et al. 2024): a triangular solve per chunk of `chunk` tokens, the state carried across",
+    "chunkwise (Yang et al. 2024): a unit-triangular inverse per chunk of `chunk` tokens, the state carried across",
     "decode step: the state S (D x D_v per head), O(D D_v) per token",
 )
 _COMPLEXITY = Complexity(
-    time="O(N C (D + D_v) + N D D_v)",
+    time="O(N C (C + D + D_v) + N D D_v)",  # C^3 per chunk: the unit-triangular inverse
     memory="O(N (C + D + D_v) + (N / C) D D_v)",
     subquadratic_memory=True,
 )

@@ -21,13 +21,18 @@ unit lower-triangular system per chunk::
     (I + tril(diag(beta) (K K^T * Dec), -1)) U = diag(beta) V - diag(beta G) K S_0,
     Dec_tj = G_t / G_j,  so  U = U_v - W S_0  with  [U_v, W] = T [diag(beta) V, diag(beta G) K]
 
-(``T`` the inverse: one triangular solve, batched over all chunks at once, independent of the
-state). Then, carrying ``S`` from chunk to chunk (the only sequential part, N / C small steps)::
+(``T`` the inverse, for all chunks at once and independent of the state: formed from its
+diagonal blocks by recursive doubling in batched matmuls, with the inverse's own backward). Then, carrying ``S`` from
+chunk to chunk (the only sequential part, N / C small steps, two matmuls each way)::
 
     O = diag(G) Q S_0 + (Q K^T * Dec * M) U,    S_C = G_C S_0 + (K * G_C / G)^T U
 
-Decays enter only as differences of in-chunk cumulative logs, masked to ``j <= t`` before the
-exponential, so every exponent is <= 0. No tensor is larger than ``(B, H, N, C)``.
+The scan is one autograd function whose backward is a single reverse scan over the states'
+adjoints, every other gradient one batched matmul after it. Decays enter only as differences of
+in-chunk cumulative logs, masked to ``j <= t`` before the exponential, so every exponent is <= 0.
+The largest tensors are ``(B, H, N, C)`` inside the chunks and the states at the chunk starts,
+``(B, H, N / C, D, D_v)``; nothing is N x N. C = 32 by default: the work inside chunks grows
+with C and the steps of the scan with N / C; on CPU at D = 64 the sum is least near 32.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-#: Tokens per chunk of the fast path: quadratic (C x C) inside, the state carried across.
-CHUNK = 64
+#: Tokens per chunk of the fast path: quadratic (C x C) inside, the state carried across. 32 beat
+#: 16, 24 and 64 at N = 4096, D = 64 (fwd+bwd on CPU, ``scripts/recurrent_vs_naive.py``).
+CHUNK = 32
 
 
 def delta_rule(
@@ -52,7 +58,7 @@ def delta_rule(
     Args:
         q, k: ``(B, H, N, D)``, used as given (the mechanism normalises k and scales q first).
         v: ``(B, H, N, D_v)``. beta: ``(B, H, N)``, the writing strength, in (0, 1).
-        initial_state: ``(B, H, D, D_v)``, replaces the zero ``S_0``. chunk: tokens per chunk (64).
+        initial_state: ``(B, H, D, D_v)``, replaces the zero ``S_0``. chunk: tokens per chunk (32).
 
     Returns:
         ``(o (B, H, N, D_v), state (B, H, D, D_v))``: the outputs and ``S_N``, in q's dtype.
@@ -147,53 +153,143 @@ class _Solved(NamedTuple):
 
 
 def _chunked(x: Tensor, size: int) -> Tensor:
-    """``(B, H, N[, E]) -> (BH, C, L[, E])``, zero-padded to whole chunks (padded tokens have
-    k = 0 and beta = 0: no write; log_alpha = 0: no decay; so S_N is unchanged)."""
+    """``(B, H, N[, E]) -> (BH, C, L[, E])``, a view where N is whole chunks, else zero-padded
+    (padded tokens have k = 0 and beta = 0: no write; log_alpha = 0: no decay; so S_N is unchanged)."""
     pad = -x.shape[2] % size
     if x.dim() == 3:
-        return rearrange(F.pad(x, (0, pad)), "b h (c l) -> (b h) c l", l=size)
-    return rearrange(F.pad(x, (0, 0, 0, pad)), "b h (c l) e -> (b h) c l e", l=size)
+        return rearrange(F.pad(x, (0, pad)) if pad else x, "b h (c l) -> (b h) c l", l=size)
+    return rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> (b h) c l e", l=size)
+
+
+#: Diagonal blocks up to this size are inverted row by row with elementwise ops; larger ones by doubling.
+_ROWS = 8
+
+
+def _diagonal_blocks(x: Tensor, size: int) -> Tensor:
+    """``(..., P, P) -> (..., P / size, size, size)``: the diagonal blocks, as a view."""
+    return x.unflatten(-1, (-1, size)).unflatten(-3, (-1, size)).diagonal(0, -4, -2).movedim(-1, -3)
+
+
+def _unit_lower_inverse(a: Tensor) -> Tensor:
+    """``(I + tril(a, -1))^-1`` for ``a (..., L, L)``, from blocks: the diagonal blocks of size 8
+    by forward substitution (row i is ``-a_i T``, elementwise over all blocks at once), then by
+    doubling: with the inverses ``T11, T22`` of two diagonal blocks of size s, the block of size 2s
+    holding them has the inverse ``[[T11, 0], [-T22 A21 T11, T22]]`` (the blocked inversion of
+    LAPACK's ``trtri``, as stable as forward substitution). Batched matmuls over every chunk
+    instead of a LAPACK call per matrix, which on CPU costs far more for the many small matrices
+    of the fast path; tiny blocks stay out of matmuls, which also run matrix by matrix."""
+    n = a.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()  # the next power of two: zero rows and columns invert to I
+    a = F.pad(a, (0, p - n, 0, p - n)) if p != n else a
+    size = min(_ROWS, p)
+    t = torch.eye(size, dtype=a.dtype, device=a.device).repeat(*a.shape[:-2], p // size, 1, 1)
+    blocks = _diagonal_blocks(a, size).contiguous()  # [..., P / 8, 8, 8]; above the diagonal unread
+    for i in range(1, size):
+        t[..., i, :i] = -(blocks[..., i, :i, None] * t[..., :i, :i]).sum(-2)
+    while size < p:  # t: the contiguous diagonal blocks (..., P / s, s, s) of the inverse
+        t11, t22 = t[..., 0::2, :, :], t[..., 1::2, :, :]
+        t21 = -(t22 @ _diagonal_blocks(a, 2 * size)[..., size:, :size] @ t11)
+        t = torch.cat([torch.cat([t11, torch.zeros_like(t11)], -1), torch.cat([t21, t22], -1)], -2)
+        size *= 2
+    return t[..., 0, :n, :n]
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """``T = (I + tril(a, -1))^-1`` with the backward of an inverse, ``da = -tril(T^T dT T^T, -1)``:
+    two batched matmuls, where autograd through the doubling would replay each level."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor) -> Tensor:  # noqa: ANN001
+        t = _unit_lower_inverse(a)
+        ctx.save_for_backward(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
+        (t,) = ctx.saved_tensors
+        t_t = t.transpose(-1, -2)
+        return (t_t @ grad @ t_t).tril_(-1).neg_()
+
+
+class _Scan(torch.autograd.Function):
+    """The sequential stage, one chunk after another (module docstring)::
+
+        U_c = U_v,c - W_c S_c,    S_{c+1} = gate_c S_c + K_end,c^T U_c
+
+    ``u_v (BH, C, L, D_v)``, ``w, k_end (BH, C, L, D)``, ``gates (BH, C)`` or None, ``s0 (BH, D, D_v)``
+    -> ``U (BH, C, L, D_v)``, the chunk starts ``(BH, C, D, D_v)`` and ``S_N (BH, D, D_v)``.
+    The backward is one reverse scan over the adjoints ``l_c`` of the states (two matmuls per chunk,
+    as the forward); every other gradient is then one batched matmul over all chunks, where autograd
+    would keep graph nodes per chunk and compute them inside the loop. Each step computes into a
+    fresh block and copies it to its chunk's slot: a batched matmul writing into a strided slot
+    would run matrix by matrix."""
+
+    @staticmethod
+    def forward(ctx, u_v: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, s: Tensor):  # noqa: ANN001, ANN205
+        k_end_t = k_end.transpose(-1, -2)
+        u, starts = torch.empty_like(u_v), s.new_empty(s.shape[0], u_v.shape[1], *s.shape[1:])
+        for c in range(u.shape[1]):
+            starts[:, c] = s
+            u_c = torch.baddbmm(u_v[:, c], w[:, c], s, alpha=-1)
+            u[:, c] = u_c
+            s = torch.baddbmm(s if gates is None else s * gates[:, c, None, None], k_end_t[:, c], u_c)
+        ctx.save_for_backward(w, k_end, gates, starts, u)
+        return u, starts, s
+
+    @staticmethod
+    def backward(ctx, d_u: Tensor, d_starts: Tensor, lam: Tensor):  # noqa: ANN001, ANN205
+        w, k_end, gates, starts, u = ctx.saved_tensors
+        w_t = w.transpose(-1, -2)
+        d_u_all = torch.empty_like(d_u)  # dL/dU_c, through the outputs and the next states
+        lams = torch.empty_like(starts)  # [BH, C, D, D_v]: l_{c+1} = dL/dS_{c+1}
+        for c in range(d_u.shape[1] - 1, -1, -1):
+            lams[:, c] = lam
+            d_u_c = torch.baddbmm(d_u[:, c], k_end[:, c], lam)
+            d_u_all[:, c] = d_u_c
+            kept = lam if gates is None else lam * gates[:, c, None, None]
+            lam = torch.baddbmm(kept + d_starts[:, c], w_t[:, c], d_u_c, alpha=-1)
+        d_w = (d_u_all @ starts.transpose(-1, -2)).neg_()
+        d_gates = None if gates is None else torch.einsum("bcde,bcde->bc", lams, starts)
+        return d_u_all, d_w, u @ lams.transpose(-1, -2), d_gates, lam
+
+
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose backward makes the incoming gradient contiguous: the gradient of a
+    summed output arrives as a stride-0 expansion, and CPU batched matmuls then copy their operand
+    matrix by matrix (thousands of small copies at N = 4096) instead of once."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # noqa: ANN001
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
+        return grad.contiguous()
 
 
 def _solved(k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, chunk: int) -> _Solved:
-    """Stage one, all chunks at once: ``[U_v, W] = T [diag(beta) V, diag(beta G) K]`` by one
-    batched unit lower-triangular solve (module docstring)."""
+    """Stage one, all chunks at once: ``[U_v, W] = T [diag(beta) V, diag(beta G) K]`` with ``T`` the
+    unit lower-triangular inverse (module docstring)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     size = min(chunk, max(k.shape[2], 1))
     k, v, beta = (_chunked(x, size) for x in (k, v, beta))
-    k_beta = k * beta[..., None]
-    gram = k_beta @ k.transpose(-1, -2)  # [BH, C, L, L]: beta_t k_t . k_j
+    # diag(beta) scales rows of the Gram matrix and columns of T: (L, L) products, not (L, D) ones.
+    gram = (k @ k.transpose(-1, -2)) * beta[..., None]  # [BH, C, L, L]: beta_t k_t . k_j
     g = dec = gates = None
-    k_start, k_end = k_beta, k
+    k_end, start = k, beta  # start: diag(beta G), how the chunk's start state enters u
     if log_alpha is not None:
         g = _chunked(log_alpha, size).cumsum(-1)
         upto = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
         dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()
         gram = gram * dec
-        k_start = k_beta * g.exp()[..., None]  # how the chunk's start state enters u
+        start = beta * g.exp()
         k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
         gates = g[..., -1].exp()
-    # unitriangular: the solve reads gram strictly below the diagonal (I + tril(gram, -1)).
-    rhs = torch.cat([v * beta[..., None], k_start], dim=-1)
-    u_v, w = torch.linalg.solve_triangular(gram, rhs, upper=False, unitriangular=True).split(
-        [v.shape[-1], k.shape[-1]], -1
-    )
+    # The inverse reads gram strictly below the diagonal (I + tril(gram, -1)).
+    t = _UnitLowerInverse.apply(gram)
+    u_v, w = (t * beta[..., None, :]) @ v, (t * start[..., None, :]) @ k
     return _Solved(u_v, w, k, k_end, g, dec, gates)
-
-
-def _scan(ch: _Solved, batch: int, s0: Tensor | None) -> tuple[list[Tensor], list[Tensor], Tensor]:
-    """Stage two, one small step per chunk: the state at each chunk's start, the chunk's ``U``
-    given it, and the final state ``(B, H, D, D_v)``."""
-    d, dv = ch.k.shape[-1], ch.u_v.shape[-1]
-    s = ch.k.new_zeros(ch.k.shape[0], d, dv) if s0 is None else s0.to(ch.k.dtype).flatten(0, 1)
-    starts, us = [], []
-    # unbind once: indexing chunk c inside the loop would zero-fill a full-size gradient per chunk.
-    for c, (w_c, u_c, k_c) in enumerate(zip(ch.w.unbind(1), ch.u_v.unbind(1), ch.k_end.transpose(-1, -2).unbind(1))):
-        starts.append(s)
-        us.append(torch.baddbmm(u_c, w_c, s, alpha=-1))  # [BH, L, D_v]: U = U_v - W S
-        s = torch.baddbmm(s if ch.gates is None else s * ch.gates[:, c, None, None], k_c, us[-1])
-    return starts, us, s.view(batch, -1, d, dv)
 
 
 def _chunkwise(
@@ -201,12 +297,14 @@ def _chunkwise(
 ) -> tuple[Tensor, Tensor]:
     """The fast path of both rules (``log_alpha=None``: no decay); see the module docstring.
 
-    Three stages: the triangular solves (``_solved``), the states at the chunk starts
-    (``_scan``), then, all chunks at once, ``O = diag(G) Q S_c + (Q K^T * Dec * M) U``."""
-    b, n = k.shape[0], k.shape[2]
+    Three stages: the triangular inverses (``_solved``), the states at the chunk starts and the
+    ``U`` given them (``_Scan``), then, all chunks at once, ``O = diag(G) Q S_c + (Q K^T * Dec * M) U``."""
+    b, h, n, d = k.shape
     ch = _solved(k, v, beta, log_alpha, chunk)
-    starts, us, s = _scan(ch, b, s0)
-    if not us:  # N = 0
+    s0 = k.new_zeros(b * h, d, v.shape[-1]) if s0 is None else s0.to(k.dtype).flatten(0, 1)
+    u, starts, s = _Scan.apply(ch.u_v, ch.w, ch.k_end, ch.gates, s0)
+    s = s.view(b, h, d, -1)
+    if n == 0:
         return v.new_zeros(v.shape), s
     q = _chunked(q, ch.k.shape[2])
     scores = q @ ch.k.transpose(-1, -2)  # [BH, C, L, L]
@@ -214,5 +312,5 @@ def _chunkwise(
         scores = scores.tril()
     else:
         scores, q = scores * ch.dec, q * ch.g.exp()[..., None]  # dec is 0 above the diagonal
-    out = q @ torch.stack(starts, 1) + scores @ torch.stack(us, 1)
-    return rearrange(out, "(b h) c l e -> b h (c l) e", b=b)[:, :, :n], s
+    out = torch.baddbmm((scores @ u).flatten(0, 1), q.flatten(0, 1), starts.flatten(0, 1))  # [BH C, L, D_v]
+    return rearrange(_DenseGrad.apply(out), "(b h c) l e -> b h (c l) e", b=b, h=h)[:, :, :n], s
