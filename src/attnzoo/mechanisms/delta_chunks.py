@@ -221,18 +221,18 @@ class _Scan(torch.autograd.Function):
     The backward is one reverse scan over the adjoints ``l_c`` of the states (two matmuls per chunk,
     as the forward); every other gradient is then one batched matmul over all chunks, where autograd
     would keep graph nodes per chunk and compute them inside the loop. Each step computes into a
-    fresh block and copies it to its chunk's slot: a batched matmul writing into a strided slot
-    would run matrix by matrix."""
+    fresh block, and the blocks are stacked once at the end: a batched matmul writing into a strided
+    slot would run matrix by matrix, and a copy per chunk costs a dispatch per chunk."""
 
     @staticmethod
     def forward(ctx, u_v: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, s: Tensor):  # noqa: ANN001, ANN205
         k_end_t = k_end.transpose(-1, -2)
-        u, starts = torch.empty_like(u_v), s.new_empty(s.shape[0], u_v.shape[1], *s.shape[1:])
-        for c in range(u.shape[1]):
-            starts[:, c] = s
-            u_c = torch.baddbmm(u_v[:, c], w[:, c], s, alpha=-1)
-            u[:, c] = u_c
-            s = torch.baddbmm(s if gates is None else s * gates[:, c, None, None], k_end_t[:, c], u_c)
+        us, starts = [], []
+        for c in range(u_v.shape[1]):
+            starts.append(s)
+            us.append(torch.baddbmm(u_v[:, c], w[:, c], s, alpha=-1))
+            s = torch.baddbmm(s if gates is None else s * gates[:, c, None, None], k_end_t[:, c], us[-1])
+        u, starts = torch.stack(us, 1), torch.stack(starts, 1)  # one copy each, not one per chunk
         ctx.save_for_backward(w, k_end, gates, starts, u)
         return u, starts, s
 
@@ -240,14 +240,13 @@ class _Scan(torch.autograd.Function):
     def backward(ctx, d_u: Tensor, d_starts: Tensor, lam: Tensor):  # noqa: ANN001, ANN205
         w, k_end, gates, starts, u = ctx.saved_tensors
         w_t = w.transpose(-1, -2)
-        d_u_all = torch.empty_like(d_u)  # dL/dU_c, through the outputs and the next states
-        lams = torch.empty_like(starts)  # [BH, C, D, D_v]: l_{c+1} = dL/dS_{c+1}
+        d_us, lams = [], []  # dL/dU_c (through the outputs and the next states); l_{c+1} = dL/dS_{c+1}
         for c in range(d_u.shape[1] - 1, -1, -1):
-            lams[:, c] = lam
-            d_u_c = torch.baddbmm(d_u[:, c], k_end[:, c], lam)
-            d_u_all[:, c] = d_u_c
+            lams.append(lam)
+            d_us.append(torch.baddbmm(d_u[:, c], k_end[:, c], lam))
             kept = lam if gates is None else lam * gates[:, c, None, None]
-            lam = torch.baddbmm(kept + d_starts[:, c], w_t[:, c], d_u_c, alpha=-1)
+            lam = torch.baddbmm(kept + d_starts[:, c], w_t[:, c], d_us[-1], alpha=-1)
+        d_u_all, lams = torch.stack(d_us[::-1], 1), torch.stack(lams[::-1], 1)  # [BH, C, L, D_v], [BH, C, D, D_v]
         d_w = (d_u_all @ starts.transpose(-1, -2)).neg_()
         d_gates = None if gates is None else torch.einsum("bcde,bcde->bc", lams, starts)
         return d_u_all, d_w, u @ lams.transpose(-1, -2), d_gates, lam
