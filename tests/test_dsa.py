@@ -173,6 +173,35 @@ def test_the_indexer_loss_is_the_papers_kl_and_trains_the_indexer():
     assert captured() > before + 0.02, "(0.44 -> 0.49) a trained indexer keeps keys the attention weighs more"
 
 
+def test_a_training_forward_leaves_the_indexer_loss_for_auxiliary_loss():
+    attn = _mechanism(topk=6, chunk=8).train()
+    q, k, v, *_ = _inputs(9)
+    out = attn(q, k, v, causal=True)
+    extra = attnzoo.nn.auxiliary_loss(attn)
+    assert_same(extra, attn.indexer_loss(q, k, causal=True), what="the KL the forward left")
+    assert attnzoo.nn.auxiliary_loss(attn) is None, "taken once, then cleared"
+    found = torch.autograd.grad(extra, (q, k, v, *attn.parameters()), allow_unused=True)
+    assert found[:3] == (None, None, None) and all(g is not None for g in found[3:]), "only the indexer learns"
+    assert_same(out, attn.eval()(q, k, v, causal=True), what="the output does not depend on it")
+    for quiet in (attn.eval(), attnzoo.build("dsa", head_dim=D, indexer_weight=0.0).double().train()):
+        quiet(q, k, v, causal=True)
+        assert attnzoo.nn.auxiliary_loss(quiet) is None, "eval mode or indexer_weight=0: no loss"
+    with torch.no_grad():
+        attn.train()(q, k, v, causal=True)
+    assert attnzoo.nn.auxiliary_loss(attn) is None, "no gradients: no loss"
+
+
+def test_a_model_sums_its_layers_auxiliary_losses():
+    torch.manual_seed(0)
+    model = attnzoo.nn.CausalLM(32, 16, 2, 2, "dsa", topk=4).train()
+    tokens = torch.randint(0, 32, (2, 20))
+    model(tokens)
+    layers = [m for m in model.modules() if isinstance(m, type(_mechanism()))]
+    each = [m._auxiliary.detach() for m in layers]
+    assert len(each) == 2 and all(float(x) > 0 for x in each)
+    assert_same(attnzoo.nn.auxiliary_loss(model).detach(), each[0] + each[1], what="one loss per layer, summed")
+
+
 def test_bad_configs_and_inputs_are_refused_naming_the_field():
     for field, value in (("topk", 0), ("index_heads", 0), ("index_dim", 0), ("chunk", 0), ("scale", -1.0)):
         with pytest.raises(ValueError, match=f"DSAConfig: {field} must be"):

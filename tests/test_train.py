@@ -353,3 +353,32 @@ def test_weight_digest_reads_0_dim_buffers():
     digest = weight_digest(model)
     model.seed.fill_(4)
     assert weight_digest(model) != digest
+
+
+def test_the_trainer_adds_the_mechanisms_auxiliary_losses(tmp_path):
+    """dsa's indexer learns only from its auxiliary loss: with it (indexer_weight 1) the trainer
+    moves the indexer's weights, without it (0) they keep their initial values (AdamW skips
+    parameters that get no gradient), from the same seed."""
+    from safetensors.torch import load_file
+
+    def indexer_weights(weight: float) -> dict[str, torch.Tensor]:
+        cfg = TrainConfig(
+            task="mqar",
+            task_overrides=dict(n_train=64, n_val=16, n_test=16),
+            mechanism="dsa",
+            config={"topk": 4, "indexer_weight": weight},
+            dim=16,
+            depth=1,
+            heads=2,
+            batch_size=16,
+            steps=3,
+            eval_every=3,
+            warmup=1,
+        )
+        run = tmp_path / f"run-{weight}"
+        train(cfg, run_dir=run, data_dir=str(tmp_path / "data"), progress=False)
+        return {key: value for key, value in load_file(str(run / "last.safetensors")).items() if ".index_" in key}
+
+    trained, untouched = indexer_weights(1.0), indexer_weights(0.0)
+    assert len(trained) == 3, sorted(trained)
+    assert all(not torch.equal(trained[key], untouched[key]) for key in trained)

@@ -33,6 +33,7 @@ from attnzoo.bench.distributed import Distributed
 from attnzoo.bench.models import build_model, resolve_positional
 from attnzoo.bench.monitor import PeakMemory, Reporter
 from attnzoo.bench.tasks import Split, TaskInfo, load_task
+from attnzoo.mechanisms.base import auxiliary_loss
 from attnzoo.registry import EXACT
 
 # Budgets per task and size: what `attnzoo bench train --task T` uses unless told otherwise.
@@ -327,6 +328,8 @@ class _Run:
             group["lr"] = lr_at(step, self.cfg)
         rows = batch_indices(self.splits["train"].tokens.shape[0], step, self.cfg)[self.dist.rank :: self.dist.world]
         loss, _, _ = loss_and_counts(self.wrapped, self.info, self.splits["train"], rows, self.dist.device)
+        extra = auxiliary_loss(self.model)  # e.g. dsa's indexer, which the task loss cannot train
+        loss = loss if extra is None else loss + extra
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = float(nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip))

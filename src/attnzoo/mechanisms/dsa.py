@@ -288,6 +288,8 @@ class DSAConfig(Config):
         head_dim: D, the input width of the indexer projections. Default 64.
         chunk: query rows scored at once (memory O(B H chunk N)). Default 128.
         scale: attention score scale; default None means ``1 / sqrt(D)``.
+        indexer_weight: weight of the indexer's KL loss that a training-mode forward with
+            gradients leaves for ``attnzoo.nn.auxiliary_loss`` (0: none is computed). Default 1.
     """
 
     topk: int = bounded(256, ge=1)
@@ -296,6 +298,7 @@ class DSAConfig(Config):
     head_dim: int = bounded(64, ge=1)
     chunk: int = bounded(128, ge=1)
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
+    indexer_weight: float = bounded(1.0, ge=0)
 
     @classmethod
     def length_values(cls, n: int) -> dict[str, Any]:
@@ -333,10 +336,12 @@ class DSAState:
         "256 by default (the paper: 2048), about N / 8 from for_length(N)",
         "selection: each query's topk candidates (causal: keys s <= t; padded keys never) by I, ties to the "
         "lower key index, all of them when fewer; shared by all heads (the paper's MQA mode)",
-        "training: the top-k is discrete, so the task loss gives the indexer no gradient; indexer_loss(q, k, "
-        "causal=...) is the paper's KL from the main attention (heads summed, L1-normalised, over the "
-        "selected set) to softmax(I) with q, k detached (section 2.1.2): add it to the loss. attnzoo bench "
-        "train does not, so there the indexer stays at its random initialisation",
+        "training: the top-k is discrete, so the task loss gives the indexer no gradient; the indexer learns "
+        "from the paper's KL from the main attention (heads summed, L1-normalised, over the selected set) to "
+        "softmax(I), q and k detached (section 2.1.2): a training-mode forward with gradients leaves it, times "
+        "indexer_weight, for attnzoo.nn.auxiliary_loss(model), which a training loop adds to its loss (attnzoo "
+        "bench train does); indexer_loss(q, k, causal=...) computes it on its own. The paper's dense warm-up "
+        "stage (indexer trained against full attention first) is not reproduced",
         "no per-call scale: q also feeds the indexer (set the config's scale instead)",
         "fast path: per chunk of queries, the scores against every key it can reach are one GEMM and the "
         "selected ones are gathered (4-8x faster on CPU than gathering each query's k keys and values), "
@@ -371,11 +376,17 @@ class DSAAttention(Attention):
         return index_q, F.linear(x_k, self.index_k.weight.to(wide)), F.linear(x_q, self.index_w.weight.to(wide))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        with torch.no_grad():
-            index = self.indexer(q, k)
-        return _dsa_rows(
-            q, k, v, *index, self.config.topk, args.causal, args.key_mask, self.config.scale, self.config.chunk
-        )
+        cfg = self.config
+        if self.training and torch.is_grad_enabled() and cfg.indexer_weight > 0:
+            # the indexer's own loss (the task loss cannot reach it), left for auxiliary_loss()
+            index = self.indexer(q.detach(), k.detach())
+            kl = indexer_kl(q, k, *index, cfg.topk, args.causal, args.key_mask, cfg.scale, cfg.chunk)
+            self._auxiliary = cfg.indexer_weight * kl
+            index = tuple(x.detach() for x in index)
+        else:
+            with torch.no_grad():
+                index = self.indexer(q, k)
+        return _dsa_rows(q, k, v, *index, cfg.topk, args.causal, args.key_mask, cfg.scale, cfg.chunk)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         with torch.no_grad():
