@@ -197,9 +197,24 @@ def test_a_model_sums_its_layers_auxiliary_losses():
     tokens = torch.randint(0, 32, (2, 20))
     model(tokens)
     layers = [m for m in model.modules() if isinstance(m, type(_mechanism()))]
-    each = [m._auxiliary.detach() for m in layers]
+    each = [m._auxiliary_loss.detach() for m in layers]
     assert len(each) == 2 and all(float(x) > 0 for x in each)
     assert_same(attnzoo.nn.auxiliary_loss(model).detach(), each[0] + each[1], what="one loss per layer, summed")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_query_makes_its_position_nan_in_every_head(value):
+    """The heads share one selection made from the head-mean of q, so a poisoned query in one
+    head reaches every head at its position (loud), and no other position."""
+    attn = _mechanism()
+    q, k, v, *_ = (x.detach() for x in _inputs(10))
+    clean = attn(q, k, v, causal=True)
+    q[0, 1, 5, 2] = value
+    out = attn(q, k, v, causal=True)
+    assert out[0, :, 5].isnan().all()
+    others = torch.ones(out.shape[:3], dtype=torch.bool)
+    others[0, :, 5] = False
+    assert_same(out[others], clean[others], what="the other positions")
 
 
 def test_bad_configs_and_inputs_are_refused_naming_the_field():

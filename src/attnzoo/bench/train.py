@@ -33,7 +33,7 @@ from attnzoo.bench.distributed import Distributed
 from attnzoo.bench.models import build_model, resolve_positional
 from attnzoo.bench.monitor import PeakMemory, Reporter
 from attnzoo.bench.tasks import Split, TaskInfo, load_task
-from attnzoo.mechanisms.base import auxiliary_loss
+from attnzoo.mechanisms.auxiliary import auxiliary_loss
 from attnzoo.registry import EXACT
 
 # Budgets per task and size: what `attnzoo bench train --task T` uses unless told otherwise.

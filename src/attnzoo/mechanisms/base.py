@@ -108,23 +108,6 @@ class Mechanism(nn.Module):
     def extra_repr(self) -> str:
         return repr(self.config)
 
-    def take_auxiliary_loss(self) -> Tensor | None:
-        """The auxiliary loss the latest training-mode forward left (a mechanism whose own
-        parameters learn from a loss of their own, e.g. ``dsa``'s indexer), cleared as it is
-        taken; None when there is none. ``auxiliary_loss(model)`` sums it over a model."""
-        loss, self._auxiliary = getattr(self, "_auxiliary", None), None
-        return loss
-
-
-def auxiliary_loss(model: nn.Module) -> Tensor | None:
-    """The sum of the auxiliary losses the mechanisms in ``model`` left in their latest
-    training-mode forward (see ``Mechanism.take_auxiliary_loss``), each cleared; None when no
-    mechanism left one. Add it to the task loss before ``backward()``: the gradient of such a
-    loss reaches only the parameters it trains (``dsa``: the lightning indexer)."""
-    losses = [m.take_auxiliary_loss() for m in model.modules() if isinstance(m, Mechanism)]
-    losses = [loss for loss in losses if loss is not None]
-    return sum(losses[1:], losses[0]) if losses else None
-
 
 def nan_rows_of_non_finite_queries(out: Tensor, q: Tensor) -> Tensor:
     """``out (B, H, N_q, D_v)`` with the row of every query that holds NaN or +-inf made NaN.

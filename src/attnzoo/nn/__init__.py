@@ -1,6 +1,6 @@
 """Layers built on the registry: multi-head attention, encoder blocks, a causal LM."""
 
-from attnzoo.mechanisms.base import auxiliary_loss
+from attnzoo.mechanisms.auxiliary import auxiliary_loss
 from attnzoo.nn.attention import MHAState, MultiHeadAttention
 from attnzoo.nn.axial import AxialAttention
 from attnzoo.nn.cbam import CBAM

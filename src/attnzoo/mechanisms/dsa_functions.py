@@ -1,0 +1,267 @@
+"""DeepSeek Sparse Attention as plain functions: the lightning indexer (``index_scores``), the
+top-k selection (``select_keys``), the fast path (``dsa_attention``), its dense form
+(``reference_dsa``) and the indexer's training loss (``indexer_kl``). The mechanism that wraps
+them is in ``dsa.py``.
+
+The indexer is O(N^2 d_I H_I) by design; the fast path scores it in query chunks, so at most a
+``(B, chunk, H_I, N)`` score tensor exists, picks the keys with ``select_topk`` (``topk.py``) and
+attends over them in ``_SelectedSoftmax``, which keeps only the ``(B, H, N, top_k)`` weights for
+backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from attnzoo._checks import check_causal, check_key_mask, check_positive_int, check_qkv, check_tensor
+from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms.topk import select_topk, topk_mask
+
+PAPER = (
+    "DeepSeek-AI 2025, DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse Attention, "
+    "https://github.com/deepseek-ai/DeepSeek-V3.2-Exp/blob/main/DeepSeek_V3_2.pdf"
+)
+
+
+def index_scores(index_q: Tensor, index_k: Tensor, index_w: Tensor) -> Tensor:
+    """The lightning indexer, ``I[b, t, s] = sum_j w[b, t, j] ReLU(q^I[b, t, j] . k^I[b, s])``.
+
+    Shapes:
+        index_q ``(B, M, H_I, d_I)``, index_k ``(B, N, d_I)``, index_w ``(B, M, H_I)`` -> ``(B, M, N)``.
+
+    Notes:
+        Two GEMMs: every indexer head's scores at once, ``(B, M H_I, N)``, then their weighted
+        sum as ``(B M, 1, H_I) @ (B M, H_I, N)``; 4x faster on CPU than a loop over the heads.
+        The fast path calls it on chunks of M rows; the reference on all rows, for the same
+        rounded numbers per row, so both rank the keys alike.
+    """
+    b, m, heads_i, _ = index_q.shape
+    per_head = torch.bmm(rearrange(index_q, "b m j e -> b (m j) e"), index_k.transpose(1, 2))  # (B, M H_I, N)
+    per_head = per_head.relu() if per_head.requires_grad else per_head.relu_()
+    weights = rearrange(index_w, "b m j -> (b m) 1 j")
+    return torch.bmm(weights, per_head.view(b * m, heads_i, -1)).view(b, m, -1)
+
+
+def _candidates(start: int, stop: int, m: int, n: int, causal: bool, key_mask: Tensor | None, device) -> Tensor | None:
+    """Which keys query rows ``start:stop`` of ``m`` (end-aligned to ``n`` keys) may select,
+    broadcastable to ``(B, stop - start, n)``; None = all."""
+    visible = None
+    if causal:
+        rows = torch.arange(start, stop, device=device) + (n - m)
+        visible = (torch.arange(n, device=device) <= rows[:, None])[None]  # (1, c, n)
+    if key_mask is not None:
+        visible = key_mask[:, None] if visible is None else visible & key_mask[:, None]
+    return visible
+
+
+def select_keys(
+    index_q: Tensor, index_k: Tensor, index_w: Tensor, top_k: int, causal: bool, key_mask: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """Each query's selected keys, ``idx (B, M, k)`` and ``valid (B, M, k)``, ``k = min(top_k, N)``:
+    the indexer scored ``chunk`` query rows at a time (end-aligned when ``M < N``), the top k
+    candidates kept, ties to the lower key index; unused slots (fewer candidates) are invalid."""
+    (_, m), n = index_q.shape[:2], index_k.shape[1]
+    kk = min(top_k, n)
+    idx, valid = [], []
+    with torch.no_grad():
+        for start in range(0, m, chunk):
+            stop = min(start + chunk, m)
+            reach = stop + n - m if causal else n  # later keys are never candidates of these rows
+            scores = index_scores(index_q[:, start:stop], index_k[:, :reach], index_w[:, start:stop])  # (B, c, reach)
+            visible = _candidates(start, stop, m, n, causal, key_mask, index_q.device)
+            visible = None if visible is None else visible[..., :reach]
+            chosen, ok = select_topk(scores, visible, min(kk, reach))  # (B, c, <= kk)
+            idx.append(F.pad(chosen, (0, kk - chosen.shape[-1])))
+            valid.append(F.pad(ok, (0, kk - ok.shape[-1])))
+    return torch.cat(idx, 1), torch.cat(valid, 1)
+
+
+class _SelectedSoftmax(torch.autograd.Function):
+    """Softmax of each query over its own selected keys, shared by the heads, in query chunks:
+    q ``(B, H, M, D)`` (the last M of N positions), k ``(B, H, N, D)``, v ``(B, H, N, D_v)``,
+    idx and valid ``(B, M, k)`` (idx 0 in invalid slots) -> ``(B, H, M, D_v)``.
+
+    Per chunk, the scores against every key the chunk can reach (causal: up to its last row) are
+    one GEMM, ``(B, H, c, N')``; the selected ones are gathered, softmaxed, and scattered back
+    for a GEMM with v. On CPU this ran 4-8x faster than gathering each query's k keys and
+    values (``(B, H, c, k, D)``, batched mat-vecs) at N = 4096, k = 256, H = 8, D = 64, so the
+    attention costs O(N^2 D H) time like the indexer; memory stays O(B H c N) per chunk. Saves
+    the weights ``(B, H, M, k)`` for backward, which redoes the GEMMs chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, idx, valid, scale: float, chunk: int, causal: bool) -> Tensor:  # type: ignore[override]
+        outs, weights = [], []
+        for start, stop, reach, idx_c, ok in _chunks(q, k, idx, valid, chunk, causal):
+            logits = torch.matmul(q[:, :, start:stop], k[:, :, :reach].transpose(-1, -2)).gather(-1, idx_c)
+            w = normalize_scores(logits * scale, ok, "softmax")  # (B, H, c, k); no valid slot: zeros
+            outs.append(torch.matmul(_scattered(w, idx_c, reach), v[:, :, :reach]))
+            weights.append(w)
+        ctx.save_for_backward(q, k, v, idx, valid, torch.cat(weights, 2))
+        ctx.scale, ctx.chunk, ctx.causal = scale, chunk, causal
+        return torch.cat(outs, 2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, idx, valid, weights = ctx.saved_tensors
+        d_q, d_k, d_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for start, stop, reach, idx_c, _ in _chunks(q, k, idx, valid, ctx.chunk, ctx.causal):
+            w, g, q_c = weights[:, :, start:stop], grad[:, :, start:stop], q[:, :, start:stop]
+            d_w = torch.matmul(g, v[:, :, :reach].transpose(-1, -2)).gather(-1, idx_c)
+            d_logits = _scattered(w * (d_w - (d_w * w).sum(-1, keepdim=True)) * ctx.scale, idx_c, reach)
+            d_q[:, :, start:stop] = torch.matmul(d_logits, k[:, :, :reach])
+            d_k[:, :, :reach] += torch.matmul(d_logits.transpose(-1, -2), q_c)
+            d_v[:, :, :reach] += torch.matmul(_scattered(w, idx_c, reach).transpose(-1, -2), g)
+        return d_q, d_k, d_v, None, None, None, None, None
+
+
+def _chunks(q: Tensor, k: Tensor, idx: Tensor, valid: Tensor, chunk: int, causal: bool):
+    """``(start, stop, reach, idx_c, ok)`` per chunk of query rows: the keys ``:reach`` it can see
+    and its shared selection as ``(B, H, c, k)`` views."""
+    (_, heads, m, _), n = q.shape, k.shape[2]
+    for start in range(0, m, chunk):
+        stop = min(start + chunk, m)
+        reach = stop + n - m if causal else n
+        idx_c, ok = (x[:, None, start:stop].expand(-1, heads, -1, -1) for x in (idx, valid))
+        yield start, stop, reach, idx_c, ok
+
+
+def _scattered(w: Tensor, idx: Tensor, reach: int) -> Tensor:
+    """Slot values ``w (B, H, c, k)`` at their key positions ``idx``, ``(B, H, c, reach)``, zero
+    elsewhere; added, so an invalid slot (idx 0, value 0) cannot overwrite key 0's value."""
+    return w.new_zeros(*w.shape[:-1], reach).scatter_add_(-1, idx, w)
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, index_q: Tensor, index_k: Tensor, index_w: Tensor) -> None:
+    check_qkv(q, k, v, cross_attention=False)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k and v must have q's {q.shape[1]} heads (repeat grouped K/V first), got {k.shape[1]}")
+    check_tensor(index_q, "index_q", 4, "(B, N, H_I, d_I)")
+    check_tensor(index_k, "index_k", 3, "(B, N, d_I)")
+    check_tensor(index_w, "index_w", 3, "(B, N, H_I)")
+    (batch, _, n, _), (heads_i, d_i) = q.shape, index_q.shape[2:]
+    want = {"index_q": (batch, n), "index_k": (batch, n, d_i), "index_w": (batch, n, heads_i)}
+    for name, x in (("index_q", index_q), ("index_k", index_k), ("index_w", index_w)):
+        if tuple(x.shape[: len(want[name])]) != want[name]:
+            raise ValueError(
+                f"{name} must start with shape {want[name]} (B, N from q; d_I, H_I from index_q), got {tuple(x.shape)}"
+            )
+
+
+def dsa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index_q: Tensor,
+    index_k: Tensor,
+    index_w: Tensor,
+    *,
+    top_k: int,
+    causal: bool,
+    key_mask: Tensor | None = None,
+    scale: float | None = None,
+    chunk: int = 128,
+) -> Tensor:
+    """DeepSeek Sparse Attention, the fast path (DeepSeek-V3.2-Exp, section 2.1).
+
+    Args:
+        q, k: ``(B, H, N, D)``; v: ``(B, H, N, D_v)`` (self-attention: one sequence).
+        index_q: ``(B, N, H_I, d_I)`` indexer queries; index_k: ``(B, N, d_I)``, one indexer key
+            per token shared by the indexer heads; index_w: ``(B, N, H_I)`` per-query head weights.
+        top_k: keys kept per query (all its candidates when it has fewer).
+        causal: query t's candidates are keys ``s <= t``. key_mask: ``(B, N)`` bool, True =
+            real; padded keys are never candidates.
+        scale: of the attention scores; None means ``1 / sqrt(D)`` (the indexer is unscaled).
+        chunk: query rows scored at once (memory ``O(B H chunk N)``). Default 128.
+
+    Returns:
+        ``(B, H, N, D_v)`` in q's dtype; a query with no candidate gets zeros. Gradients reach
+        q, k, v through the attention; the selection (so ``index_*``) gets none from the output.
+    """
+    _check_inputs(q, k, v, index_q, index_k, index_w)
+    causal = check_causal(causal, q.shape[2], k.shape[2])
+    check_positive_int(top_k, "top_k")
+    check_positive_int(chunk, "chunk")
+    key_mask = check_key_mask(key_mask, q.shape[0], k.shape[2], q.device)
+    if q.shape[0] == 0 or q.shape[2] == 0:
+        return (q @ k.transpose(-1, -2)) @ v  # empty, on the graph
+    return _dsa_rows(q, k, v, index_q, index_k, index_w, top_k, causal, key_mask, scale, chunk)
+
+
+def _dsa_rows(
+    q: Tensor, k: Tensor, v: Tensor, iq: Tensor, ik: Tensor, iw: Tensor, top_k: int, causal: bool, mask, scale, chunk
+) -> Tensor:
+    """``dsa_attention`` for the ``M`` query rows at the last M of ``N`` key positions (M = N:
+    a forward; M < N: decode steps over a cache), unchecked."""
+    wide = compute_dtype(q)
+    idx, valid = select_keys(*(x.to(wide) for x in (iq, ik, iw)), top_k, causal, mask, chunk)
+    qc, kc, vc = (x.to(wide) for x in (q, k, v))
+    idx = idx.masked_fill(~valid, 0)  # an unused slot may point past a chunk's reach
+    out = _SelectedSoftmax.apply(qc, kc, vc, idx, valid, default_scale(scale, q.shape[-1]), chunk, causal)
+    return out.to(q.dtype)
+
+
+def reference_dsa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index_q: Tensor,
+    index_k: Tensor,
+    index_w: Tensor,
+    *,
+    top_k: int,
+    causal: bool,
+    key_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Dense DSA, as the paper writes it: index scores ``I (B, N, N)`` (``index_scores``) ->
+    candidates (causal ``s <= t``, real keys) -> each row's top_k by I (``topk_mask``, ties to the
+    lower key index) -> per head ``softmax(scale q k^T)`` over the kept keys only -> ``@ v``.
+
+    Returns:
+        ``(out (B, H, N, D_v), weights (B, H, N, N))``. Allocates N x N by design.
+    """
+    wide = compute_dtype(q)
+    qc, kc, vc = (x.to(wide) for x in (q, k, v))
+    n = q.shape[2]
+    with torch.no_grad():
+        scores = index_scores(*(x.to(wide) for x in (index_q, index_k, index_w)))  # (B, N, N)
+        keep = topk_mask(scores, _candidates(0, n, n, n, causal, key_mask, q.device), top_k)
+    logits = torch.einsum("bhtd,bhsd->bhts", qc, kc) * default_scale(scale, q.shape[-1])
+    weights = normalize_scores(logits, keep[:, None], "softmax")
+    return torch.einsum("bhts,bhsd->bhtd", weights, vc).to(q.dtype), weights
+
+
+def indexer_kl(
+    q: Tensor, k: Tensor, iq: Tensor, ik: Tensor, iw: Tensor, top_k: int, causal: bool, mask, scale, chunk: int
+) -> Tensor:
+    """The indexer's training loss (DeepSeek-V3.2-Exp, section 2.1.2): for each query t with a
+    candidate, ``KL(p_t || softmax(I_t))`` over its selected set S_t, where ``p_t`` is the main
+    attention over S_t summed over heads and L1-normalised (the mean of the heads' softmaxes) and
+    ``I_t`` the index scores of S_t; averaged over those queries.
+
+    Shapes:
+        q, k ``(B, H, N, D)`` (no gradient is taken through them: ``p`` is a fixed target);
+        iq, ik, iw as ``dsa_attention``'s ``index_*``, carrying the gradient -> a scalar.
+    """
+    wide, (b, _, n, _) = compute_dtype(q), k.shape
+    idx, valid = select_keys(*(x.detach().to(wide) for x in (iq, ik, iw)), top_k, causal, mask, chunk)
+    idx = idx.masked_fill(~valid, 0)
+    qc, kc, scale = q.detach().to(wide), k.detach().to(wide), default_scale(scale, q.shape[-1])
+    ik_rows = rearrange(ik.to(wide), "b n e -> (b n) e")
+    total = qc.new_zeros(())
+    for start, stop, reach, idx_h, ok_h in _chunks(qc, kc, idx, valid, chunk, causal):
+        with torch.no_grad():
+            logits = torch.matmul(qc[:, :, start:stop], kc[:, :, :reach].transpose(-1, -2)).gather(-1, idx_h)
+            p = normalize_scores(logits * scale, ok_h, "softmax").mean(1)  # (B, c, k): heads' rows sum to 1 or 0
+        ok, idx_c = valid[:, start:stop], idx[:, start:stop]
+        rows = (idx_c + torch.arange(b, device=q.device).view(b, 1, 1) * n).flatten()
+        ik_sel = ik_rows[rows].view(*idx_c.shape, -1)  # (B, c, k, d_I)
+        heads_i = torch.relu(torch.einsum("bmje,bmke->bmjk", iq[:, start:stop].to(wide), ik_sel))
+        scores = torch.einsum("bmjk,bmj->bmk", heads_i, iw[:, start:stop].to(wide))
+        log_q = torch.log_softmax(scores.masked_fill(~ok, float("-inf")).masked_fill(~ok.any(-1, keepdim=True), 0), -1)
+        total = total + (torch.xlogy(p, p) - p * log_q.masked_fill(~ok, 0.0)).sum()
+    return total / valid.any(-1).sum().clamp(min=1)
