@@ -241,19 +241,23 @@ def test_checkpoint_keeps_tied_weights(tmp_path):
     assert torch.equal(clone[0].weight, model[0].weight) and clone[1].weight is clone[0].weight
 
 
+#: A three-step MQAR run on 64 sequences, one layer of width 16.
+TINY_MQAR = dict(
+    task="mqar",
+    size="quick",
+    task_overrides=dict(n_train=64, n_val=16, n_test=16),
+    dim=16,
+    depth=1,
+    heads=2,
+    batch_size=16,
+    steps=3,
+    eval_every=3,
+    warmup=1,
+)
+
+
 def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path):
-    base = dict(
-        task="mqar",
-        size="quick",
-        task_overrides=dict(n_train=64, n_val=16, n_test=16),
-        dim=16,
-        depth=1,
-        heads=2,
-        batch_size=16,
-        steps=3,
-        eval_every=3,
-        warmup=1,
-    )
+    base = TINY_MQAR
     first = train(TrainConfig(**base), run_dir=tmp_path / "a", data_dir=str(tmp_path / "data"), progress=False)
     # With lr ~ 0 the continued run keeps the weights it started from: those of the first run.
     second = train(
@@ -362,19 +366,7 @@ def test_the_trainer_adds_the_mechanisms_auxiliary_losses(tmp_path):
     from safetensors.torch import load_file
 
     def indexer_weights(weight: float) -> dict[str, torch.Tensor]:
-        cfg = TrainConfig(
-            task="mqar",
-            task_overrides=dict(n_train=64, n_val=16, n_test=16),
-            mechanism="dsa",
-            config={"topk": 4, "indexer_weight": weight},
-            dim=16,
-            depth=1,
-            heads=2,
-            batch_size=16,
-            steps=3,
-            eval_every=3,
-            warmup=1,
-        )
+        cfg = TrainConfig(**TINY_MQAR, mechanism="dsa", config={"topk": 4, "indexer_weight": weight})
         run = tmp_path / f"run-{weight}"
         train(cfg, run_dir=run, data_dir=str(tmp_path / "data"), progress=False)
         return {key: value for key, value in load_file(str(run / "last.safetensors")).items() if ".index_" in key}

@@ -105,13 +105,9 @@ def taylor_pair_weights(q: Tensor, k: Tensor) -> Tensor:
     return _Taylor.apply((q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2))
 
 
-@dataclass(frozen=True)
-class _TaylorMaps:
-    """The core's ``FeatureMaps`` for q and k used as given (the plain function)."""
-
-    chunk: int
-    eps: float
-    normalizer: Normalizer = "rows"
+class _TaylorFeatures:
+    """The feature-map half of the core's ``FeatureMaps``: Taylor features of q and k as the
+    core gets them, and the in-chunk weights from ``q . k``."""
 
     def query_features(self, q: Tensor) -> Tensor:
         return taylor_features(q)
@@ -121,6 +117,15 @@ class _TaylorMaps:
 
     def pair_weights(self, q: Tensor, k: Tensor) -> Tensor:
         return taylor_pair_weights(q, k)
+
+
+@dataclass(frozen=True)
+class _TaylorMaps(_TaylorFeatures):
+    """The core's ``FeatureMaps`` for q and k used as given (the plain function)."""
+
+    chunk: int
+    eps: float
+    normalizer: Normalizer = "rows"
 
 
 def _checked(q: Any, k: Any, v: Any, causal: Any, key_mask: Any, eps: Any) -> AttendArgs:
@@ -246,7 +251,7 @@ class BasedConfig(Config):
     causal=True,
     gqa_note=None,
 )
-class BasedAttention(KernelAttention):
+class BasedAttention(_TaylorFeatures, KernelAttention):
     """Based: ``taylor_features`` of q and k projected per head to ``feature_dim`` dims.
 
     Shapes:
@@ -294,15 +299,6 @@ class BasedAttention(KernelAttention):
         ct = compute_dtype(q)
         out = super()._reference(self._project(q.to(ct)), self._project(k.to(ct)), v.to(ct), args, return_weights)
         return (out[0].to(q.dtype), out[1]) if return_weights else out.to(q.dtype)
-
-    def query_features(self, q: Tensor) -> Tensor:
-        return taylor_features(q)
-
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
-        return KeyFeatures(taylor_features(k))
-
-    def pair_weights(self, q: Tensor, k: Tensor) -> Tensor:
-        return taylor_pair_weights(q, k)
 
     def num_features(self, head_dim: int) -> int:
         return taylor_size(self.config.feature_dim)
