@@ -78,9 +78,10 @@ class FeatureMaps(Protocol):
 
     A mechanism may also define ``pair_weights(q (..., L, D), k (..., L, D)) -> (..., L, L)`` on
     chunks of the inputs the core was given, equal to ``query_features(q) @ key_features(k).phi^T``
-    for real keys but cheaper (Based's Taylor features: a polynomial of ``q . k``, a D-wide product
-    where the features are ``1 + D + D^2`` wide); the causal chunks use it for the pairs inside a
-    chunk. Padded keys need no care there: their values and their count column are zero."""
+    for real keys but cheaper (Based's Taylor features: a polynomial of ``q . k``, a D-wide
+    product where the features are ``1 + D + D (D + 1) / 2`` wide); the causal chunks use it for
+    the pairs inside a chunk. Padded keys need no care there: their values and their count column
+    are zero."""
 
     normalizer: Normalizer
     chunk: int
