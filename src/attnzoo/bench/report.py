@@ -250,8 +250,8 @@ def accuracy_section(table: dict[str, Any]) -> str:
         body.append(f"<tr><th>{_e(m)}</th>{row}{mean}</tr>")
     note = (
         f"<p>Test accuracy (%), one reference row per mechanism and column (fresh, then uncommitted, then "
-        f"committed files; a clean "
-        f"revision before a dirty one, then the latest); hover a cell for its source (file, date, git revision). "
+        f"committed files; a clean revision before a dirty one, then the longer training budget, then the "
+        f"latest); hover a cell for its source (file, date, git revision). "
         f"A column counts only where softmax reaches chance + {pick.MARGIN:.0f} points; the others are greyed "
         f"and never ranked. The mean is over the same columns for every ranked mechanism "
         f"({_e(_names(used)) or 'none'}); best per counted column in bold; &dagger; = made at a dirty revision.</p>"
