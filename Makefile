@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,hf,text]'
 	touch $(STAMP)
 
-# The main job, about 8 minutes on 2 quiet CPU cores (7 min 31 s measured from a fresh clone): speed and memory of every mechanism at
+# The main job, about 8 minutes on 2 quiet CPU cores (7 min 31 s measured from a fresh clone):
+# speed and memory of every mechanism at
 # N = 1K and 4K (forward+backward, vs SDPA), a short ListOps run per family, and report/index.html
 # with the committed results of benchmarks/ beside the fresh ones. Stage times: runs/suite/quick/stages.jsonl.
 demo: $(STAMP)
