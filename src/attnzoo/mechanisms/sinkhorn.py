@@ -179,11 +179,29 @@ def sinkhorn_attention(
         local = local.expand(b, h, -1, block, -1)
         visible = torch.cat([local, sorted_real[:, :, :, None, :].expand_as(local)], dim=-1)
         slots = "bhikd"
+    if not return_weights:
+        out = _slot_attention(qb, keys, values, visible, scale)
+        return rearrange(out, "b h n w d -> b h (n w) d")[:, :, :n].to(q.dtype)
     scores = torch.einsum(f"bhiqd,{slots}->bhiqk", qb, keys) * scale
     weights = normalize_scores(scores, visible, "softmax")  # [B, H, nb, w, K]
     out = torch.einsum(f"bhiqk,{slots}->bhiqd", weights, values)
-    out = rearrange(out, "b h n w d -> b h (n w) d")[:, :, :n].to(q.dtype)
-    return (out, weights) if return_weights else out
+    return rearrange(out, "b h n w d -> b h (n w) d")[:, :, :n].to(q.dtype), weights
+
+
+def _slot_attention(qb: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """Each query block's softmax over its visible slots as one SDPA call (on CPU the flash
+    kernel, forward and backward, where the explicit scores cost several passes over a (w, K)
+    tensor per block): ``qb (B, H, nb, w, D)`` against per-block ``keys, values (B, H, nb, K, D)``
+    or, SortCut, slots shared by every block ``(B, H, K, D)``; a row that sees nothing -> zeros."""
+    b, h, nb, w, _ = qb.shape
+    shared = keys.dim() == 4
+    q = rearrange(qb, "b h n w d -> b h (n w) d") if shared else qb.flatten(1, 2)  # 4-D for the kernel
+    k, v = (keys, values) if shared else (keys.flatten(1, 2), values.flatten(1, 2))
+    mask = visible[:, :, 0] if shared else visible.expand(b, h, nb, w, -1).flatten(1, 2)
+    everything = bool(mask.all())  # the usual case (no padding, not causal): no mask at all
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if everything else mask, scale=scale)
+    out = out if everything else torch.where(mask.any(-1, keepdim=True), out, 0.0)
+    return out.view(b, h, nb, w, -1)
 
 
 def _sorted_blocks(kb: Tensor, vb: Tensor, real: Tensor, P: Tensor, *, causal: bool) -> tuple[list[Tensor], ...]:
