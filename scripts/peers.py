@@ -5,9 +5,9 @@ dependencies (they need only torch and einops, which the venv has) and put it on
 
     .venv/bin/python -m pip install --no-deps --target /tmp/peers reformer-pytorch \\
         sinkhorn-transformer local-attention==1.9.0 axial-positional-embedding product-key-memory==0.1.10
+    PYTHONPATH=/tmp/peers .venv/bin/python scripts/peers.py --n 4096
 
 (newer local-attention and product-key-memory releases import packages the two peers never use).
-    PYTHONPATH=/tmp/peers .venv/bin/python scripts/peers.py --n 4096
 
 Pairs (B=1, H=8, D=64, fp32, eval mode, non-causal):
 
