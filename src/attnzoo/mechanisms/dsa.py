@@ -28,9 +28,11 @@ from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.dsa_functions import (
     PAPER,
     _dsa_rows,
+    attend_selected,
     dsa_attention,
     index_scores,
     indexer_kl,
+    kl_on_selection,
     reference_dsa,
     select_keys,
 )
@@ -152,16 +154,17 @@ class DSAAttention(Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         cfg = self.config
-        if self.training and torch.is_grad_enabled() and cfg.indexer_weight > 0:
-            # the indexer's own loss (the task loss cannot reach it), left for auxiliary_loss()
-            index = self.indexer(q.detach(), k.detach())
-            kl = indexer_kl(q, k, *index, cfg.topk, args.causal, args.key_mask, cfg.scale, cfg.chunk)
+        learn = self.training and torch.is_grad_enabled() and cfg.indexer_weight > 0
+        with torch.set_grad_enabled(learn):
+            index = self.indexer(q.detach(), k.detach())  # a graph to the indexer only when it learns
+        wide = compute_dtype(q)
+        selection = select_keys(*(x.detach().to(wide) for x in index), cfg.topk, args.causal, args.key_mask, cfg.chunk)
+        out, weights = attend_selected(q, k, v, selection, args.causal, cfg.scale, cfg.chunk)
+        if learn:
+            # the indexer's own loss (the task loss cannot reach it), left for auxiliary_loss(); its
+            # target, the heads' mean attention over the selection, is the forward's own weights
+            kl = kl_on_selection(*index, selection, weights.mean(1), cfg.chunk)
             leave_auxiliary_loss(self, cfg.indexer_weight * kl)
-            index = tuple(x.detach() for x in index)
-        else:
-            with torch.no_grad():
-                index = self.indexer(q, k)
-        out = _dsa_rows(q, k, v, *index, cfg.topk, args.causal, args.key_mask, cfg.scale, cfg.chunk)
         return _nan_positions_of_non_finite_queries(out, q)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:

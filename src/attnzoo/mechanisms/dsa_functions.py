@@ -83,7 +83,8 @@ def select_keys(
 class _SelectedSoftmax(torch.autograd.Function):
     """Softmax of each query over its own selected keys, shared by the heads, in query chunks:
     q ``(B, H, M, D)`` (the last M of N positions), k ``(B, H, N, D)``, v ``(B, H, N, D_v)``,
-    idx and valid ``(B, M, k)`` (idx 0 in invalid slots) -> ``(B, H, M, D_v)``.
+    idx and valid ``(B, M, k)`` (idx 0 in invalid slots) -> ``(B, H, M, D_v)`` and the weights
+    ``(B, H, M, k)`` (no gradient: the indexer's loss reads them as its target).
 
     Per chunk, the scores against every key the chunk can reach (causal: up to its last row) are
     one GEMM, ``(B, H, c, N')``; the selected ones are gathered, softmaxed, and scattered back
@@ -100,12 +101,14 @@ class _SelectedSoftmax(torch.autograd.Function):
             w = normalize_scores(logits * scale, ok, "softmax")  # (B, H, c, k); no valid slot: zeros
             outs.append(torch.matmul(_scattered(w, idx_c, reach), v[:, :, :reach]))
             weights.append(w)
-        ctx.save_for_backward(q, k, v, idx, valid, torch.cat(weights, 2))
+        weights = torch.cat(weights, 2)
+        ctx.save_for_backward(q, k, v, idx, valid, weights)
         ctx.scale, ctx.chunk, ctx.causal = scale, chunk, causal
-        return torch.cat(outs, 2)
+        ctx.mark_non_differentiable(weights)
+        return torch.cat(outs, 2), weights
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor, _: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, idx, valid, weights = ctx.saved_tensors
         d_q, d_k, d_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for start, stop, reach, idx_c, _ in _chunks(q, k, idx, valid, ctx.chunk, ctx.causal):
@@ -197,11 +200,21 @@ def _dsa_rows(
     """``dsa_attention`` for the ``M`` query rows at the last M of ``N`` key positions (M = N:
     a forward; M < N: decode steps over a cache), unchecked."""
     wide = compute_dtype(q)
-    idx, valid = select_keys(*(x.to(wide) for x in (iq, ik, iw)), top_k, causal, mask, chunk)
-    qc, kc, vc = (x.to(wide) for x in (q, k, v))
+    selection = select_keys(*(x.to(wide) for x in (iq, ik, iw)), top_k, causal, mask, chunk)
+    return attend_selected(q, k, v, selection, causal, scale, chunk)[0]
+
+
+def attend_selected(
+    q: Tensor, k: Tensor, v: Tensor, selection: tuple[Tensor, Tensor], causal: bool, scale, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """The attention of ``_dsa_rows`` over a given ``select_keys`` selection: ``(out (B, H, M,
+    D_v)`` in q's dtype, ``weights (B, H, M, k)`` without gradient)."""
+    idx, valid = selection
     idx = idx.masked_fill(~valid, 0)  # an unused slot may point past a chunk's reach
-    out = _SelectedSoftmax.apply(qc, kc, vc, idx, valid, default_scale(scale, q.shape[-1]), chunk, causal)
-    return out.to(q.dtype)
+    wide = compute_dtype(q)
+    qc, kc, vc = (x.to(wide) for x in (q, k, v))
+    out, weights = _SelectedSoftmax.apply(qc, kc, vc, idx, valid, default_scale(scale, q.shape[-1]), chunk, causal)
+    return out.to(q.dtype), weights
 
 
 def reference_dsa(
@@ -247,21 +260,37 @@ def indexer_kl(
         q, k ``(B, H, N, D)`` (no gradient is taken through them: ``p`` is a fixed target);
         iq, ik, iw as ``dsa_attention``'s ``index_*``, carrying the gradient -> a scalar.
     """
-    wide, (b, _, n, _) = compute_dtype(q), k.shape
-    idx, valid = select_keys(*(x.detach().to(wide) for x in (iq, ik, iw)), top_k, causal, mask, chunk)
+    wide = compute_dtype(q)
+    selection = select_keys(*(x.detach().to(wide) for x in (iq, ik, iw)), top_k, causal, mask, chunk)
+    idx, valid = selection
     idx = idx.masked_fill(~valid, 0)
     qc, kc, scale = q.detach().to(wide), k.detach().to(wide), default_scale(scale, q.shape[-1])
-    ik_rows = rearrange(ik.to(wide), "b n e -> (b n) e")
-    total = qc.new_zeros(())
-    for start, stop, reach, idx_h, ok_h in _chunks(qc, kc, idx, valid, chunk, causal):
-        with torch.no_grad():
+    p = []
+    with torch.no_grad():
+        for start, stop, reach, idx_h, ok_h in _chunks(qc, kc, idx, valid, chunk, causal):
             logits = torch.matmul(qc[:, :, start:stop], kc[:, :, :reach].transpose(-1, -2)).gather(-1, idx_h)
-            p = normalize_scores(logits * scale, ok_h, "softmax").mean(1)  # (B, c, k): heads' rows sum to 1 or 0
+            p.append(normalize_scores(logits * scale, ok_h, "softmax").mean(1))  # (B, c, k): rows sum to 1 or 0
+    return kl_on_selection(iq, ik, iw, selection, torch.cat(p, 1), chunk)
+
+
+def kl_on_selection(
+    iq: Tensor, ik: Tensor, iw: Tensor, selection: tuple[Tensor, Tensor], p: Tensor, chunk: int
+) -> Tensor:
+    """``indexer_kl`` given the selection and its target ``p (B, M, k)`` (the main attention's
+    weights over the selected keys, averaged over the heads: a training forward has them)."""
+    idx, valid = selection
+    idx = idx.masked_fill(~valid, 0)
+    (b, m), n, wide = idx.shape[:2], ik.shape[1], p.dtype
+    ik_rows = rearrange(ik.to(wide), "b n e -> (b n) e")
+    total = p.new_zeros(())
+    for start in range(0, m, chunk):
+        stop = min(start + chunk, m)
         ok, idx_c = valid[:, start:stop], idx[:, start:stop]
-        rows = (idx_c + torch.arange(b, device=q.device).view(b, 1, 1) * n).flatten()
+        rows = (idx_c + torch.arange(b, device=idx.device).view(b, 1, 1) * n).flatten()
         ik_sel = ik_rows[rows].view(*idx_c.shape, -1)  # (B, c, k, d_I)
         heads_i = torch.relu(torch.einsum("bmje,bmke->bmjk", iq[:, start:stop].to(wide), ik_sel))
         scores = torch.einsum("bmjk,bmj->bmk", heads_i, iw[:, start:stop].to(wide))
         log_q = torch.log_softmax(scores.masked_fill(~ok, float("-inf")).masked_fill(~ok.any(-1, keepdim=True), 0), -1)
-        total = total + (torch.xlogy(p, p) - p * log_q.masked_fill(~ok, 0.0)).sum()
+        p_c = p[:, start:stop]
+        total = total + (torch.xlogy(p_c, p_c) - p_c * log_q.masked_fill(~ok, 0.0)).sum()
     return total / valid.any(-1).sum().clamp(min=1)
