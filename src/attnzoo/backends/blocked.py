@@ -42,7 +42,7 @@ from attnzoo.backends.call import Backend, Call, compute_dtype
 from attnzoo.backends.grouped import grouped_windows
 from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
 from attnzoo.backends.windowed import structured_attention
-from attnzoo.mechanisms._ops import dropout_flat_index, dropout_keep_at
+from attnzoo.mechanisms._ops import dropout_flat_index, dropout_keep_at, dropped
 from attnzoo.spec import MaskMod, ScoreMod
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class Context:
     key_mask: Tensor | None
     #: PyTorch's CPU flash kernel needs one head size for q, k and v.
     same_head_dims: bool = True
-    #: Attention dropout: pieces take the einsum path and apply ``_dropped``.
+    #: Attention dropout: pieces take the einsum path and apply ``_ops.dropped``.
     dropout: Dropout | None = None
 
 
@@ -100,11 +100,6 @@ def _keep(piece: Piece, ctx: Context, qx: Tensor) -> Tensor:
     plan = ctx.plan
     flat = dropout_flat_index(b, h, q_pos - (plan.n_kv - plan.n_q), kv_pos, plan.heads, plan.n_q, plan.n_kv)
     return dropout_keep_at(ctx.dropout.seed, flat, ctx.dropout.p)
-
-
-def _dropped(x: Tensor, keep: Tensor, p: float) -> Tensor:
-    """``x`` times the dropout factor ``keep / (1 - p)`` (as the reference applies it)."""
-    return torch.where(keep, x / (1 - p), 0.0)
 
 
 def _take(x: Tensor, piece: Piece, blocks: Tensor, block: int) -> Tensor:
@@ -167,7 +162,7 @@ def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     if ctx.dropout is not None:
-        probs = _dropped(probs, _keep(piece, ctx, qx), ctx.dropout.p)  # after the lse: the merge stays exact
+        probs = dropped(probs, _keep(piece, ctx, qx), ctx.dropout.p)  # after the lse: the merge stays exact
     return torch.matmul(probs, vx.to(cd)), lse
 
 
@@ -216,7 +211,7 @@ def piece_backward(
             # out = (P * D) v with D = keep / (1 - p): dv = (P * D)^T dO, dP = D * (dO v^T), and
             # delta = rowsum(dO * out) is still rowsum(P * dP).
             keep, p = _keep(piece, ctx, qx), ctx.dropout.p
-            d_probs, applied = _dropped(d_probs, keep, p), _dropped(probs, keep, p)
+            d_probs, applied = dropped(d_probs, keep, p), dropped(probs, keep, p)
         d_scores = probs * (d_probs - delta_x[..., None])
         (d_raw,) = torch.autograd.grad(scores, raw, d_scores) if ctx.score_mod is not None else (d_scores,)
     d_raw = d_raw * ctx.scale

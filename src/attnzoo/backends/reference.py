@@ -10,7 +10,7 @@ from torch import Tensor
 
 from attnzoo._checks import check_causal, check_choice, check_key_mask, check_qkv
 from attnzoo.backends.call import Backend, Call
-from attnzoo.mechanisms._ops import dropout_keep
+from attnzoo.mechanisms._ops import dense_dropout
 from attnzoo.spec import MaskMod, ScoreMod
 
 NORMALIZERS = ("softmax", "relu")
@@ -157,9 +157,7 @@ def reference_call(call: Call, return_weights: bool = False) -> Tensor | tuple[T
     if call.dropout is None:
         return weighted
     # Dropout on the normalised weights (Vaswani et al. 2017, 5.4): the seeded mask, rescaled.
-    weights, p = weighted[1], call.dropout.p
-    keep = dropout_keep(call.dropout.seed, tuple(weights.shape), p, weights.device)
-    weights = torch.where(keep, weights / (1 - p), 0.0)
+    weights = dense_dropout(weighted[1], call.dropout.seed, call.dropout.p)
     out = torch.einsum("bhij,bhjd->bhid", weights, call.v.to(weights.dtype)).to(call.q.dtype)
     return (out, weights) if return_weights else out
 

@@ -76,6 +76,17 @@ def dropout_keep(seed: int, shape: tuple[int, int, int, int], p: float, device: 
     return dropout_keep_at(seed, torch.arange(math.prod(shape), device=device, dtype=torch.int64).view(shape), p)
 
 
+def dropped(x: Tensor, keep: Tensor, p: float) -> Tensor:
+    """``x`` times the dropout factor ``keep / (1 - p)``: dropped entries 0, kept ones rescaled
+    (Vaswani et al. 2017, 5.4). Every dropout path applies it: the dense weights, a tile's."""
+    return torch.where(keep, x / (1 - p), 0.0)
+
+
+def dense_dropout(weights: Tensor, seed: int, p: float) -> Tensor:
+    """Dropout on dense ``(B, H, N_q, N_kv)`` weights with the seeded mask ``dropout_keep``."""
+    return dropped(weights, dropout_keep(seed, tuple(weights.shape), p, weights.device), p)
+
+
 def dropout_flat_index(b: Tensor, h: Tensor, i: Tensor, j: Tensor, heads: int, n_q: int, n_kv: int) -> Tensor:
     """The flat index of weight ``(b, h, i, j)`` in a ``(B, heads, n_q, n_kv)`` tensor,
     ``((b * heads + h) * n_q + i) * n_kv + j`` (int64, broadcast): what ``dropout_keep_at`` hashes,

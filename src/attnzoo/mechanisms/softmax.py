@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.backends.reference import reference_attention, visible_pairs
-from attnzoo.mechanisms._ops import dropout_keep
+from attnzoo.mechanisms._ops import dense_dropout
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
 from attnzoo.registry import Config, bounded, register
@@ -94,9 +94,7 @@ class SoftmaxAttention(KVCacheDecode, Attention):
             return reference_attention(q, k, v, return_weights=return_weights, **options)
         # Dropout on the probabilities (Vaswani et al. 2017, 5.4): the seeded mask, rescaled.
         weights = reference_attention(q, k, v, return_weights=True, **options)[1]
-        p = args.dropout.p
-        keep = dropout_keep(args.dropout.seed, tuple(weights.shape), p, weights.device)
-        weights = torch.where(keep, weights / (1 - p), 0.0)
+        weights = dense_dropout(weights, args.dropout.seed, args.dropout.p)
         out = weights.to(v.dtype) @ v
         return (out, weights) if return_weights else out
 
