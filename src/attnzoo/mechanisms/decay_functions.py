@@ -30,13 +30,13 @@ which strong decays followed by weak ones turn into 1e-4 relative errors.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from attnzoo.mechanisms._ops import dense_gradient
 from attnzoo.mechanisms.kernel import _causal_sums
 
 #: Inside a chunk, blocks of up to this many positions are multiplied out elementwise.
@@ -103,26 +103,6 @@ def gla(
         return _one_token(q, k, v, log_alpha, s0)
     out, state = gla_chunks(q, k, v, log_alpha, s0, chunk)
     return dense_gradient(out), state
-
-
-class _DenseGradient(torch.autograd.Function):
-    """The identity, whose backward hands on its gradient made contiguous."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
-def dense_gradient(x: Tensor) -> Tensor:
-    """``x``, with the gradient that reaches the chunk matmuls' backward made contiguous:
-    ``out.sum().backward()`` sends an expanded (stride-0) gradient, and CPU batched matmuls
-    given one took a per-matrix path, 25x slower with 2 threads (8.4 s against 0.34 s for
-    retention's forward and backward at N = 2048, H = 8, D = 64)."""
-    return _DenseGradient.apply(x)
 
 
 def _check_decay(name: str, log_decay: Tensor, shape: tuple[int, ...]) -> None:

@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from attnzoo.mechanisms._ops import dense_gradient
+
 #: Tokens per chunk of the fast path: quadratic (C x C) inside, the state carried across. 32 beat
 #: 16, 24 and 64 at N = 4096, D = 64 (fwd+bwd on CPU, ``scripts/recurrent_vs_naive.py``).
 CHUNK = 32
@@ -252,20 +254,6 @@ class _Scan(torch.autograd.Function):
         return d_u_all, d_w, u @ lams.transpose(-1, -2), d_gates, lam
 
 
-class _DenseGrad(torch.autograd.Function):
-    """The identity, whose backward makes the incoming gradient contiguous: the gradient of a
-    summed output arrives as a stride-0 expansion, and CPU batched matmuls then copy their operand
-    matrix by matrix (thousands of small copies at N = 4096) instead of once."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # noqa: ANN001
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
-        return grad.contiguous()
-
-
 def _solved(k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, chunk: int) -> _Solved:
     """Stage one, all chunks at once: ``[U_v, W] = T [diag(beta) V, diag(beta G) K]`` with ``T`` the
     unit lower-triangular inverse (module docstring)."""
@@ -312,4 +300,4 @@ def _chunkwise(
     else:
         scores, q = scores * ch.dec, q * ch.g.exp()[..., None]  # dec is 0 above the diagonal
     out = torch.baddbmm((scores @ u).flatten(0, 1), q.flatten(0, 1), starts.flatten(0, 1))  # [BH C, L, D_v]
-    return rearrange(_DenseGrad.apply(out), "(b h c) l e -> b h (c l) e", b=b, h=h)[:, :, :n], s
+    return rearrange(dense_gradient(out), "(b h c) l e -> b h (c l) e", b=b, h=h)[:, :, :n], s
