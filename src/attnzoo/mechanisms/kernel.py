@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from attnzoo.backends.grouped import fold_rows, unfold_rows
 from attnzoo.mechanisms.base import AttendArgs
 
 #: ``"rows"``: ``num / (den + eps)`` (non-negative features); ``"signed"``: ``den`` kept at
@@ -176,29 +177,17 @@ def _one_token(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, s0: Te
     state is per K/V head; the ``G`` query heads of a group read it as ``G`` rows."""
     s0 = s0 if log_decay is None else s0 * log_decay.exp()[..., None]  # log_decay [B, H_kv, 1]
     s1 = s0 + k.transpose(-1, -2) @ v  # [B, H_kv, m, E + 1]
-    out = _grouped_rows(q, k.shape[1]) @ s1  # [B, H_kv, G T, E + 1]
-    return _ungrouped_rows(out, q.shape[1] // k.shape[1]), s1
-
-
-def _grouped_rows(q: Tensor, kv_heads: int) -> Tensor:
-    """Grouped-query: ``(B, H, N, m) -> (B, H_kv, G N, m)``, the ``G = H / H_kv`` query heads
-    that read K/V head ``h`` stacked as rows of head ``h`` (query head ``h G + i`` is rows ``i N
-    .. (i + 1) N``), so one product with a per-K/V-head state serves the whole group and K/V
-    are never repeated. A view when ``G = 1``."""
-    return rearrange(q, "b (h g) n m -> b h (g n) m", h=kv_heads)
-
-
-def _ungrouped_rows(out: Tensor, groups: int) -> Tensor:
-    """The inverse of ``_grouped_rows``: ``(B, H_kv, G N, E) -> (B, H, N, E)``."""
-    return rearrange(out, "b h (g n) e -> b (h g) n e", g=groups)
+    groups = q.shape[1] // k.shape[1]
+    out = fold_rows(q, groups) @ s1  # [B, H_kv, G T, E + 1]: a group's query heads as rows
+    return unfold_rows(out, groups), s1
 
 
 def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: FeatureMaps) -> tuple[Tensor, KernelState]:
     """Non-causal: ``S1 = sum over key blocks of phi(K_b)^T [V_b, 1]`` (offsets merged as in
     ``_merge``), then ``phi(Q_b) S1`` per query block. Grouped-query K/V (``H_kv`` heads):
-    ``S1`` is per K/V head and the query heads of a group are its rows (``_grouped_rows``)."""
+    ``S1`` is per K/V head and the query heads of a group are its rows (``backends.grouped.fold_rows``)."""
     groups = q.shape[1] // k.shape[1]
-    q = _grouped_rows(q, k.shape[1])  # [B, H_kv, G N_q, D]: feature maps are row-wise
+    q = fold_rows(q, groups)  # [B, H_kv, G N_q, D]: feature maps are row-wise
     rows = max(1, BLOCK_ROWS // (q.shape[0] * q.shape[1]))
     s1 = c = None
     for i in range(0, k.shape[2], rows):
@@ -211,7 +200,7 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: Feature
         z = s1[..., -1:]
         s1 = torch.cat([s1[..., :-1] / torch.where(z > 0, z, 1.0), z], dim=-1)
     outs = [maps.query_features(q[:, :, i : i + rows]) @ s1 for i in range(0, q.shape[2], rows)]
-    out1 = _ungrouped_rows(torch.cat(outs, dim=2), groups)  # [B, H, N_q, E + 1]
+    out1 = unfold_rows(torch.cat(outs, dim=2), groups)  # [B, H, N_q, E + 1]
     state = KernelState(s1[..., :-1], s1[..., -1], c)
     return normalise(out1[..., :-1], out1[..., -1], maps.normalizer, maps.eps), state
 
