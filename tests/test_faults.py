@@ -521,11 +521,11 @@ def test_a_diverging_run_stops_with_an_error_and_a_failed_row(capsys, tmp_path):
     assert row["status"] == "diverged" and row["diverged_step"] >= 1 and "diverged" in row["error"]
     assert not {"test_accuracy", "val_accuracy", "steps_per_s"} & set(row)
     # The report shows it as a failed run, not as a result.
-    from attnzoo.bench import report
+    from attnzoo.bench import sections
 
-    cell = report.lra_table([row])["cells"]["softmax"]["mqar"]
+    cell = sections.lra_table([row])["cells"]["softmax"]["mqar"]
     assert cell["accuracy"] is None and "diverged" in cell["errors"][0]
-    assert "failed: diverged" in report.lra_section([row])
+    assert "failed: diverged" in sections.lra_section([row])
 
 
 def test_the_trainer_stops_before_a_non_finite_step_reaches_the_weights(tmp_path):

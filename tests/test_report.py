@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from rich.console import Console
 
-from attnzoo.bench import pick, report
+from attnzoo.bench import pick, report, results, sections
 
 META = {"kind": "meta", "processor": "AMD EPYC", "cpus": 2, "torch_threads": 2, "date": "2026-01-02", "git": "abc1234"}
 
@@ -41,7 +41,7 @@ def write(path, rows):
 
 
 def loaded(tmp_path, name, rows, committed=False):
-    return report.load_run(write(tmp_path / name, rows), origin="committed" if committed else "fresh")
+    return results.load_run(write(tmp_path / name, rows), origin="committed" if committed else "fresh")
 
 
 def test_one_reference_row_per_mechanism(tmp_path):
@@ -86,7 +86,7 @@ def test_averages_are_over_equal_task_sets():
     # Among softmax and linear only, A and B are common (C lacks linear).
     used, means = pick.common_tasks(table, {"softmax", "linear"})
     assert [c.task for c in used] == ["A", "B"] and means == pytest.approx({"softmax": 80.0, "linear": 60.0})
-    html = report.accuracy_section(table)
+    html = sections.accuracy_section(table)
     assert "fnet" in html and "not ranked: no result on A quick" in html
 
 
@@ -101,7 +101,7 @@ def test_no_ranking_where_softmax_is_not_above_chance_plus_ten_points():
     assert [c.task for c in used] == ["easy"] and means == pytest.approx({"softmax": 90.0, "local": 50.0})
     best = {c.task: b for c, b in pick.best_per_column(table).items()}
     assert best == {"hard": set(), "easy": {"softmax"}, "alone": set()}
-    html = report.accuracy_section(table)
+    html = sections.accuracy_section(table)
     assert "not learned at this budget" in html and "no softmax run: not judged" in html
     assert "<b>30.0</b>" not in html  # local's 30% on the unlearned task is not marked best
 
@@ -123,8 +123,8 @@ def test_which_to_pick_is_the_pareto_front_of_the_data(tmp_path):
     trains = [train(m, "listops", acc) for m, (_, _, acc) in FRONT.items()]
     trains += [train("softmax", "mqar", 0.99, task_params={}), train("fast", "mqar", 0.5, task_params={})]
     runs = [loaded(tmp_path, "speed.jsonl", speeds), loaded(tmp_path, "train.jsonl", trains, committed=True)]
-    table = pick.accuracy_table(report.of_kind(runs, "train"))
-    speed_rows = report.of_kind(runs, "speed")
+    table = pick.accuracy_table(results.of_kind(runs, "train"))
+    speed_rows = results.of_kind(runs, "speed")
     result = pick.pick(table, speed_rows, 4096, False)
     assert result["metric"] == pick.FWD_BWD and [c.task for c in result["tasks"]] == ["listops"]
     assert result["front"] == ["softmax", "mid", "fast"]  # most accurate first
@@ -135,7 +135,7 @@ def test_which_to_pick_is_the_pareto_front_of_the_data(tmp_path):
     assert [c.task for c in causal["tasks"]] == ["mqar"] and causal["front"] == ["softmax", "fast"]
     long = pick.pick(table, speed_rows, 16384, False)
     assert long["metric"] == pick.FWD and long["front"] == ["mid", "fast"]
-    html = report.pick_section(table, speed_rows)
+    html = sections.pick_section(table, speed_rows)
     assert html.count("<li") == 3 + 2 + 2 and "shadow:" not in html and "slow_bad:" not in html
     assert "N = 4096, causal" in html and "No mechanism has a speed row and an accuracy here" in html
 
@@ -160,12 +160,12 @@ def test_sources_dates_revisions_and_dirty_rows_are_labelled(tmp_path):
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
     for args in (["init", "-q"], ["add", "train.jsonl"], ["commit", "-q", "-m", "results"]):
         subprocess.run(git + args, check=True, capture_output=True)
-    run = report.load_run(path)  # tracked and unmodified: committed, dated by its commit
+    run = results.load_run(path)  # tracked and unmodified: committed, dated by its commit
     assert run.origin == "committed" and run.rows[0]["_date"] == run.committed_in.split()[1]
     assert "committed: " in pick.source_label(run.rows[0]) and "git 1234567+dirty (DIRTY" in pick.source_label(
         run.rows[0]
     )
-    assert report.load_run(write(tmp_path / "new.jsonl", [train("softmax", "A", 0.8)])).origin == "uncommitted"
+    assert results.load_run(write(tmp_path / "new.jsonl", [train("softmax", "A", 0.8)])).origin == "uncommitted"
     page = report.page([run], lambda name, draw: None, gallery=False)
     assert "1 row(s) were made at a dirty git revision" in page and "&dagger; dirty: 1234567+dirty" in page
 
@@ -174,12 +174,12 @@ def test_bad_input_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"kind": "meta"}\n\nnot json\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:3"):
-        report.load_run(path)
+        results.load_run(path)
     path.write_text('{"kind": "meta"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
-        report.load_run(path)
+        results.load_run(path)
     with pytest.raises(ValueError, match="missing.jsonl"):
-        report.load_run(tmp_path / "missing.jsonl")
+        results.load_run(tmp_path / "missing.jsonl")
 
 
 def test_report_is_self_contained(tmp_path):
@@ -229,7 +229,7 @@ def test_report_is_self_contained(tmp_path):
 
 def test_optional_sections_without_rows_are_left_out_and_named(tmp_path):
     path = write(tmp_path / "speed.jsonl", [speed("softmax", 1024, 1.0, 1)])
-    index, failed = report.render([report.load_run(path, origin="fresh")], tmp_path / "out", gallery=False)
+    index, failed = report.render([results.load_run(path, origin="fresh")], tmp_path / "out", gallery=False)
     page = index.read_text()
     assert failed == []
     assert "Not in the inputs (left out): Is your bottleneck really attention?, Fidelity" in page

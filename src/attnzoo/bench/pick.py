@@ -3,7 +3,7 @@ row per mechanism, which tasks count (softmax must beat chance by ``MARGIN`` poi
 over equal task sets, speed-ups at a length, and "which to pick": the Pareto front of (speed,
 memory, accuracy) per length and causality.
 
-Rows are the JSON objects of result files, annotated by ``report.load_run`` with where they come
+Rows are the JSON objects of result files, annotated by ``results.load_run`` with where they come
 from: ``_origin`` ("fresh": this suite run; "committed": a file git tracks unmodified;
 "uncommitted": any other file), ``_file``, ``_date``, ``_rev`` (the git revision that
 made the row), ``_machine`` (the machine identity of its file's meta row) and ``_order`` (input

@@ -228,7 +228,7 @@ def _with_meta(meta: dict[str, Any], rows: Iterator[dict[str, Any]]) -> Iterator
 def committed_files(folder: Path | None, console: Console) -> list[Path]:
     """The committed results shown beside the fresh ones: every train and fidelity file, and the
     speed files measured on this machine (the report refuses to mix machines in a ratio)."""
-    from attnzoo.bench.report import load_run, machine_identity
+    from attnzoo.bench.results import load_run, machine_identity
 
     if folder is None or not folder.is_dir():
         return []
@@ -259,7 +259,7 @@ def run(
     """Run every stage of the preset into ``out`` (speed.jsonl, profile.jsonl, train.jsonl,
     fidelity.jsonl, stages.jsonl) and write the report, with the committed files of ``committed``
     beside them, into ``report_dir``; returns the report's index.html."""
-    from attnzoo.bench import report
+    from attnzoo.bench import report, results
 
     preset = PRESETS[preset_name]
     out.mkdir(parents=True, exist_ok=True)
@@ -290,8 +290,8 @@ def run(
         console.rule("4/5 fidelity: the committed results (not rerun by this preset)")
     console.rule("5/5 report")
     started = time.perf_counter()
-    runs = [report.load_run(f, origin="fresh") for f in files]
-    runs += [report.load_run(f) for f in committed_files(committed, console)]
+    runs = [results.load_run(f, origin="fresh") for f in files]
+    runs += [results.load_run(f) for f in committed_files(committed, console)]
     index, failed = report.render(runs, report_dir)
     stages["report"] = time.perf_counter() - started
     for failure in failed:
