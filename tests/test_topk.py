@@ -201,3 +201,28 @@ def test_sac_refuses_a_head_size_it_was_not_built_for():
         attnzoo.build("sac")(q, q, q)
     with pytest.raises(ValueError, match="head_dim=8"):
         attnzoo.build("sac").step(attnzoo.build("sac").init_state(1, 2, D, D), q[:, :, :1], q[:, :, :1], q[:, :, :1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_selected_softmax_gradients_with_invalid_slots_and_an_empty_row(causal):
+    """``SelectedSoftmax`` (topk's and dsa's fast path) against autograd's numerical gradient:
+    chunks that do not divide M, a shared (head dim 1) selection with unused slots, and a row
+    whose every slot is unused (zeros out, zero gradient)."""
+    from attnzoo.mechanisms.selected import SelectedSoftmax
+
+    torch.manual_seed(0)
+    m, n, kk = 7, 9, 3
+    q, k, v = (torch.randn(2, 2, size, 4, dtype=torch.float64, requires_grad=True) for size in (m, n, n))
+    idx = torch.stack([torch.randperm(m if causal else n)[:kk] for _ in range(2 * m)]).view(2, 1, m, kk)
+    if causal:  # row i (end-aligned: position i + n - m) may only pick keys <= i + n - m
+        idx = torch.minimum(idx, torch.arange(m).view(1, 1, m, 1) + n - m)
+    valid = torch.rand(2, 1, m, kk) > 0.3
+    valid[0, 0, 2] = False
+
+    def chosen(start, stop, reach, scores):
+        assert scores.shape[-1] == reach and int(idx[:, :, start:stop].max()) < reach
+        return idx[:, :, start:stop], valid[:, :, start:stop]
+
+    out, weights = SelectedSoftmax.apply(q, k, v, chosen, 3, causal)
+    assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2])) and not weights.requires_grad
+    assert torch.autograd.gradcheck(lambda a, b, c: SelectedSoftmax.apply(a, b, c, chosen, 3, causal)[0], (q, k, v))

@@ -5,8 +5,8 @@ them is in ``dsa.py``.
 
 The indexer is O(N^2 d_I H_I) by design; the fast path scores it in query chunks, so at most a
 ``(B, chunk, H_I, N)`` score tensor exists, picks the keys with ``select_topk`` (``topk.py``) and
-attends over them in ``_SelectedSoftmax``, which keeps only the ``(B, H, N, top_k)`` weights for
-backward.
+attends over them in ``selected.SelectedSoftmax``, which keeps only the ``(B, H, N, top_k)``
+weights for backward.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import Tensor
 from attnzoo._checks import check_causal, check_key_mask, check_positive_int, check_qkv, check_tensor
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms.selected import SelectedSoftmax, row_chunks
 from attnzoo.mechanisms.topk import select_topk, topk_mask
 
 PAPER = (
@@ -78,64 +79,6 @@ def select_keys(
             idx.append(F.pad(chosen, (0, kk - chosen.shape[-1])))
             valid.append(F.pad(ok, (0, kk - ok.shape[-1])))
     return torch.cat(idx, 1), torch.cat(valid, 1)
-
-
-class _SelectedSoftmax(torch.autograd.Function):
-    """Softmax of each query over its own selected keys, shared by the heads, in query chunks:
-    q ``(B, H, M, D)`` (the last M of N positions), k ``(B, H, N, D)``, v ``(B, H, N, D_v)``,
-    idx and valid ``(B, M, k)`` (idx 0 in invalid slots) -> ``(B, H, M, D_v)`` and the weights
-    ``(B, H, M, k)`` (no gradient: the indexer's loss reads them as its target).
-
-    Per chunk, the scores against every key the chunk can reach (causal: up to its last row) are
-    one GEMM, ``(B, H, c, N')``; the selected ones are gathered, softmaxed, and scattered back
-    for a GEMM with v. On CPU this ran 4-8x faster than gathering each query's k keys and
-    values (``(B, H, c, k, D)``, batched mat-vecs) at N = 4096, k = 256, H = 8, D = 64, so the
-    attention costs O(N^2 D H) time like the indexer; memory stays O(B H c N) per chunk. Saves
-    the weights ``(B, H, M, k)`` for backward, which redoes the GEMMs chunk by chunk."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, idx, valid, scale: float, chunk: int, causal: bool) -> Tensor:  # type: ignore[override]
-        outs, weights = [], []
-        for start, stop, reach, idx_c, ok in _chunks(q, k, idx, valid, chunk, causal):
-            logits = torch.matmul(q[:, :, start:stop], k[:, :, :reach].transpose(-1, -2)).gather(-1, idx_c)
-            w = normalize_scores(logits * scale, ok, "softmax")  # (B, H, c, k); no valid slot: zeros
-            outs.append(torch.matmul(_scattered(w, idx_c, reach), v[:, :, :reach]))
-            weights.append(w)
-        weights = torch.cat(weights, 2)
-        ctx.save_for_backward(q, k, v, idx, valid, weights)
-        ctx.scale, ctx.chunk, ctx.causal = scale, chunk, causal
-        ctx.mark_non_differentiable(weights)
-        return torch.cat(outs, 2), weights
-
-    @staticmethod
-    def backward(ctx, grad: Tensor, _: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, idx, valid, weights = ctx.saved_tensors
-        d_q, d_k, d_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for start, stop, reach, idx_c, _ in _chunks(q, k, idx, valid, ctx.chunk, ctx.causal):
-            w, g, q_c = weights[:, :, start:stop], grad[:, :, start:stop], q[:, :, start:stop]
-            d_w = torch.matmul(g, v[:, :, :reach].transpose(-1, -2)).gather(-1, idx_c)
-            d_logits = _scattered(w * (d_w - (d_w * w).sum(-1, keepdim=True)) * ctx.scale, idx_c, reach)
-            d_q[:, :, start:stop] = torch.matmul(d_logits, k[:, :, :reach])
-            d_k[:, :, :reach] += torch.matmul(d_logits.transpose(-1, -2), q_c)
-            d_v[:, :, :reach] += torch.matmul(_scattered(w, idx_c, reach).transpose(-1, -2), g)
-        return d_q, d_k, d_v, None, None, None, None, None
-
-
-def _chunks(q: Tensor, k: Tensor, idx: Tensor, valid: Tensor, chunk: int, causal: bool):
-    """``(start, stop, reach, idx_c, ok)`` per chunk of query rows: the keys ``:reach`` it can see
-    and its shared selection as ``(B, H, c, k)`` views."""
-    (_, heads, m, _), n = q.shape, k.shape[2]
-    for start in range(0, m, chunk):
-        stop = min(start + chunk, m)
-        reach = stop + n - m if causal else n
-        idx_c, ok = (x[:, None, start:stop].expand(-1, heads, -1, -1) for x in (idx, valid))
-        yield start, stop, reach, idx_c, ok
-
-
-def _scattered(w: Tensor, idx: Tensor, reach: int) -> Tensor:
-    """Slot values ``w (B, H, c, k)`` at their key positions ``idx``, ``(B, H, c, reach)``, zero
-    elsewhere; added, so an invalid slot (idx 0, value 0) cannot overwrite key 0's value."""
-    return w.new_zeros(*w.shape[:-1], reach).scatter_add_(-1, idx, w)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, index_q: Tensor, index_k: Tensor, index_w: Tensor) -> None:
@@ -208,12 +151,17 @@ def attend_selected(
     q: Tensor, k: Tensor, v: Tensor, selection: tuple[Tensor, Tensor], causal: bool, scale, chunk: int
 ) -> tuple[Tensor, Tensor]:
     """The attention of ``_dsa_rows`` over a given ``select_keys`` selection: ``(out (B, H, M,
-    D_v)`` in q's dtype, ``weights (B, H, M, k)`` without gradient)."""
-    idx, valid = selection
-    idx = idx.masked_fill(~valid, 0)  # an unused slot may point past a chunk's reach
+    D_v)`` in q's dtype, ``weights (B, H, M, k)`` without gradient), through ``SelectedSoftmax``
+    (``selected.py``: one score GEMM per query chunk, the selected weights scattered back for a
+    GEMM with v)."""
+    idx, valid = (x[:, None] for x in selection)  # (B, 1, M, k): shared by the heads
+
+    def chosen(start: int, stop: int, reach: int, scores: Tensor) -> tuple[Tensor, Tensor]:
+        return idx[:, :, start:stop], valid[:, :, start:stop]
+
     wide = compute_dtype(q)
     qc, kc, vc = (x.to(wide) for x in (q, k, v))
-    out, weights = _SelectedSoftmax.apply(qc, kc, vc, idx, valid, default_scale(scale, q.shape[-1]), chunk, causal)
+    out, weights = SelectedSoftmax.apply(qc * default_scale(scale, q.shape[-1]), kc, vc, chosen, chunk, causal)
     return out.to(q.dtype), weights
 
 
@@ -267,7 +215,8 @@ def indexer_kl(
     qc, kc, scale = q.detach().to(wide), k.detach().to(wide), default_scale(scale, q.shape[-1])
     p = []
     with torch.no_grad():
-        for start, stop, reach, idx_h, ok_h in _chunks(qc, kc, idx, valid, chunk, causal):
+        for start, stop, reach in row_chunks(qc.shape[2], kc.shape[2], chunk, causal):
+            idx_h, ok_h = (x[:, None, start:stop].expand(-1, qc.shape[1], -1, -1) for x in (idx, valid))
             logits = torch.matmul(qc[:, :, start:stop], kc[:, :, :reach].transpose(-1, -2)).gather(-1, idx_h)
             p.append(normalize_scores(logits * scale, ok_h, "softmax").mean(1))  # (B, c, k): rows sum to 1 or 0
     return kl_on_selection(iq, ik, iw, selection, torch.cat(p, 1), chunk)
