@@ -148,7 +148,7 @@ class RandomFeatureConfig(Config):
     against N D for softmax), and the orthogonal projection is two whole blocks of D orthogonal
     rows. A fixed m (the earlier default 256) was 4 D at D = 64, half softmax's speed there, and
     too few at D = 256. An int sets m whatever D is. m is the estimator's sample size, not a
-    count of keys, so it does not follow the sequence length (no ``length_values``)."""
+    count of keys, so it does not follow the sequence length (no ``for_length``)."""
 
     features: int | None = bounded(None, ge=1, none="for 2 * head_dim, fixed when D is known")
     head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward; a layer's Shape sets it")
