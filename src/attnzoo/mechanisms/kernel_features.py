@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from attnzoo.mechanisms.base import AttendArgs, StateSpec
 from attnzoo.mechanisms.kernel import KernelState, KeyFeatures, Normalizer
-from attnzoo.mechanisms.kernel_linear import KernelAttention, register_kernel
-from attnzoo.registry import Config, bounded
+from attnzoo.mechanisms.kernel_linear import KernelAttention, KernelConfig, register_kernel
+from attnzoo.registry import bounded
 from attnzoo.spec import Complexity
 
 #: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
@@ -138,9 +138,9 @@ class RandomFeatureAttention(KernelAttention):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RandomFeatureConfig(Config):
-    """The fields every ``RandomFeatureAttention`` reads (projection size and seed, redrawing,
-    causal chunk, denominator eps), declared once so performer and rfa cannot drift apart;
+class RandomFeatureConfig(KernelConfig):
+    """The fields every ``RandomFeatureAttention`` reads (projection size and seed, redrawing;
+    causal chunk and denominator eps from ``KernelConfig``), declared once so performer and rfa cannot drift apart;
     each config documents them and overrides the defaults that differ.
 
     ``features`` defaults to None: m = 2 D (``features_for``), so the feature map's cost stays in
@@ -154,8 +154,6 @@ class RandomFeatureConfig(Config):
     head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward; a layer's Shape sets it")
     seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
     redraw_every: int | None = bounded(None, ge=1, none="never redraw")
-    chunk: int = bounded(64, ge=1)
-    eps: float = bounded(1e-6, gt=0)
 
     def features_for(self, head_dim: int) -> int:
         """m for heads of size ``head_dim``: ``features``, or ``2 * head_dim`` when it is None."""
