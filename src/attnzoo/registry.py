@@ -143,6 +143,11 @@ class Config:
         return cls(**cls.length_values(n))
 
 
+#: What None means for a geometry field (``heads``, ``head_dim``) of a mechanism whose parameters
+#: can wait for the first input: ``heads: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)``.
+LAZY_GEOMETRY = "created on the first forward; a layer's Shape sets it"
+
+
 def quarter(n: int) -> int:
     """About a quarter of ``n`` (at least 2): the keys per query of a length-sized config."""
     return max(2, n // 4)

@@ -44,7 +44,7 @@ from attnzoo.mechanisms.kernel import (
     reference_kernel_attention,
 )
 from attnzoo.mechanisms.kernel_linear import KernelAttention, KernelConfig, register_kernel
-from attnzoo.registry import bounded
+from attnzoo.registry import LAZY_GEOMETRY, bounded
 from attnzoo.spec import Complexity
 
 #: Causal chunk length of the plain function (the mechanism's is ``BasedConfig.chunk``).
@@ -194,9 +194,6 @@ def reference_taylor_linear_attention(
     return out.to(q.dtype)
 
 
-_GEOMETRY = "created on the first forward; a layer's Shape sets it"
-
-
 @dataclass(frozen=True, kw_only=True)
 class BasedConfig(KernelConfig):
     """Config of ``based``.
@@ -212,8 +209,8 @@ class BasedConfig(KernelConfig):
     """
 
     feature_dim: int = bounded(16, ge=1)
-    heads: int | None = bounded(None, ge=1, none=_GEOMETRY)
-    head_dim: int | None = bounded(None, ge=1, none=_GEOMETRY)
+    heads: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
+    head_dim: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
 
 
 @register_kernel(

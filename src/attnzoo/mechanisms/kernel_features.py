@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from attnzoo.mechanisms.base import AttendArgs, StateSpec
 from attnzoo.mechanisms.kernel import KernelState, KeyFeatures, Normalizer
 from attnzoo.mechanisms.kernel_linear import KernelAttention, KernelConfig, register_kernel
-from attnzoo.registry import bounded
+from attnzoo.registry import LAZY_GEOMETRY, bounded
 from attnzoo.spec import Complexity
 
 #: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
@@ -192,9 +192,9 @@ class RFAConfig(RandomFeatureConfig):
         eps: the denominator is kept at ``|phi(q)^T z| >= eps`` with its sign. Default 1e-6.
     """
 
-    head_dim: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
+    head_dim: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
     sigma: float = bounded(1.0, gt=0)
-    heads: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
+    heads: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
 
 
 @register_kernel(
