@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import attnzoo
-from attnzoo.registry import Config, check_values, config_fields, register
+from attnzoo.registry import Config, bounded, check_values, config_fields, quarter, register
 from attnzoo.spec import Capabilities, Complexity
 
 ALL = attnzoo.names()
@@ -168,6 +168,18 @@ def test_for_length_defaults_to_the_defaults_and_sized_reads_it():
     assert attnzoo.describe("softmax").config.for_length(64) == attnzoo.registry.make_config("softmax")
     assert sized("local", 64) == {"left": 16, "right": 16}
     assert attnzoo.describe("local").config.for_length(64).left == 16
+
+
+def test_for_length_reads_the_rule_declared_beside_each_field():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Sized(Config):
+        window: int = bounded(64, ge=1, for_length=quarter)
+        buckets: int = bounded(8, ge=1, for_length=4)
+        seed: int = 3
+
+    assert Sized.length_values(100) == {"window": 25, "buckets": 4}
+    assert Sized.for_length(100) == Sized(window=25, buckets=4, seed=3)
+    assert Sized.for_length(1).window == 2  # quarter's floor
 
 
 @pytest.mark.parametrize(

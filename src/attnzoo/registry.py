@@ -33,7 +33,13 @@ from attnzoo.spec import Capabilities, Complexity, Shape, Spec
 
 
 def bounded(
-    default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None, none: str = ""
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    none: str = "",
+    for_length: Any = None,
 ) -> Any:
     """A config field with its range declared beside it: ``chunk: int = bounded(64, ge=1)``.
 
@@ -42,11 +48,17 @@ def bounded(
     bound and the value. ``ge``/``gt`` are the lower bound (inclusive/exclusive), ``le`` the upper.
     ``none`` says what None means for a field typed ``X | None`` (None is never range-checked),
     e.g. ``scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")``.
+
+    ``for_length``: the field's value in ``Config.for_length(n)``, declared beside it like the
+    range: a function of ``n`` (``window: int = bounded(64, ge=1, for_length=quarter)``) or a
+    value used at every length (``for_length=4``). Fields without one keep their default there.
     """
     limits = {"ge": ge, "gt": gt, "le": le}
     metadata = {key: value for key, value in limits.items() if value is not None}
     if none:
         metadata["none"] = none
+    if for_length is not None:
+        metadata["for_length"] = for_length
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -109,13 +121,19 @@ class Config:
 
     @classmethod
     def length_values(cls, n: int) -> dict[str, Any]:
-        """The values ``for_length(n)`` sets (the rest keep their defaults); ``{}`` here.
+        """The values ``for_length(n)`` sets (the rest keep their defaults): here, each field's
+        ``bounded(..., for_length=...)``, called with ``n`` where it is a function.
 
-        Override where a default is sized for long inputs: on a short sequence a window of 64
+        Declare one where a default is sized for long inputs: on a short sequence a window of 64
         or 64 landmarks would cover every key and make the mechanism full attention. The rule
         of thumb is about a quarter of the keys per query (``quarter(n)``) and blocks of an
-        eighth (``eighth(n)``); mechanisms defined on a fixed shape fit it to ``n``."""
-        return {}
+        eighth (``eighth(n)``). Override this where fields are sized together (a grid's ``h``
+        and ``w``) or one follows another."""
+        return {
+            f.name: rule(n) if callable(rule) else rule
+            for f in dataclasses.fields(cls)
+            if (rule := f.metadata.get("for_length")) is not None
+        }
 
     @classmethod
     def for_length(cls, n: int) -> Self:
@@ -123,6 +141,11 @@ class Config:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{cls.__name__}.for_length: n must be an int >= 1, got {n!r}")
         return cls(**cls.length_values(n))
+
+
+#: What None means for a geometry field (``heads``, ``head_dim``) of a mechanism whose parameters
+#: can wait for the first input: ``heads: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)``.
+LAZY_GEOMETRY = "created on the first forward; a layer's Shape sets it"
 
 
 def quarter(n: int) -> int:

@@ -43,8 +43,8 @@ from attnzoo.mechanisms.kernel import (
     kernel_attention,
     reference_kernel_attention,
 )
-from attnzoo.mechanisms.kernel_linear import KernelAttention, register_kernel
-from attnzoo.registry import Config, bounded
+from attnzoo.mechanisms.kernel_linear import KernelAttention, KernelConfig, register_kernel
+from attnzoo.registry import LAZY_GEOMETRY, bounded
 from attnzoo.spec import Complexity
 
 #: Causal chunk length of the plain function (the mechanism's is ``BasedConfig.chunk``).
@@ -194,11 +194,8 @@ def reference_taylor_linear_attention(
     return out.to(q.dtype)
 
 
-_GEOMETRY = "created on the first forward; a layer's Shape sets it"
-
-
 @dataclass(frozen=True, kw_only=True)
-class BasedConfig(Config):
+class BasedConfig(KernelConfig):
     """Config of ``based``.
 
     Args:
@@ -212,10 +209,8 @@ class BasedConfig(Config):
     """
 
     feature_dim: int = bounded(16, ge=1)
-    heads: int | None = bounded(None, ge=1, none=_GEOMETRY)
-    head_dim: int | None = bounded(None, ge=1, none=_GEOMETRY)
-    chunk: int = bounded(64, ge=1)
-    eps: float = bounded(1e-6, gt=0)
+    heads: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
+    head_dim: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
 
 
 @register_kernel(

@@ -33,7 +33,7 @@ from attnzoo.mechanisms._ops import compute_dtype, default_scale
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.mechanisms.decay_functions import decay_weights, gla, naive_gla, naive_retention, naive_ssd, retention, ssd
 from attnzoo.positional import alibi_slopes
-from attnzoo.registry import Config, bounded, register
+from attnzoo.registry import LAZY_GEOMETRY, Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
 __all__ = ["retention", "gla", "ssd", "naive_retention", "naive_gla", "naive_ssd", "decay_weights"]
@@ -252,9 +252,6 @@ class LearnedDecay(DecayAttention):
         return super()._init_state(spec)
 
 
-_GEOMETRY = "created on the first forward; a layer's Shape sets it"
-
-
 @dataclass(frozen=True, kw_only=True)
 class GLAConfig(Config):
     """Config of ``gla``.
@@ -268,8 +265,8 @@ class GLAConfig(Config):
         chunk: positions per chunk, a power of two. Default 64.
     """
 
-    heads: int | None = bounded(None, ge=1, none=_GEOMETRY)
-    head_dim: int | None = bounded(None, ge=1, none=_GEOMETRY)
+    heads: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
+    head_dim: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
     rank: int = bounded(16, ge=1)
     temperature: float = bounded(16.0, gt=0)
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
@@ -332,8 +329,8 @@ class SSDConfig(Config):
         chunk: positions per chunk. Default 64.
     """
 
-    heads: int | None = bounded(None, ge=1, none=_GEOMETRY)
-    head_dim: int | None = bounded(None, ge=1, none=_GEOMETRY)
+    heads: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
+    head_dim: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
     dt_min: float = bounded(0.001, gt=0)
     dt_max: float = bounded(0.1, gt=0)
     chunk: int = bounded(64, ge=1)

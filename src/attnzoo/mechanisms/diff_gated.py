@@ -28,6 +28,9 @@ from attnzoo.spec import Capabilities, Complexity
 KV_DECODE = "decode step: a KV cache, the new rows attended over it: O(t) memory and time per token"
 #: What every variant that decodes through ``KVCacheDecode`` declares (its steps are N_q < N_kv calls).
 CACHE_CAPS = dict(causal=True, key_mask=True, decode_step=True, cross_attention=True)
+#: ``differential`` and ``gated``: SDPA then a per-head map of its output (norm, gate), so the
+#: output is not weights @ v; grouped K/V go to SDPA as they are.
+_SDPA_THEN_MAP = Capabilities(**CACHE_CAPS, gqa=True, weights_apply_to_v=False, backends=("sdpa", "reference"))
 
 
 class PerHead(Attention):
@@ -137,7 +140,7 @@ class DifferentialConfig(Config):
     family="exact",
     summary="Differential attention: the difference of two softmax maps, then a per-head RMSNorm.",
     paper="Ye et al. 2024, Differential Transformer, https://arxiv.org/abs/2410.05258",
-    capabilities=Capabilities(**CACHE_CAPS, gqa=True, weights_apply_to_v=False, backends=("sdpa", "reference")),
+    capabilities=_SDPA_THEN_MAP,
     complexity=Complexity(time="O(N^2 D)", memory="O(N D) (SDPA, twice)"),
     notes=(
         "a head's q and k are split in halves along D (Q1, Q2, K1, K2 of width D / 2) and v is used whole: the "
@@ -243,7 +246,7 @@ class GatedConfig(Config):
     family="exact",
     summary="Softmax attention times an elementwise sigmoid gate per head (gated attention, Qwen3-Next).",
     paper="Qiu et al. 2025, Gated Attention for Large Language Models, https://arxiv.org/abs/2505.06708",
-    capabilities=Capabilities(**CACHE_CAPS, gqa=True, weights_apply_to_v=False, backends=("sdpa", "reference")),
+    capabilities=_SDPA_THEN_MAP,
     complexity=Complexity(time="O(N^2 D + N D D_v)", memory="O(N D) (SDPA)"),
     notes=(
         "the paper computes the gate from the layer's hidden state (X W_theta); a mechanism sees q only, so the "

@@ -14,7 +14,6 @@ re-exported here; this module is the registered mechanism.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,18 +66,13 @@ class DSAConfig(Config):
             gradients leaves for ``attnzoo.nn.auxiliary_loss`` (0: none is computed). Default 1.
     """
 
-    topk: int = bounded(256, ge=1)
+    topk: int = bounded(256, ge=1, for_length=eighth)
     index_heads: int = bounded(4, ge=1)
     index_dim: int = bounded(32, ge=1)
     head_dim: int = bounded(64, ge=1)
     chunk: int = bounded(128, ge=1)
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
     indexer_weight: float = bounded(1.0, ge=0)
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """About an eighth of the keys per query."""
-        return dict(topk=eighth(n))
 
 
 @dataclass(frozen=True)

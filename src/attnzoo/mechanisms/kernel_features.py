@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from attnzoo.mechanisms.base import AttendArgs, StateSpec
 from attnzoo.mechanisms.kernel import KernelState, KeyFeatures, Normalizer
-from attnzoo.mechanisms.kernel_linear import KernelAttention, register_kernel
-from attnzoo.registry import Config, bounded
+from attnzoo.mechanisms.kernel_linear import KernelAttention, KernelConfig, register_kernel
+from attnzoo.registry import LAZY_GEOMETRY, bounded
 from attnzoo.spec import Complexity
 
 #: Seed of draw ``t`` (``redraw`` count) of a module with ``seed``: ``seed + _STRIDE * t``.
@@ -138,9 +138,9 @@ class RandomFeatureAttention(KernelAttention):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RandomFeatureConfig(Config):
-    """The fields every ``RandomFeatureAttention`` reads (projection size and seed, redrawing,
-    causal chunk, denominator eps), declared once so performer and rfa cannot drift apart;
+class RandomFeatureConfig(KernelConfig):
+    """The fields every ``RandomFeatureAttention`` reads (projection size and seed, redrawing;
+    causal chunk and denominator eps from ``KernelConfig``), declared once so performer and rfa cannot drift apart;
     each config documents them and overrides the defaults that differ.
 
     ``features`` defaults to None: m = 2 D (``features_for``), so the feature map's cost stays in
@@ -148,14 +148,12 @@ class RandomFeatureConfig(Config):
     against N D for softmax), and the orthogonal projection is two whole blocks of D orthogonal
     rows. A fixed m (the earlier default 256) was 4 D at D = 64, half softmax's speed there, and
     too few at D = 256. An int sets m whatever D is. m is the estimator's sample size, not a
-    count of keys, so it does not follow the sequence length (no ``length_values``)."""
+    count of keys, so it does not follow the sequence length (no ``for_length``)."""
 
     features: int | None = bounded(None, ge=1, none="for 2 * head_dim, fixed when D is known")
     head_dim: int | None = bounded(None, ge=1, none="drawn on the first forward; a layer's Shape sets it")
     seed: int | None = bounded(None, ge=0, none="one seed per module from torch's global RNG")
     redraw_every: int | None = bounded(None, ge=1, none="never redraw")
-    chunk: int = bounded(64, ge=1)
-    eps: float = bounded(1e-6, gt=0)
 
     def features_for(self, head_dim: int) -> int:
         """m for heads of size ``head_dim``: ``features``, or ``2 * head_dim`` when it is None."""
@@ -194,9 +192,9 @@ class RFAConfig(RandomFeatureConfig):
         eps: the denominator is kept at ``|phi(q)^T z| >= eps`` with its sign. Default 1e-6.
     """
 
-    head_dim: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
+    head_dim: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
     sigma: float = bounded(1.0, gt=0)
-    heads: int | None = bounded(None, ge=1, none="created on the first forward; a layer's Shape sets it")
+    heads: int | None = bounded(None, ge=1, none=LAZY_GEOMETRY)
 
 
 @register_kernel(

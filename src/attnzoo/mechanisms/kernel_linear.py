@@ -147,7 +147,17 @@ def register_kernel(
 
 
 @dataclass(frozen=True, kw_only=True)
-class LinearConfig(Config):
+class KernelConfig(Config):
+    """The fields ``KernelAttention`` reads from a member's config, declared once for every member
+    that has them: ``chunk``, the causal chunk length (64), and ``eps``, the guard of the
+    denominator ``phi(q)^T z`` (1e-6; each member's config says how its normalizer applies it)."""
+
+    chunk: int = bounded(64, ge=1)
+    eps: float = bounded(1e-6, gt=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearConfig(KernelConfig):
     """Config of ``linear``.
 
     Args:
@@ -158,8 +168,6 @@ class LinearConfig(Config):
     """
 
     feature_map: Literal["elu", "relu"] = "elu"
-    chunk: int = bounded(64, ge=1)
-    eps: float = bounded(1e-6, gt=0)
 
 
 @register_kernel(

@@ -6,7 +6,7 @@ reference (the ``N_q x N_kv`` weights ``P_h F_h``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -75,17 +75,13 @@ class LinformerConfig(Config):
             ``"identity"`` (E = F = the first k rows of I; with k = N it is exact attention).
     """
 
-    k: int = bounded(64, ge=1)
+    # for_length: a quarter of the keys; k = 64 would project a short sequence to a longer one.
+    k: int = bounded(64, ge=1, for_length=quarter)
     max_len: int = bounded(4096, ge=1)
     sharing: Literal["headwise", "kv", "layerwise", "none"] = "headwise"
     heads: int = bounded(8, ge=1)
     init: Literal["xavier", "identity"] = "xavier"
     seed: int = bounded(0, ge=0)
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter of the keys: k = 64 would project a short sequence to a longer one."""
-        return dict(k=quarter(n))
 
 
 @register(

@@ -15,7 +15,6 @@ decode step (``lsh_decode``) keeps the last 2c tokens of every bucket and round.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,17 +55,13 @@ class LSHConfig(Config):
     renamed = {"chunk": "block (the Reformer's chunk: it changes the result, so it is a block)"}
 
     n_hashes: int = bounded(2, ge=1)
-    n_buckets: int = bounded(8, ge=1)
-    block: int = bounded(64, ge=1)
+    # for_length: 8 buckets of 64 would put a short sequence in one chunk.
+    n_buckets: int = bounded(8, ge=1, for_length=4)
+    block: int = bounded(64, ge=1, for_length=eighth)
     seed: int | None = None
     resample: bool = True
     dedupe: bool = True
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Four buckets, chunks of an eighth: 8 buckets of 64 would put a short sequence in one chunk."""
-        return dict(n_buckets=4, block=eighth(n))
 
     def validate(self) -> None:
         if self.n_buckets % 2 and self.n_buckets != 1:

@@ -7,7 +7,6 @@ reference (``S^`` itself)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,13 +120,8 @@ class NystromConfig(Config):
         pinv_iters: steps of the pseudo-inverse iteration (0: its initial guess). Default 6.
     """
 
-    landmarks: int = bounded(64, ge=1)
+    landmarks: int = bounded(64, ge=1, for_length=eighth)  # segments of 8 tokens
     pinv_iters: int = bounded(6, ge=0)
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Landmarks of an eighth of the sequence (segments of 8 tokens)."""
-        return dict(landmarks=eighth(n))
 
 
 @register(

@@ -10,7 +10,6 @@ mask. A causal node's candidates do not depend on the sequence length, so ``sac`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,17 +36,12 @@ class SACConfig(Config):
         scale: score scale; default None means ``1 / sqrt(D)``.
     """
 
-    topk: int = bounded(8, ge=1)
-    candidates: int = bounded(32, ge=1)
+    topk: int = bounded(8, ge=1, for_length=eighth)
+    candidates: int = bounded(32, ge=1, for_length=quarter)
     n_random: int = bounded(4, ge=0)
     seed: int = bounded(0, ge=0)
     head_dim: int = bounded(64, ge=1)
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Candidate windows of a quarter of the keys, an eighth of them kept."""
-        return dict(topk=eighth(n), candidates=quarter(n))
 
 
 def sac_candidates(n: int, cfg: SACConfig, causal: bool, device: torch.device) -> tuple[Tensor, Tensor]:

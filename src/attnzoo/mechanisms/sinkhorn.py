@@ -16,7 +16,6 @@ sorted keys fixed when it starts) is in ``sinkhorn_decode``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +49,7 @@ class SinkhornConfig(Config):
             Default 0.
     """
 
-    block: int = bounded(64, ge=1)
+    block: int = bounded(64, ge=1, for_length=eighth)  # eight blocks to sort
     n_iters: int = bounded(8, ge=1)
     temperature: float = bounded(0.75, gt=0)
     max_blocks: int = bounded(256, ge=1)
@@ -58,11 +57,6 @@ class SinkhornConfig(Config):
     sortcut: int | None = None
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
     seed: int = 0
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Blocks of an eighth of the sequence: eight blocks to sort."""
-        return dict(block=eighth(n))
 
     def validate(self) -> None:
         if self.sortcut is not None and not 1 <= self.sortcut <= self.max_blocks:

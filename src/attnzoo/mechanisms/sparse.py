@@ -10,7 +10,6 @@ mechanisms defined on one shape of input (a grid, a graph) are in ``sparse_shape
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from attnzoo import patterns as P
 from attnzoo.mechanisms.pattern_attention import CAUSAL_NOTE, GLOBAL_DECODE, SparseConfig, register_pattern
@@ -31,14 +30,8 @@ _RANDOM_OVER_N = "row t's random keys are drawn over the final length N, which a
 class LocalConfig(SparseConfig):
     """``sliding_window(left, right)``: ``i - left <= j <= i + right``. Defaults 64, 64."""
 
-    left: int = 64
-    right: int = 64
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter of the keys on each side."""
-        q = quarter(n)
-        return dict(left=q, right=q)
+    left: int = bounded(64, for_length=quarter)
+    right: int = bounded(64, for_length=quarter)
 
     def make_pattern(self) -> P.Pattern:
         return P.sliding_window(self.left, self.right)
@@ -49,15 +42,10 @@ class LocalConfig(SparseConfig):
 class DilatedConfig(SparseConfig):
     """``dilated(left, right, dilation)``: ``j = i + dilation * t``, ``t in [-left, right]``."""
 
-    left: int = 32
-    right: int = 32
-    dilation: int = 2
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """An eighth on each side, every 2nd key: a quarter of the keys spread twice as far."""
-        q = quarter(n)
-        return dict(left=q // 2, right=q // 2, dilation=2)
+    # for_length: an eighth on each side, every 2nd key: a quarter of the keys spread twice as far.
+    left: int = bounded(32, for_length=lambda n: quarter(n) // 2)
+    right: int = bounded(32, for_length=lambda n: quarter(n) // 2)
+    dilation: int = bounded(2, for_length=2)
 
     def make_pattern(self) -> P.Pattern:
         return P.dilated(self.left, self.right, self.dilation)
@@ -70,12 +58,7 @@ class DilatedConfig(SparseConfig):
 class StridedConfig(SparseConfig):
     """``strided(stride)``: ``(i - j) mod stride == 0``."""
 
-    stride: int = 64
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Every 4th key."""
-        return dict(stride=4)
+    stride: int = bounded(64, for_length=4)
 
     def make_pattern(self) -> P.Pattern:
         return P.strided(self.stride)
@@ -87,11 +70,6 @@ class GlobalConfig(SparseConfig):
     """``global_tokens(indices)``: the tokens' rows and columns."""
 
     indices: tuple[int, ...] = (0,)
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """The first token global."""
-        return dict(indices=(0,))
 
     def make_pattern(self) -> P.Pattern:
         return P.global_tokens(self.indices)
@@ -107,13 +85,8 @@ class GlobalConfig(SparseConfig):
 class RandomConfig(SparseConfig):
     """``random(r, seed)``: ``r`` keys per query row, without replacement."""
 
-    r: int = 64
+    r: int = bounded(64, for_length=quarter)
     seed: int = 0
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter of the keys per query."""
-        return dict(r=quarter(n))
 
     def make_pattern(self) -> P.Pattern:
         return P.random(self.r, self.seed)
@@ -130,12 +103,7 @@ class BlockLocalConfig(SparseConfig):
 
     renamed = {"size": "block"}
 
-    block: int = 128
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Blocks of a quarter of the sequence."""
-        return dict(block=quarter(n))
+    block: int = bounded(128, for_length=quarter)
 
     def make_pattern(self) -> P.Pattern:
         return P.block_local(self.block)
@@ -159,16 +127,10 @@ class LongformerConfig(SparseConfig):
 
     renamed = {"window": "left and right (keys on each side; window=w was left=w, right=w)"}
 
-    left: int = 64
-    right: int = 64
+    left: int = bounded(64, for_length=quarter)
+    right: int = bounded(64, for_length=quarter)
     global_indices: tuple[int, ...] = (0,)
     dilation: int | tuple[int, ...] = 1
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter of the keys on each side and a global first token."""
-        q = quarter(n)
-        return dict(left=q, right=q, global_indices=(0,))
 
     def make_pattern(self) -> P.Pattern:
         glob = P.global_tokens(self.global_indices) if self.global_indices else None
@@ -192,17 +154,12 @@ class BigBirdConfig(SparseConfig):
     """``bigbird(block, window_blocks, global_blocks, random_blocks, seed)``; the kernel tile is
     the BigBird block unless ``tile`` is set, so every tile is full."""
 
-    block: int = bounded(64, ge=1)
+    block: int = bounded(64, ge=1, for_length=eighth)
     tile: int | None = bounded(None, ge=1, none="the BigBird block")
     window_blocks: int = 3
-    global_blocks: int = 2
-    random_blocks: int = 3
+    global_blocks: int = bounded(2, for_length=1)
+    random_blocks: int = bounded(3, for_length=1)
     seed: int = 0
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Blocks of an eighth: three window blocks, one global, one random."""
-        return dict(block=eighth(n), window_blocks=3, global_blocks=1, random_blocks=1)
 
     def make_pattern(self) -> P.Pattern:
         return P.bigbird(self.block, self.window_blocks, self.global_blocks, self.random_blocks, self.seed)
@@ -245,15 +202,9 @@ class ETCConfig(SparseConfig):
 
     renamed = LongformerConfig.renamed
 
-    left: int = 64
-    right: int = 64
+    left: int = bounded(64, for_length=quarter)
+    right: int = bounded(64, for_length=quarter)
     n_global: int = bounded(1, ge=1)
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter of the keys on each side and one global token."""
-        q = quarter(n)
-        return dict(left=q, right=q, n_global=1)
 
     def make_pattern(self) -> P.Pattern:
         return P.global_tokens(range(self.n_global)) | P.sliding_window(self.left, self.right)
@@ -276,15 +227,9 @@ class SinksConfig(SparseConfig):
     """``sinks(sinks, left, right)``: a sliding window plus the first ``sinks`` keys for every
     query (StreamingLLM keeps 4). Causal use (the paper's) cuts ``right`` to 0."""
 
-    sinks: int = bounded(4, ge=1)
-    left: int = 64
-    right: int = 64
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter of the keys on each side and the first 4 keys (fewer when n is short)."""
-        q = quarter(n)
-        return dict(sinks=min(4, n), left=q, right=q)
+    sinks: int = bounded(4, ge=1, for_length=lambda n: min(4, n))
+    left: int = bounded(64, for_length=quarter)
+    right: int = bounded(64, for_length=quarter)
 
     def make_pattern(self) -> P.Pattern:
         return P.sinks(self.sinks, self.left, self.right)
@@ -295,12 +240,7 @@ class SinksConfig(SparseConfig):
 class SparseTransformerStridedConfig(SparseConfig):
     """``sparse_transformer_strided(l)``: half the heads local, half strided (causal)."""
 
-    l: int = 128  # noqa: E741
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Blocks (and stride) of an eighth of the sequence."""
-        return dict(l=eighth(n))
+    l: int = bounded(128, for_length=eighth)  # noqa: E741
 
     def make_pattern(self) -> P.Pattern:
         return P.sparse_transformer_strided(self.l)
@@ -311,17 +251,16 @@ class SparseTransformerStridedConfig(SparseConfig):
 class SparseTransformerFixedConfig(SparseConfig):
     """``sparse_transformer_fixed(l, c)``: half the heads block-local, half the summary columns."""
 
-    l: int = 128  # noqa: E741
-    c: int = 8
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Blocks of a quarter, up to 4 summary columns each (``c <= l``)."""
-        q = quarter(n)
-        return dict(l=q, c=min(4, q))  # c <= l
+    l: int = bounded(128, for_length=quarter)  # noqa: E741
+    c: int = bounded(8, for_length=lambda n: min(4, quarter(n)))  # c <= l
 
     def make_pattern(self) -> P.Pattern:
         return P.sparse_transformer_fixed(self.l, self.c)
+
+
+def _local_and_strided_heads(n: int) -> P.Pattern:
+    """``pattern`` on ``n`` tokens: half the heads local, half strided, both at an eighth of the sequence."""
+    return P.per_head([P.local(eighth(n)), P.strided(eighth(n))])
 
 
 @register_pattern(
@@ -335,13 +274,7 @@ class SparseTransformerFixedConfig(SparseConfig):
 class PatternConfig(SparseConfig):
     """Any ``attnzoo.patterns.Pattern``, e.g. ``per_head([...])`` for different head groups."""
 
-    pattern: P.Pattern = P.full()
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """Half the heads local, half strided, both at an eighth of the sequence."""
-        e = eighth(n)
-        return dict(pattern=P.per_head([P.local(e), P.strided(e)]))
+    pattern: P.Pattern = bounded(P.full(), for_length=_local_and_strided_heads)
 
     def make_pattern(self) -> P.Pattern:
         return self.pattern

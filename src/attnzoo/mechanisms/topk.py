@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -125,14 +124,9 @@ class TopKConfig(Config):
         scale: score scale; default None means ``1 / sqrt(D)``.
     """
 
-    topk: int = bounded(32, ge=1)
+    topk: int = bounded(32, ge=1, for_length=quarter)
     chunk: int = bounded(256, ge=1)
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
-
-    @classmethod
-    def length_values(cls, n: int) -> dict[str, Any]:
-        """A quarter of the keys per query."""
-        return dict(topk=quarter(n))
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: AttendArgs) -> Tensor:
