@@ -136,3 +136,27 @@ def test_every_encoding_changes_the_layer_and_trains(name):
     out.square().sum().backward()
     for param in mha.parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all()
+
+
+def test_partial_rope_rotates_only_the_last_channels_as_a_full_rope_of_that_width():
+    x = torch.randn(2, 3, 11, 8, dtype=torch.float64)
+    pos = torch.arange(11) + 5
+    rotated = RotaryEmbedding(8, channels=4).rotate(x, pos)
+    assert torch.equal(rotated[..., :4], x[..., :4])
+    assert_same(rotated[..., 4:], rope_oracle(x[..., 4:], pos))
+    assert torch.equal(RotaryEmbedding(8, channels=0).rotate(x, pos), x)
+    for bad in (3, 10, -2, 2.0, True):
+        with pytest.raises(ValueError, match="channels"):
+            RotaryEmbedding(8, channels=bad)
+
+
+def test_rope_by_name_rotates_the_channels_the_mechanism_asks_for():
+    # mla's decoupled RoPE: only the last rope_dim channels carry positions (its latent would
+    # otherwise mix rotated channels); every other mechanism gets all channels.
+    mla = attnzoo.nn.MultiHeadAttention(64, 4, mechanism="mla", positional="rope", rope_dim=6)
+    assert mla.positional.channels == 6 and mla.mechanisms[0].rotary_channels == 6
+    assert attnzoo.nn.MultiHeadAttention(64, 4, positional="rope").positional.channels == 16
+    mine = RotaryEmbedding(16)  # a user's instance is kept as given
+    assert attnzoo.nn.MultiHeadAttention(64, 4, mechanism="mla", positional=mine).positional is mine
+    with pytest.raises(ValueError, match="different numbers of channels"):
+        attnzoo.nn.MultiHeadAttention(64, 4, mechanism=[("mla", {}, 2), ("softmax", {}, 2)], positional="rope")

@@ -95,23 +95,37 @@ class LearnedPositionalEncoding(PositionalEncoding):
 
 class RotaryEmbedding(PositionalEncoding):
     """RoPE (Su et al. 2021, https://arxiv.org/abs/2104.09864), "rotate half" layout: the pair
-    ``(x[i], x[i + D/2])`` is rotated by ``position * base^(-2i/D)``. Scores then depend only on
-    the offset between query and key positions."""
+    ``(x[i], x[i + C/2])`` of the rotated channels is rotated by ``position * base^(-2i/C)``.
+    Scores then depend only on the offset between query and key positions.
 
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+    ``channels``: how many channels carry positions, the *last* C of ``head_dim`` (None: all).
+    Partial RoPE is what a mechanism with decoupled positions wants (``mla``: DeepSeek-V2
+    rotates only its ``rope_dim`` channels; the rest pass through a latent where a rotation
+    would break the content match); ``MultiHeadAttention(positional="rope")`` asks the
+    mechanism (``Attention.rotary_channels``)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0, channels: int | None = None) -> None:
         super().__init__()
         check_positive_int(head_dim, "head_dim")
-        if head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-        self.head_dim, self.base = head_dim, base
+        if channels is None:
+            if head_dim % 2:
+                raise ValueError(f"RoPE needs an even head_dim, got {head_dim} (or rotate fewer: channels=...)")
+            channels = head_dim
+        if isinstance(channels, bool) or not isinstance(channels, int) or not 0 <= channels <= head_dim:
+            raise ValueError(f"RoPE channels must be an int in [0, head_dim={head_dim}], got {channels!r}")
+        if channels % 2:
+            raise ValueError(f"RoPE rotates channels in pairs: channels must be even, got {channels}")
+        self.head_dim, self.base, self.channels = head_dim, base, channels
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        half = self.head_dim // 2
-        inv_freq = self.base ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / self.head_dim)
-        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [N, D/2]
+        if self.channels == 0:
+            return x
+        half, kept = self.channels // 2, x[..., : self.head_dim - self.channels]
+        inv_freq = self.base ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / self.channels)
+        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [N, C/2]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        x1, x2 = x[..., -self.channels : -half], x[..., -half:]
+        return torch.cat([kept, x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 def alibi_slopes(heads: int) -> Tensor:

@@ -136,6 +136,12 @@ class Attention(Mechanism):
         q ``(B, H, N_q, D)``, k ``(B, H, N_kv, D)``, v ``(B, H, N_kv, D_v)`` -> ``(B, H, N_q, D_v)``.
     """
 
+    @property
+    def rotary_channels(self) -> int | None:
+        """How many of the last channels of q and k a RoPE layer should rotate; None: all of them.
+        ``MultiHeadAttention(positional="rope")`` reads it (``mla`` keeps positions out of its latent)."""
+        return None
+
     @renamed_key_mask
     def forward(
         self,

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from attnzoo._checks import check_key_mask, check_module_input, check_positive_int, check_tensor, renamed_key_mask
 from attnzoo.mechanisms.base import Attention
-from attnzoo.positional import PositionalEncoding, build_positional
+from attnzoo.positional import PositionalEncoding, RotaryEmbedding, build_positional
 from attnzoo.registry import EXACT, build
 from attnzoo.spec import Shape
 
@@ -105,7 +105,9 @@ class MultiHeadAttention(nn.Module):
                 f"head groups of {list(self.group_heads)} heads do not each cover whole K/V groups of {per_kv} query "
                 f"heads (heads={heads}, kv_heads={self.kv_heads})"
             )
-        self.positional = build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim)
+        self.positional = _fit_rope(
+            build_positional(positional, dim=dim, heads=heads, head_dim=self.head_dim), positional, self.mechanisms
+        )
         for attn in self.mechanisms:
             _check_positional(self.positional, attn)
             if attn_dropout:
@@ -308,6 +310,22 @@ def _resolve_mechanism(mechanism: str | Attention, config: dict[str, Any], shape
             f"attnzoo.nn.TransformerEncoderLayer(mechanism={mechanism!r})"
         )
     return attn
+
+
+def _fit_rope(pe: PositionalEncoding | None, asked: Any, mechanisms: nn.ModuleList) -> PositionalEncoding | None:
+    """``positional="rope"`` rotates the channels the mechanisms ask for (``rotary_channels``: all,
+    or the last few, as ``mla``'s decoupled RoPE); a RoPE instance passed by the user is kept as is."""
+    if asked != "rope" or not isinstance(pe, RotaryEmbedding):
+        return pe
+    asks = (getattr(m, "rotary_channels", None) for m in mechanisms)  # token mixers ask nothing
+    wanted = {pe.head_dim if c is None else c for c in asks}
+    if len(wanted) > 1:
+        raise ValueError(
+            f"the head groups' mechanisms want RoPE on different numbers of channels ({sorted(wanted)}); pass "
+            "positional=attnzoo.positional.RotaryEmbedding(head_dim, channels=...) to choose one"
+        )
+    (channels,) = wanted
+    return pe if channels == pe.head_dim else RotaryEmbedding(pe.head_dim, pe.base, channels=channels)
 
 
 def _check_positional(pe: PositionalEncoding | None, attn: Attention) -> None:
