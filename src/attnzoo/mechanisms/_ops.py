@@ -131,3 +131,24 @@ def dense_gradient(x: Tensor) -> Tensor:
     retention's forward and backward at N = 2048, H = 8, D = 64). The chunkwise recurrences
     (``decay_functions``, ``delta_chunks``) put it on their outputs."""
     return _DenseGradient.apply(x)
+
+
+def block_union(index: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """A per-row key list as query blocks: rows ``index (N, S)`` of key positions (``valid`` marks
+    the real entries) grouped ``block`` at a time -> ``cols (blocks, W)``, each block's sorted
+    union of its rows' keys (padded with 0), and ``member (blocks, block, W)``, which of them
+    each row lists (False in padding rows and columns). A block then attends its union with one
+    small GEMM under ``member`` instead of gathering every row's own keys (used where nearby
+    rows share most keys: ``hierarchical``, ``sac``)."""
+    blocks = -(-index.shape[0] // block)
+    pad = blocks * block - index.shape[0]
+    index = torch.nn.functional.pad(index, (0, 0, 0, pad)).view(blocks, block, -1)
+    valid = torch.nn.functional.pad(valid, (0, 0, 0, pad)).view(blocks, block, -1)
+    unions = [index[t][valid[t]].unique() for t in range(blocks)]  # sorted
+    cols = torch.zeros(blocks, max(len(u) for u in unions), dtype=torch.long)
+    member = torch.zeros(*cols.shape[:1], block, cols.shape[1], dtype=torch.bool)
+    for t, union in enumerate(unions):
+        cols[t, : len(union)] = union
+        rows, slots = valid[t].nonzero(as_tuple=True)
+        member[t, rows, torch.searchsorted(union, index[t, rows, slots])] = True  # each key's column
+    return cols, member

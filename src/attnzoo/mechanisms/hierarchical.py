@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
+from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.span_tree import SpanTree, left_nodes, level_sums
 from attnzoo.registry import Config, bounded, register
@@ -161,20 +161,7 @@ class BlockPlan:
 @lru_cache(maxsize=64)
 def block_plan(n: int, k: int, causal: bool) -> BlockPlan:
     """``BlockPlan`` of ``hierarchical_graph(n, k, causal)`` (cached per ``(n, k, causal)``)."""
-    index, valid = _graph_index(n, k, causal)  # (N, S)
-    blocks = -(-n // BLOCK)
-    pad = blocks * BLOCK - n
-    index = torch.nn.functional.pad(index, (0, 0, 0, pad)).view(blocks, BLOCK, -1)
-    valid = torch.nn.functional.pad(valid, (0, 0, 0, pad)).view(blocks, BLOCK, -1)
-    unions = [index[t][valid[t]].unique() for t in range(blocks)]  # sorted
-    width = max(len(u) for u in unions)
-    cols = torch.zeros(blocks, width, dtype=torch.long)
-    member = torch.zeros(blocks, BLOCK, width, dtype=torch.bool)
-    for t, union in enumerate(unions):
-        cols[t, : len(union)] = union
-        rows, slots = valid[t].nonzero(as_tuple=True)
-        member[t, rows, torch.searchsorted(union, index[t, rows, slots])] = True  # a node's column in the union
-    return BlockPlan(cols, member)
+    return BlockPlan(*block_union(*_graph_index(n, k, causal), BLOCK))
 
 
 def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalConfig, args: AttendArgs) -> Tensor:
