@@ -182,8 +182,9 @@ def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalCon
     def gathered(nodes: Tensor) -> Tensor:  # (B, H, T, e) -> (B, H, blocks, W, e)
         return nodes.index_select(2, cols.flatten()).view(b, h, blocks, width, -1)
 
-    qb = torch.nn.functional.pad(qc, (0, 0, 0, blocks * BLOCK - n)).view(b, h, blocks, BLOCK, d)
-    scores = qb @ gathered(k_nodes).transpose(-1, -2) * default_scale(cfg.scale, d)  # (B, H, blocks, BLOCK, W)
+    qb = torch.nn.functional.pad(qc * default_scale(cfg.scale, d), (0, 0, 0, blocks * BLOCK - n))
+    qb = qb.view(b, h, blocks, BLOCK, d)  # scaled here: no pass over the score tile
+    scores = qb @ gathered(k_nodes).transpose(-1, -2)  # (B, H, blocks, BLOCK, W)
     visible = (member[None] & (counts > 0)[:, cols][:, :, None, :])[:, None]  # (B, 1, blocks, BLOCK, W)
     weights = normalize_scores(scores, visible, "softmax")
     out = (weights @ gathered(v_nodes)).view(b, h, blocks * BLOCK, -1)[:, :, :n]
