@@ -5,7 +5,8 @@ per block of ``block`` tokens), attention over the raw keys of the blocks the co
 attends to most (``n_select`` of them, the own block and block 0 always), and a sliding window.
 Here compression block = stride = selection block = ``block``. The selected branch runs on
 ``block_attend.attend_blocks`` (flash-kernel calls per key block, never N x N), the window on the
-sparse backends (``attnzoo.attend`` with ``sliding_window(window - 1, 0)``).
+sparse backends (``attnzoo.attend`` with ``sliding_window(window - 1, 0)``, a few heads per call
+so that its key-window buffers stay small: see ``WINDOW_CHUNK_BYTES``).
 """
 
 from __future__ import annotations
@@ -68,13 +69,25 @@ def nsa_selection(
     return keep
 
 
+#: The window branch runs on at most this many bytes of q at a time (heads split into calls):
+#: the sparse backend's backward holds ~5x its q in overlapping key windows, and allocations
+#: above glibc's 32 MiB mmap threshold are fresh memory (page faults) on every call.
+WINDOW_CHUNK_BYTES = 4 << 20
+
+
 def _window(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, real: Tensor | None) -> Tensor:
     """Rows end-aligned to the keys see keys ``i - window + 1 .. i`` (only the last ``window +
-    R - 1`` keys can be seen: the rest are not passed on)."""
+    R - 1`` keys can be seen: the rest are not passed on). Heads run in chunks of at most
+    ``WINDOW_CHUNK_BYTES`` of q."""
     first = max(0, k.shape[2] - q.shape[2] - window + 1)
     mask = None if real is None else real[:, first:]
     pattern = sliding_window(window - 1, 0)
-    return attend(q, k[:, :, first:], v[:, :, first:], pattern=pattern, causal=True, key_mask=mask, scale=scale)
+    heads = max(1, WINDOW_CHUNK_BYTES // max(1, q[:, :1].numel() * q.element_size()))
+    parts = [
+        attend(qh, kh, vh, pattern=pattern, causal=True, key_mask=mask, scale=scale)
+        for qh, kh, vh in zip(q.split(heads, 1), k[:, :, first:].split(heads, 1), v[:, :, first:].split(heads, 1))
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def nsa(
