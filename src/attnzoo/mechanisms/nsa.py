@@ -11,6 +11,7 @@ so that its key-window buffers stay small: see ``WINDOW_CHUNK_BYTES``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,14 @@ def _window(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, real: Te
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
+def _compressed_probs(q: Tensor, k_cmp: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """``normalize_scores(q k_cmp^T scale, visible, "softmax")`` in fewer passes: an additive
+    ``-inf`` bias instead of two masked fills (rows with no visible block: bias 0, weights 0)."""
+    has_key = visible.any(-1, keepdim=True)
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible & has_key, -math.inf)
+    return torch.softmax(torch.einsum("bhrd,bhcd->bhrc", q, k_cmp) * scale + bias, -1) * has_key
+
+
 def nsa(
     q: Tensor,
     k: Tensor,
@@ -123,7 +132,7 @@ def nsa(
     qc, kc, vc, kcc, vcc, g = (x.to(dtype) for x in (q, k, v, k_cmp, v_cmp, gates))
     positions = torch.arange(q.shape[2], device=q.device) + (k.shape[2] - q.shape[2])
     visible = compressed_visible(positions, k_cmp.shape[2], block, _complete_real(key_mask, k_cmp.shape[2], block))
-    p_cmp = normalize_scores(torch.einsum("bhrd,bhcd->bhrc", qc, kcc) * scale, visible, "softmax")
+    p_cmp = _compressed_probs(qc, kcc, visible, scale)
     with torch.no_grad():
         keep = nsa_selection(p_cmp, visible, positions, -(-k.shape[2] // block), block, n_select)
     o_sel = attend_blocks(qc, kc, vc, keep, block=block, scale=scale, causal=True, real=key_mask)
@@ -141,8 +150,8 @@ def compress(x: Tensor, real: Tensor | None, position_weight: Tensor, block: int
     """
     n_cmp = x.shape[2] // block
     blocks = rearrange(x[:, :, : n_cmp * block], "b h (c j) d -> b h c j d", j=block)
-    if real is None:
-        real = torch.ones(x.shape[0], n_cmp * block, dtype=torch.bool, device=x.device)
+    if real is None:  # every block holds `block` real tokens
+        return torch.einsum("bhcjd,hj->bhcd", blocks, (1 + position_weight.to(x.dtype)) / block)
     weight = rearrange(real[:, : n_cmp * block], "b (c j) -> b c j", j=block).to(x.dtype)
     count = weight.sum(-1).clamp(min=1)[:, None, :, None]  # (B, 1, C, 1)
     return torch.einsum("bhcjd,bcj,hj->bhcd", blocks, weight, 1 + position_weight.to(x.dtype)) / count
