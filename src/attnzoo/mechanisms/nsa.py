@@ -275,6 +275,9 @@ class NSAState:
         "attention probability (ties to the lower block index), n_select in all; the ranking passes no gradient",
         "key_mask: padded keys are never attended and never pooled; a block with no real key is invisible "
         "to the compressed branch and never ranked",
+        "fast path: the compressed branch's probabilities computed once, for its output and for the ranking; "
+        "the selected branch on MoBA's block kernel (rows grouped per key block through PyTorch's CPU flash "
+        "kernel, merged by log-sum-exp); the window on the sparse backends, a few heads per call; never N x N",
         "decode step: a KV cache and the compressed key and value of each block as it completes; per token "
         "O(t D / block) compressed, O(n_select block D) selected, O(window D) window",
     ),
