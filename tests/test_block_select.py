@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import attnzoo
 from attnzoo.backends.reference import normalize_scores
+from attnzoo.mechanisms import nsa as nsa_module
 from attnzoo.mechanisms.block_attend import _layout, attend_blocks
 from attnzoo.mechanisms.block_select import _moba_gates, moba, moba_selection, reference_moba
 from attnzoo.mechanisms.nsa import nsa
@@ -68,6 +69,18 @@ def test_nsa_matches_the_oracle_forward_and_gradients(n_select, window, tied):
     wrt = inputs[:5]
     for got, ref, name in zip(grads(fast, wrt), grads(want, wrt), ("q", "k", "v", "k_cmp", "v_cmp")):
         assert_same(got, ref, what=f"nsa gradient {name}")
+
+
+def test_nsa_window_in_head_chunks_matches_the_oracle(monkeypatch):
+    """The window branch split into one call per head (the chunking that keeps its buffers
+    small at long N) is the same forward and gradients."""
+    inputs = (*_qkv(), *_nsa_extras())
+    monkeypatch.setattr(nsa_module, "WINDOW_CHUNK_BYTES", 1)  # one head per call
+    kw = dict(block=BLOCK, n_select=3, window=5, scale=D**-0.5)
+    fast, want = nsa(*inputs, **kw), oracle_nsa(*inputs, **kw)
+    assert_same(fast, want, what="nsa, window one head per call")
+    for got, ref, name in zip(grads(fast, inputs[:3]), grads(want, inputs[:3]), "qkv"):
+        assert_same(got, ref, what=f"nsa gradient {name}, window one head per call")
 
 
 def test_moba_ties_go_to_the_lower_block():

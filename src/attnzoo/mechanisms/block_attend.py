@@ -13,9 +13,12 @@ block's rows in order, and the kernel's top-left causal mask is exactly the caus
 Off the CPU the kernel's forward and backward run as plain tensor ops (``_plain_forward``,
 ``_plain_backward``: the same math, scores per bucket materialised).
 
-Memory: O(R S D) for R rows of S blocks each (gathered rows, per-pair outputs); no scores are
-kept and nothing is N x N. Sums over pairs use ``index_put_(accumulate=True)``: ``index_add_``
-on 2-D rows costs ~150 ms per call with two threads on a loaded CPU (its parallel sort path).
+Memory: O(R S D) for R rows of S blocks each (per-pair outputs); no scores are kept and nothing
+is N x N. Query rows (and in backward the output gradient and merged output) are gathered
+bucket by bucket, never all P pairs at once: at 4K one (P, D) copy is ~70 MB, fresh memory
+from the OS (page faults) on every call, where a bucket's copy is reused by the allocator.
+Sums over pairs use ``index_put_(accumulate=True)``: ``index_add_`` on 2-D rows costs ~150 ms
+per call with two threads on a loaded CPU (its parallel sort path).
 """
 
 from __future__ import annotations
@@ -69,6 +72,12 @@ class _Layout:
     def kernel(pairs: Tensor, u: _Bucket) -> Tensor:
         """Pair rows ``(P, E)`` -> bucket ``u``'s kernel input ``(count, 1, length, E)`` (a view)."""
         return pairs[u.span].view(u.count, 1, u.length, pairs.shape[-1])
+
+    def gather(self, rows: Tensor, u: _Bucket) -> Tensor:
+        """Query rows ``(B H R + 1, E)`` -> bucket ``u``'s kernel input ``(count, 1, length, E)``.
+        Gathered bucket by bucket, not for all P pairs at once: a bucket's copy is small enough
+        for the allocator to reuse, where one (P, E) copy is fresh memory (page faults) each call."""
+        return rows.index_select(0, self.row[u.span]).view(u.count, 1, u.length, rows.shape[-1])
 
 
 def _buckets(lengths: Tensor) -> list[_Bucket]:
@@ -205,14 +214,14 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, t: _Layout, o: _Options) -> Tensor:  # type: ignore[override]
         (batch, heads, rows, _), d_v = q.shape, v.shape[-1]
-        q_pairs = _rows(q).index_select(0, t.row)  # (P, D)
+        q_rows = _rows(q)  # (B H R + 1, D)
         k_blocks, v_blocks = _key_blocks(k, t, o.block), _key_blocks(v, t, o.block)
         outs, lses = [], []
         for u in t.buckets:
             mask, is_causal, seen = _mask(t, u, o, q.dtype)
             k_u, v_u = (x[u.first : u.first + u.count, None] for x in (k_blocks, v_blocks))
             out, lse = (flash_attention_cpu if q.is_cpu else _plain_forward)(
-                t.kernel(q_pairs, u), k_u, v_u, 0.0, is_causal, attn_mask=mask, scale=o.scale
+                t.gather(q_rows, u), k_u, v_u, 0.0, is_causal, attn_mask=mask, scale=o.scale
             )[:2]
             if seen is not None:  # the kernel gives a row that sees nothing lse = 0
                 lse = lse.masked_fill(~seen.expand_as(lse), -math.inf)
@@ -225,24 +234,24 @@ class _BlockAttention(torch.autograd.Function):
         for u, out in zip(t.buckets, outs):
             merged.index_put_((t.row[u.span],), out.mul_(weight[u.span]), accumulate=True)
         merged[-1] = 0.0
-        ctx.save_for_backward(q_pairs, k_blocks, v_blocks, merged, row_lse)
+        ctx.save_for_backward(q_rows, k_blocks, v_blocks, merged, row_lse)
         ctx.layout, ctx.options, ctx.shapes = t, o, (k.shape, v.shape)
         return merged[:-1].view(batch, heads, rows, d_v)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q_pairs, k_blocks, v_blocks, out, row_lse = ctx.saved_tensors
+        q_rows, k_blocks, v_blocks, out, row_lse = ctx.saved_tensors
         t, o, (k_shape, v_shape) = ctx.layout, ctx.options, ctx.shapes
         # A row that sees no key (and the spare row): lse = inf makes every weight exp(s - lse) 0.
-        lse = torch.where(row_lse == -math.inf, math.inf, row_lse)[t.row, None]
-        grad_pairs, out_pairs = _rows(grad).index_select(0, t.row), out.index_select(0, t.row)
-        d_q, d_k, d_v = q_pairs.new_zeros(out.shape[0], q_pairs.shape[-1]), [], []
+        lse = torch.where(row_lse == -math.inf, math.inf, row_lse)[:, None]
+        grad_rows = _rows(grad)
+        d_q, d_k, d_v = q_rows.new_zeros(q_rows.shape), [], []
         for u in t.buckets:
-            mask, is_causal, _ = _mask(t, u, o, q_pairs.dtype)
+            mask, is_causal, _ = _mask(t, u, o, q_rows.dtype)
             k_u, v_u = (x[u.first : u.first + u.count, None] for x in (k_blocks, v_blocks))
-            d_out, q_u, out_u, lse_u = (t.kernel(x, u) for x in (grad_pairs, q_pairs, out_pairs, lse))
-            dq, dk, dv = (flash_attention_cpu_backward if q_pairs.is_cpu else _plain_backward)(
-                d_out, q_u, k_u, v_u, out_u, lse_u[..., 0].contiguous(), 0.0, is_causal, attn_mask=mask, scale=o.scale
+            d_out, q_u, out_u, lse_u = (t.gather(x, u) for x in (grad_rows, q_rows, out, lse))
+            dq, dk, dv = (flash_attention_cpu_backward if q_rows.is_cpu else _plain_backward)(
+                d_out, q_u, k_u, v_u, out_u, lse_u[..., 0], 0.0, is_causal, attn_mask=mask, scale=o.scale
             )
             d_q.index_put_((t.row[u.span],), dq.reshape(-1, dq.shape[-1]), accumulate=True)
             d_k.append(dk[:, 0])

@@ -5,11 +5,13 @@ per block of ``block`` tokens), attention over the raw keys of the blocks the co
 attends to most (``n_select`` of them, the own block and block 0 always), and a sliding window.
 Here compression block = stride = selection block = ``block``. The selected branch runs on
 ``block_attend.attend_blocks`` (flash-kernel calls per key block, never N x N), the window on the
-sparse backends (``attnzoo.attend`` with ``sliding_window(window - 1, 0)``).
+sparse backends (``attnzoo.attend`` with ``sliding_window(window - 1, 0)``, a few heads per call
+so that its key-window buffers stay small: see ``WINDOW_CHUNK_BYTES``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,13 +70,33 @@ def nsa_selection(
     return keep
 
 
+#: The window branch runs on at most this many bytes of q at a time (heads split into calls):
+#: the sparse backend's backward holds ~5x its q in overlapping key windows, and allocations
+#: above glibc's 32 MiB mmap threshold are fresh memory (page faults) on every call.
+WINDOW_CHUNK_BYTES = 4 << 20
+
+
 def _window(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, real: Tensor | None) -> Tensor:
     """Rows end-aligned to the keys see keys ``i - window + 1 .. i`` (only the last ``window +
-    R - 1`` keys can be seen: the rest are not passed on)."""
+    R - 1`` keys can be seen: the rest are not passed on). Heads run in chunks of at most
+    ``WINDOW_CHUNK_BYTES`` of q."""
     first = max(0, k.shape[2] - q.shape[2] - window + 1)
     mask = None if real is None else real[:, first:]
     pattern = sliding_window(window - 1, 0)
-    return attend(q, k[:, :, first:], v[:, :, first:], pattern=pattern, causal=True, key_mask=mask, scale=scale)
+    heads = max(1, WINDOW_CHUNK_BYTES // max(1, q[:, :1].numel() * q.element_size()))
+    parts = [
+        attend(qh, kh, vh, pattern=pattern, causal=True, key_mask=mask, scale=scale)
+        for qh, kh, vh in zip(q.split(heads, 1), k[:, :, first:].split(heads, 1), v[:, :, first:].split(heads, 1))
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def _compressed_probs(q: Tensor, k_cmp: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """``normalize_scores(q k_cmp^T scale, visible, "softmax")`` in fewer passes: an additive
+    ``-inf`` bias instead of two masked fills (rows with no visible block: bias 0, weights 0)."""
+    has_key = visible.any(-1, keepdim=True)
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible & has_key, -math.inf)
+    return torch.softmax(torch.einsum("bhrd,bhcd->bhrc", q, k_cmp) * scale + bias, -1) * has_key
 
 
 def nsa(
@@ -110,7 +132,7 @@ def nsa(
     qc, kc, vc, kcc, vcc, g = (x.to(dtype) for x in (q, k, v, k_cmp, v_cmp, gates))
     positions = torch.arange(q.shape[2], device=q.device) + (k.shape[2] - q.shape[2])
     visible = compressed_visible(positions, k_cmp.shape[2], block, _complete_real(key_mask, k_cmp.shape[2], block))
-    p_cmp = normalize_scores(torch.einsum("bhrd,bhcd->bhrc", qc, kcc) * scale, visible, "softmax")
+    p_cmp = _compressed_probs(qc, kcc, visible, scale)
     with torch.no_grad():
         keep = nsa_selection(p_cmp, visible, positions, -(-k.shape[2] // block), block, n_select)
     o_sel = attend_blocks(qc, kc, vc, keep, block=block, scale=scale, causal=True, real=key_mask)
@@ -128,8 +150,8 @@ def compress(x: Tensor, real: Tensor | None, position_weight: Tensor, block: int
     """
     n_cmp = x.shape[2] // block
     blocks = rearrange(x[:, :, : n_cmp * block], "b h (c j) d -> b h c j d", j=block)
-    if real is None:
-        real = torch.ones(x.shape[0], n_cmp * block, dtype=torch.bool, device=x.device)
+    if real is None:  # every block holds `block` real tokens
+        return torch.einsum("bhcjd,hj->bhcd", blocks, (1 + position_weight.to(x.dtype)) / block)
     weight = rearrange(real[:, : n_cmp * block], "b (c j) -> b c j", j=block).to(x.dtype)
     count = weight.sum(-1).clamp(min=1)[:, None, :, None]  # (B, 1, C, 1)
     return torch.einsum("bhcjd,bcj,hj->bhcd", blocks, weight, 1 + position_weight.to(x.dtype)) / count
@@ -253,6 +275,9 @@ class NSAState:
         "attention probability (ties to the lower block index), n_select in all; the ranking passes no gradient",
         "key_mask: padded keys are never attended and never pooled; a block with no real key is invisible "
         "to the compressed branch and never ranked",
+        "fast path: the compressed branch's probabilities computed once, for its output and for the ranking; "
+        "the selected branch on MoBA's block kernel (rows grouped per key block through PyTorch's CPU flash "
+        "kernel, merged by log-sum-exp); the window on the sparse backends, a few heads per call; never N x N",
         "decode step: a KV cache and the compressed key and value of each block as it completes; per token "
         "O(t D / block) compressed, O(n_select block D) selected, O(window D) window",
     ),
