@@ -287,14 +287,14 @@ class _ChunkRule(torch.autograd.Function):
         f = _Intra(*rest)
         # contiguous: out.sum().backward() sends an expanded (stride-0) gradient, on which CPU
         # batched matmuls take a per-matrix path (_ops.dense_gradient)
-        dp, dqs, du, dw, dk_end, dgates, ds0 = _back_outputs(d_o.contiguous(), d_s.contiguous(), f, u, starts)
-        dq, dk, dv, dbeta, dg = _back_intra(q, k, v, beta, g, f, dp, dqs, du, dw, dk_end, dgates)
+        dp, dqs, du, dk_end, dgates, ds0 = _back_outputs(d_o.contiguous(), d_s.contiguous(), f, u, starts)
+        dq, dk, dv, dbeta, dg = _back_intra(q, k, v, beta, g, f, u, starts[:-1], dp, dqs, du, dk_end, dgates)
         return dq, dk, dv, dbeta, dg, ds0
 
 
 def _back_outputs(d_o: Tensor, d_s: Tensor, f: _Intra, u: Tensor, starts: Tensor) -> tuple[Tensor, ...]:
     """From ``dL/dO`` and ``dL/dS_N`` through ``O = Q_s S_c + P U`` and the scan: the adjoints of
-    ``P, Q_s, U_v, W, K_end``, the gates and ``S_0``."""
+    ``P, Q_s, U_v, K_end``, the gates and ``S_0`` (W's, ``-dU_v S_c^T``, is left to ``_back_intra``)."""
     s_c = starts[:-1]  # [C, BH, D, D_v]
     dp, du = d_o @ u.transpose(-1, -2), f.p.transpose(-1, -2) @ d_o
     lams = d_s.new_empty(starts.shape)  # [C + 1, BH, D, D_v]
@@ -302,26 +302,27 @@ def _back_outputs(d_o: Tensor, d_s: Tensor, f: _Intra, u: Tensor, starts: Tensor
     torch.bmm(f.qs.transpose(-1, -2).flatten(0, 1), d_o.flatten(0, 1), out=lams[:-1].flatten(0, 1))
     dqs = d_o @ s_c.transpose(-1, -2)
     _scan_back(du, lams, f.w, f.k_end, f.gates)  # du: dL/dU_v from here on
-    dw = (du @ s_c.transpose(-1, -2)).neg_()
     dk_end = u @ lams[1:].transpose(-1, -2)
     dgates = None if f.gates is None else (lams[1:] * s_c).sum((-1, -2))
-    return dp, dqs, du, dw, dk_end, dgates, lams[0]
+    return dp, dqs, du, dk_end, dgates, lams[0]
 
 
-def _back_intra(q, k, v, beta, g, f: _Intra, dp, dqs, du, dw, dk_end, dgates) -> tuple[Tensor, ...]:  # noqa: ANN001
-    """Through ``[U_v, W] = T [diag(beta) V, diag(b) K]`` (``b = beta G``) and the scores. With
-    ``Y = T^T [dU_v, dW]``: ``dV = diag(beta) Y_v``, ``dK = diag(b) Y_w + ...``, and the inverse's
-    adjoint ``dA = -T^T dT T^T = -(Y_v U_v^T + Y_w W^T)`` (as ``T [diag(beta) V, diag(b) K] = [U_v,
-    W]``), read below the diagonal: two (L, D) products instead of ``dT`` and two (L, L) ones.
-    Row dot products go through one scratch buffer and the (L, D) sums accumulate in place: on
-    CPU each fresh (N, D) temporary costs its page faults."""
+def _back_intra(q, k, v, beta, g, f: _Intra, u, s_c, dp, dqs, du, dk_end, dgates) -> tuple[Tensor, ...]:  # noqa: ANN001
+    """Through ``[U_v, W] = T [diag(beta) V, diag(b) K]`` (``b = beta G``) and the scores. ``U_v``
+    and ``W`` enter only as ``U = U_v - W S_c``, so ``dW = -dU_v S_c^T`` and, with ``Y = T^T dU_v``,
+    ``T^T dW = -Y S_c^T``: ``dV = diag(beta) Y``, ``dK = -diag(b) Y S_c^T + ...``, and the
+    inverse's adjoint ``dA = -T^T dT T^T = -(Y U_v^T - Y S_c^T W^T) = -Y U^T`` (as ``T diag(beta) V
+    = U_v``, ``T diag(b) K = W``), read below the diagonal: one (L, D_v) product where autograd
+    makes ``dW``, ``dT`` and ``T^T dT T^T``. Row dot products go through one scratch buffer and the
+    (L, D) sums accumulate in place: on CPU each fresh (N, D) temporary costs its page faults."""
     t_t, scratch = f.t.transpose(-1, -2), {k.shape: torch.empty_like(k), v.shape: torch.empty_like(v)}
 
     def rowdot(a: Tensor, b: Tensor) -> Tensor:  # [C, BH, L]
         return torch.mul(a, b, out=scratch[a.shape]).sum(-1)
 
-    y_v, y_w = t_t @ du, t_t @ dw
-    da = _addmm_(y_v @ f.u_v.transpose(-1, -2), y_w, f.w.transpose(-1, -2)).tril_(-1).neg_()
+    y_v = t_t @ du
+    y_w = (y_v @ s_c.transpose(-1, -2)).neg_()  # T^T dW
+    da = (y_v @ u.transpose(-1, -2)).tril_(-1).neg_()
     d_start, da_kk = rowdot(y_w, k), da * f.kk  # start: beta G, the column scales of W's T
     dbeta = rowdot(y_v, v) + (da_kk.sum(-1) if f.dec is None else (da_kk * f.dec).sum(-1))
     if f.dec is None:
