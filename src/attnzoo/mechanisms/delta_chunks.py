@@ -164,21 +164,24 @@ def _unit_lower_inverse(a: Tensor) -> Tensor:
     holding them has the inverse ``[[T11, 0], [-T22 A21 T11, T22]]`` (the blocked inversion of
     LAPACK's ``trtri``, as stable as forward substitution). Batched matmuls over every chunk
     instead of a LAPACK call per matrix, which on CPU costs far more for the many small matrices
-    of the fast path; tiny blocks stay out of matmuls, which also run matrix by matrix."""
+    of the fast path; tiny blocks stay out of matmuls, which also run matrix by matrix. Every
+    block is written in place into the one result (concatenating the blocks level by level cost
+    more than the products)."""
     n = a.shape[-1]
     p = 1 << max(n - 1, 0).bit_length()  # the next power of two: zero rows and columns invert to I
     a = F.pad(a, (0, p - n, 0, p - n)) if p != n else a
     size = min(_ROWS, p)
-    t = torch.eye(size, dtype=a.dtype, device=a.device).repeat(*a.shape[:-2], p // size, 1, 1)
+    diag = torch.eye(size, dtype=a.dtype, device=a.device).repeat(*a.shape[:-2], p // size, 1, 1)
     blocks = _diagonal_blocks(a, size).contiguous()  # [..., P / 8, 8, 8]; above the diagonal unread
     for i in range(1, size):
-        t[..., i, :i] = -(blocks[..., i, :i, None] * t[..., :i, :i]).sum(-2)
-    while size < p:  # t: the contiguous diagonal blocks (..., P / s, s, s) of the inverse
-        t11, t22 = t[..., 0::2, :, :], t[..., 1::2, :, :]
-        t21 = -(t22 @ _diagonal_blocks(a, 2 * size)[..., size:, :size] @ t11)
-        t = torch.cat([torch.cat([t11, torch.zeros_like(t11)], -1), torch.cat([t21, t22], -1)], -2)
+        diag[..., i, :i] = -(blocks[..., i, :i, None] * diag[..., :i, :i]).sum(-2)
+    t = a.new_zeros(a.shape)
+    _diagonal_blocks(t, size).copy_(diag)
+    while size < p:  # the diagonal blocks of size 2s of t and a, as views
+        t2, a2 = _diagonal_blocks(t, 2 * size), _diagonal_blocks(a, 2 * size)
+        t2[..., size:, :size] = -(t2[..., size:, size:] @ a2[..., size:, :size] @ t2[..., :size, :size])
         size *= 2
-    return t[..., 0, :n, :n]
+    return t[..., :n, :n]
 
 
 def _addmm_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
