@@ -22,17 +22,21 @@ unit lower-triangular system per chunk::
     Dec_tj = G_t / G_j,  so  U = U_v - W S_0  with  [U_v, W] = T [diag(beta) V, diag(beta G) K]
 
 (``T`` the inverse, for all chunks at once and independent of the state: formed from its
-diagonal blocks by recursive doubling in batched matmuls, with the inverse's own backward). Then, carrying ``S`` from
-chunk to chunk (the only sequential part, N / C small steps, two matmuls each way)::
+diagonal blocks by recursive doubling in batched matmuls). Then, carrying ``S`` from chunk to
+chunk (the only sequential part, N / C small steps, two in-place matmuls each way)::
 
     O = diag(G) Q S_0 + (Q K^T * Dec * M) U,    S_C = G_C S_0 + (K * G_C / G)^T U
 
-The scan is one autograd function whose backward is a single reverse scan over the states'
-adjoints, every other gradient one batched matmul after it. Decays enter only as differences of
-in-chunk cumulative logs, masked to ``j <= t`` before the exponential, so every exponent is <= 0.
-The largest tensors are ``(B, H, N, C)`` inside the chunks and the states at the chunk starts,
-``(B, H, N / C, D, D_v)``; nothing is N x N. C = 32 by default: the work inside chunks grows
-with C and the steps of the scan with N / C; on CPU at D = 64 the sum is least near 32.
+All of it is one autograd function (``_ChunkRule``) with a written-out backward: a single reverse
+scan over the states' adjoints, every other gradient a batched matmul or elementwise product over
+all chunks; since U_v and W enter only through ``U = U_v - W S_0``, the adjoints of W and of the
+inverse come out of ``T^T dU_v`` without forming ``dW`` or ``dT``. Tensors are chunk-major,
+``(N / C, B H, C, ...)``, so that each step of the scan reads and writes whole contiguous blocks.
+Decays enter only as differences of in-chunk cumulative logs, masked to ``j <= t`` before the
+exponential, so every exponent is <= 0. The largest tensors are ``(B, H, N, C)`` inside the
+chunks and the states at the chunk starts, ``(B, H, N / C, D, D_v)``; nothing is N x N. C = 32 by
+default: the work inside chunks grows with C and the steps of the scan with N / C; on CPU at
+D = 64 the sum is least near 32 (16 and 64 were slower, also after this rewrite).
 """
 
 from __future__ import annotations
