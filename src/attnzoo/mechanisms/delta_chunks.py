@@ -197,7 +197,7 @@ def _addmm_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
 
 class _Intra(NamedTuple):
     """Stage one, every chunk at once ``(C, BH, ...)``: ``t`` the inverse ``T``, ``u_v, w``
-    (``U = U_v - W S_c``), ``qs, k_end`` (q decayed from the chunk start, k to its end; q, k
+    (``U = U_v - W S_c``; the scan overwrites ``u_v`` with U), ``qs, k_end`` (q decayed from the chunk start, k to its end; q, k
     without decay), ``p`` the in-chunk scores ``Q K^T * Dec * M``, ``kk = K K^T``, ``qk = Q K^T``,
     ``dec`` (``exp(g_t - g_j)``, 0 for ``j > t``) and ``gates`` (each chunk's whole decay
     ``(C, BH)``); the last two None without decay."""
@@ -240,8 +240,9 @@ def _scan(u_v: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, s0: Tenso
     ``U (C, BH, L, D_v)`` and the states at the chunk starts, ``(C + 1, BH, D, D_v)`` (the last is
     S_N). Each step accumulates in place into its own contiguous slot: nothing is stacked
     afterwards, and no step allocates or copies (a batched matmul into a strided slot would run
-    matrix by matrix; a fresh result costs a copy of the addend)."""
-    u = u_v.clone()
+    matrix by matrix; a fresh result costs a copy of the addend). U overwrites ``u_v``, which
+    nothing reads afterwards."""
+    u = u_v
     starts = s0.new_empty(u_v.shape[0] + 1, *s0.shape)
     starts[0] = s0
     k_end_t = k_end.transpose(-1, -2)
@@ -255,19 +256,24 @@ def _scan(u_v: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, s0: Tenso
     return u, starts
 
 
-def _scan_back(du: Tensor, lams: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None) -> None:
+def _scan_back(du: Tensor, lams: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, starts: Tensor):  # noqa: ANN202
     """The reverse scan over the adjoints ``l_c = dL/dS_c``, in place: ``lams (C + 1, BH, D, D_v)``
     holds ``dL/dS_N`` last and, before it, what the outputs send to each chunk start; ``du`` what
     they send to ``U``. Then ``dU_c += K_end,c l_{c+1}`` (through the next state) and
-    ``l_c += gate_c l_{c+1} - W_c^T dU_c``."""
+    ``l_c += gate_c l_{c+1} - W_c^T dU_c``. Returns the gates' adjoints ``<l_{c+1}, S_c>`` (C, BH),
+    taken step by step while both are in cache (None without gates)."""
     w_t = w.transpose(-1, -2)
+    d_gates = None if gates is None else gates.new_empty(gates.shape)
     for c in range(du.shape[0] - 1, -1, -1):
+        if d_gates is not None:  # [BH, 1, D D_v] @ [BH, D D_v, 1]
+            torch.bmm(lams[c + 1].flatten(1)[:, None], starts[c].flatten(1)[..., None], out=d_gates[c, :, None, None])
         du[c].baddbmm_(k_end[c], lams[c + 1])
         if gates is None:
             lams[c].add_(lams[c + 1])
         else:
             lams[c].addcmul_(lams[c + 1], gates[c, :, None, None])
         lams[c].baddbmm_(w_t[c], du[c], alpha=-1)
+    return d_gates
 
 
 class _ChunkRule(torch.autograd.Function):
@@ -308,9 +314,8 @@ def _back_outputs(d_o: Tensor, d_s: Tensor, f: _Intra, u: Tensor, starts: Tensor
     lams[-1] = d_s
     torch.bmm(f.qs.transpose(-1, -2).flatten(0, 1), d_o.flatten(0, 1), out=lams[:-1].flatten(0, 1))
     dqs = d_o @ s_c.transpose(-1, -2)
-    _scan_back(du, lams, f.w, f.k_end, f.gates)  # du: dL/dU_v from here on
+    dgates = _scan_back(du, lams, f.w, f.k_end, f.gates, starts)  # du: dL/dU_v from here on
     dk_end = u @ lams[1:].transpose(-1, -2)
-    dgates = None if f.gates is None else (lams[1:] * s_c).sum((-1, -2))
     return dp, dqs, du, dk_end, dgates, lams[0]
 
 
