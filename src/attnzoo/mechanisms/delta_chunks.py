@@ -197,8 +197,9 @@ def _addmm_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
 
 class _Intra(NamedTuple):
     """Stage one, every chunk at once ``(C, BH, ...)``: ``t`` the inverse ``T``, ``u_v, w``
-    (``U = U_v - W S_c``; the scan overwrites ``u_v`` with U), ``qs, k_end`` (q decayed from the chunk start, k to its end; q, k
-    without decay), ``p`` the in-chunk scores ``Q K^T * Dec * M``, ``kk = K K^T``, ``qk = Q K^T``,
+    (``U = U_v - W S_c``; the scan overwrites ``u_v`` with U), ``qs, k_end`` (q decayed from the
+    chunk start, k to its end; q, k without decay), ``p`` the in-chunk scores ``Q K^T * Dec * M``,
+    ``kk = K K^T``, ``qk = Q K^T``,
     ``dec`` (``exp(g_t - g_j)``, 0 for ``j > t``) and ``gates`` (each chunk's whole decay
     ``(C, BH)``); the last two None without decay."""
 
