@@ -199,7 +199,7 @@ class _Intra(NamedTuple):
     """Stage one, every chunk at once ``(C, BH, ...)``: ``t`` the inverse ``T``, ``u_v, w``
     (``U = U_v - W S_c``; the scan overwrites ``u_v`` with U), ``qs, k_end`` (q decayed from the
     chunk start, k to its end; q, k without decay), ``p`` the in-chunk scores ``Q K^T * Dec * M``,
-    ``kk = K K^T``, ``qk = Q K^T``,
+    ``kk = K K^T * Dec`` (the Gram matrix, decayed),
     ``dec`` (``exp(g_t - g_j)``, 0 for ``j > t``) and ``gates`` (each chunk's whole decay
     ``(C, BH)``); the last two None without decay."""
 
@@ -210,7 +210,6 @@ class _Intra(NamedTuple):
     k_end: Tensor
     p: Tensor
     kk: Tensor
-    qk: Tensor
     dec: Tensor | None
     gates: Tensor | None
 
@@ -223,17 +222,17 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None) -> _
     kk, qk = k @ k_t, q @ k_t  # [C, BH, L, L]
     if g is None:
         dec = gates = None
-        qs, k_end, kkd, p, start = q, k, kk, qk.tril(), beta
+        qs, k_end, p, start = q, k, qk.tril_(), beta
     else:
         upto = torch.ones(k.shape[2], k.shape[2], dtype=torch.bool, device=k.device).tril()
         dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()
-        kkd, p, eg = kk * dec, qk * dec, g.exp()
+        kk, p, eg = kk.mul_(dec), qk.mul_(dec), g.exp()  # in place: the backward needs only these
         qs, start = q * eg[..., None], beta * eg
         k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
         gates = g[..., -1].exp()
-    t = _unit_lower_inverse(kkd * beta[..., None])  # read only below the diagonal
+    t = _unit_lower_inverse(kk * beta[..., None])  # read only below the diagonal
     u_v, w = (t * beta[..., None, :]) @ v, (t * start[..., None, :]) @ k
-    return _Intra(t, u_v, w, qs, k_end, p, kk, qk, dec, gates)
+    return _Intra(t, u_v, w, qs, k_end, p, kk, dec, gates)
 
 
 def _scan(u_v: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, s0: Tensor) -> tuple[Tensor, Tensor]:
@@ -337,13 +336,13 @@ def _back_intra(q, k, v, beta, g, f: _Intra, u, s_c, dp, dqs, du, dk_end, dgates
     y_w = (y_v @ s_c.transpose(-1, -2)).neg_()  # T^T dW
     da = (y_v @ u.transpose(-1, -2)).tril_(-1).neg_()
     d_start, da_kk = rowdot(y_w, k), da * f.kk  # start: beta G, the column scales of W's T
-    dbeta = rowdot(y_v, v) + (da_kk.sum(-1) if f.dec is None else (da_kk * f.dec).sum(-1))
+    dbeta = rowdot(y_v, v) + da_kk.sum(-1)
     if f.dec is None:
         dkk, dqk = da.mul_(beta[..., None]), dp.tril_()
         start = beta
     else:
         eg, to_end = g.exp(), (g[..., -1:] - g).exp()
-        m = da_kk.mul_(beta[..., None]).addcmul_(dp, f.qk).mul_(f.dec)  # dL/dDec * Dec
+        m = da_kk.mul_(beta[..., None]).addcmul_(dp, f.p)  # dL/dDec * Dec (p, kk: decayed)
         dkk, dqk, start = da.mul_(beta[..., None]).mul_(f.dec), dp.mul_(f.dec), beta * eg
         r = rowdot(dk_end, k) * to_end  # k_end = k exp(g_L - g)
         dg = m.sum(-1) - m.sum(-2) + rowdot(dqs, q) * eg + d_start * start - r
