@@ -117,30 +117,32 @@ def test_stable_over_a_thousand_tokens_in_float32(rule):
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 16, 37])
-def test_the_doubling_inverse_equals_the_triangular_solve_and_its_gradient(n):
+def test_the_doubling_inverse_equals_the_triangular_solve(n):
     """``(I + tril(a, -1))^-1`` by recursive doubling (n = 5, 37: padded to a power of two) against
-    LAPACK's solve; the entries on and above the diagonal are junk that must be ignored."""
+    LAPACK's solve; the entries on and above the diagonal are junk that must be ignored. (Its
+    adjoint is part of ``_ChunkRule``'s backward, checked below.)"""
     g = torch.Generator().manual_seed(n)
     a = torch.randn(2, 3, n, n, generator=g, dtype=torch.float64)
     eye = torch.eye(n, dtype=torch.float64)
     want = torch.linalg.solve_triangular(eye + a.tril(-1), eye.expand_as(a), upper=False, unitriangular=True)
     assert_same(delta_chunks._unit_lower_inverse(a), want, what=f"inverse n={n}")
-    small = a[:1, :2, :5, :5].detach().requires_grad_()  # finite differences: a few entries only
-    assert torch.autograd.gradcheck(delta_chunks._UnitLowerInverse.apply, (small,))
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_the_scan_backward_is_the_gradient_of_its_forward(gated):
-    """The hand-written reverse scan of ``_Scan`` against finite differences, through all three
-    outputs (U, the chunk starts, the final state): BH = 2, 3 chunks of 4 tokens, D = 3, D_v = 2."""
+def test_the_hand_written_backward_is_the_gradient_of_the_forward(gated):
+    """``_ChunkRule``'s backward (the reverse scan, the inverse's adjoint, the decays) against
+    finite differences through both outputs (O and S_N): 3 chunks of 4 tokens, BH = 2, D = 3,
+    D_v = 2, unit keys, an initial state; g the in-chunk cumulative log decays."""
     g = torch.Generator().manual_seed(7)
 
-    def leaf(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * 0.5).requires_grad_()
+    def leaf(*shape: int, scale: float = 0.5) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).requires_grad_()
 
-    u_v, w, k_end = leaf(2, 3, 4, 2), leaf(2, 3, 4, 3), leaf(2, 3, 4, 3)
-    gates = torch.rand(2, 3, generator=g, dtype=torch.float64).requires_grad_() if gated else None
-    assert torch.autograd.gradcheck(delta_chunks._Scan.apply, (u_v, w, k_end, gates, leaf(2, 3, 2)))
+    q, v = leaf(3, 2, 4, 3), leaf(3, 2, 4, 2)
+    k = F.normalize(torch.randn(3, 2, 4, 3, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    beta = torch.rand(3, 2, 4, generator=g, dtype=torch.float64).requires_grad_()
+    log_g = (-torch.rand(3, 2, 4, generator=g, dtype=torch.float64)).cumsum(-1).requires_grad_() if gated else None
+    assert torch.autograd.gradcheck(delta_chunks._ChunkRule.apply, (q, k, v, beta, log_g, leaf(2, 3, 2)))
 
 
 def test_the_delta_rule_overwrites_what_a_key_holds_where_linear_attention_adds():

@@ -22,17 +22,21 @@ unit lower-triangular system per chunk::
     Dec_tj = G_t / G_j,  so  U = U_v - W S_0  with  [U_v, W] = T [diag(beta) V, diag(beta G) K]
 
 (``T`` the inverse, for all chunks at once and independent of the state: formed from its
-diagonal blocks by recursive doubling in batched matmuls, with the inverse's own backward). Then, carrying ``S`` from
-chunk to chunk (the only sequential part, N / C small steps, two matmuls each way)::
+diagonal blocks by recursive doubling in batched matmuls). Then, carrying ``S`` from chunk to
+chunk (the only sequential part, N / C small steps, two in-place matmuls each way)::
 
     O = diag(G) Q S_0 + (Q K^T * Dec * M) U,    S_C = G_C S_0 + (K * G_C / G)^T U
 
-The scan is one autograd function whose backward is a single reverse scan over the states'
-adjoints, every other gradient one batched matmul after it. Decays enter only as differences of
-in-chunk cumulative logs, masked to ``j <= t`` before the exponential, so every exponent is <= 0.
-The largest tensors are ``(B, H, N, C)`` inside the chunks and the states at the chunk starts,
-``(B, H, N / C, D, D_v)``; nothing is N x N. C = 32 by default: the work inside chunks grows
-with C and the steps of the scan with N / C; on CPU at D = 64 the sum is least near 32.
+All of it is one autograd function (``_ChunkRule``) with a written-out backward: a single reverse
+scan over the states' adjoints, every other gradient a batched matmul or elementwise product over
+all chunks; since U_v and W enter only through ``U = U_v - W S_0``, the adjoints of W and of the
+inverse come out of ``T^T dU_v`` without forming ``dW`` or ``dT``. Tensors are chunk-major,
+``(N / C, B H, C, ...)``, so that each step of the scan reads and writes whole contiguous blocks.
+Decays enter only as differences of in-chunk cumulative logs, masked to ``j <= t`` before the
+exponential, so every exponent is <= 0. The largest tensors are ``(B, H, N, C)`` inside the
+chunks and the states at the chunk starts, ``(B, H, N / C, D, D_v)``; nothing is N x N. C = 32 by
+default: the work inside chunks grows with C and the steps of the scan with N / C; on CPU at
+D = 64 the sum is least near 32 (16 and 64 were slower, also after this rewrite).
 """
 
 from __future__ import annotations
@@ -44,8 +48,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
-
-from attnzoo.mechanisms._ops import dense_gradient
 
 #: Tokens per chunk of the fast path: quadratic (C x C) inside, the state carried across. 32 beat
 #: 16, 24 and 64 at N = 4096, D = 64 (fwd+bwd on CPU, ``scripts/recurrent_vs_naive.py``).
@@ -139,28 +141,15 @@ def delta_weights(q: Tensor, k: Tensor, beta: Tensor, log_alpha: Tensor | None, 
     return ((q @ k.transpose(-1, -2)) * read) @ t_beta
 
 
-class _Solved(NamedTuple):
-    """The per-chunk quantities, batched over ``(B H)`` and ``C`` chunks of ``L`` tokens:
-    ``u_v, w`` (``U = U_v - W S_0``), ``k`` (padded keys), ``k_end`` (keys decayed to their chunk's
-    end), ``g`` (in-chunk cumulative log decays ``(BH, C, L)``), ``dec`` (``exp(g_t - g_j)``, 0 for
-    ``j > t``) and ``gates`` (each chunk's whole decay ``(BH, C)``); the last four None without decay."""
-
-    u_v: Tensor
-    w: Tensor
-    k: Tensor
-    k_end: Tensor
-    g: Tensor | None
-    dec: Tensor | None
-    gates: Tensor | None
-
-
 def _chunked(x: Tensor, size: int) -> Tensor:
-    """``(B, H, N[, E]) -> (BH, C, L[, E])``, a view where N is whole chunks, else zero-padded
-    (padded tokens have k = 0 and beta = 0: no write; log_alpha = 0: no decay; so S_N is unchanged)."""
+    """``(B, H, N[, E]) -> (C, BH, L[, E])``: chunk-major and contiguous, so that one chunk of
+    every head is one contiguous block the scan writes with ``out=``; N zero-padded to whole
+    chunks (padded tokens have k = 0 and beta = 0: no write; log_alpha = 0: no decay; so S_N is
+    unchanged)."""
     pad = -x.shape[2] % size
     if x.dim() == 3:
-        return rearrange(F.pad(x, (0, pad)) if pad else x, "b h (c l) -> (b h) c l", l=size)
-    return rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> (b h) c l e", l=size)
+        return rearrange(F.pad(x, (0, pad)) if pad else x, "b h (c l) -> c (b h) l", l=size).contiguous()
+    return rearrange(F.pad(x, (0, 0, 0, pad)) if pad else x, "b h (c l) e -> c (b h) l e", l=size).contiguous()
 
 
 #: Diagonal blocks up to this size are inverted row by row with elementwise ops; larger ones by doubling.
@@ -179,125 +168,208 @@ def _unit_lower_inverse(a: Tensor) -> Tensor:
     holding them has the inverse ``[[T11, 0], [-T22 A21 T11, T22]]`` (the blocked inversion of
     LAPACK's ``trtri``, as stable as forward substitution). Batched matmuls over every chunk
     instead of a LAPACK call per matrix, which on CPU costs far more for the many small matrices
-    of the fast path; tiny blocks stay out of matmuls, which also run matrix by matrix."""
+    of the fast path; tiny blocks stay out of matmuls, which also run matrix by matrix. Every
+    block is written in place into the one result (concatenating the blocks level by level cost
+    more than the products)."""
     n = a.shape[-1]
     p = 1 << max(n - 1, 0).bit_length()  # the next power of two: zero rows and columns invert to I
     a = F.pad(a, (0, p - n, 0, p - n)) if p != n else a
     size = min(_ROWS, p)
-    t = torch.eye(size, dtype=a.dtype, device=a.device).repeat(*a.shape[:-2], p // size, 1, 1)
+    diag = torch.eye(size, dtype=a.dtype, device=a.device).repeat(*a.shape[:-2], p // size, 1, 1)
     blocks = _diagonal_blocks(a, size).contiguous()  # [..., P / 8, 8, 8]; above the diagonal unread
     for i in range(1, size):
-        t[..., i, :i] = -(blocks[..., i, :i, None] * t[..., :i, :i]).sum(-2)
-    while size < p:  # t: the contiguous diagonal blocks (..., P / s, s, s) of the inverse
-        t11, t22 = t[..., 0::2, :, :], t[..., 1::2, :, :]
-        t21 = -(t22 @ _diagonal_blocks(a, 2 * size)[..., size:, :size] @ t11)
-        t = torch.cat([torch.cat([t11, torch.zeros_like(t11)], -1), torch.cat([t21, t22], -1)], -2)
+        diag[..., i, :i] = -(blocks[..., i, :i, None] * diag[..., :i, :i]).sum(-2)
+    t = a.new_zeros(a.shape)
+    _diagonal_blocks(t, size).copy_(diag)
+    while size < p:  # the diagonal blocks of size 2s of t and a, as views
+        t2, a2 = _diagonal_blocks(t, 2 * size), _diagonal_blocks(a, 2 * size)
+        t2[..., size:, :size] = -(t2[..., size:, size:] @ a2[..., size:, :size] @ t2[..., :size, :size])
         size *= 2
-    return t[..., 0, :n, :n]
+    return t[..., :n, :n]
 
 
-class _UnitLowerInverse(torch.autograd.Function):
-    """``T = (I + tril(a, -1))^-1`` with the backward of an inverse, ``da = -tril(T^T dT T^T, -1)``:
-    two batched matmuls, where autograd through the doubling would replay each level."""
-
-    @staticmethod
-    def forward(ctx, a: Tensor) -> Tensor:  # noqa: ANN001
-        t = _unit_lower_inverse(a)
-        ctx.save_for_backward(t)
-        return t
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
-        (t,) = ctx.saved_tensors
-        t_t = t.transpose(-1, -2)
-        return (t_t @ grad @ t_t).tril_(-1).neg_()
+def _addmm_(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``acc += a @ b`` over the ``(C, BH)`` batch, one batched matmul into ``acc`` (contiguous,
+    ours): on CPU every fresh (N, D) result costs its page faults."""
+    acc.flatten(0, 1).baddbmm_(a.flatten(0, 1), b.flatten(0, 1))
+    return acc
 
 
-class _Scan(torch.autograd.Function):
-    """The sequential stage, one chunk after another (module docstring)::
+class _Intra(NamedTuple):
+    """Stage one, every chunk at once ``(C, BH, ...)``: ``t`` the inverse ``T``, ``u_v, w``
+    (``U = U_v - W S_c``; the scan overwrites ``u_v`` with U), ``qs, k_end`` (q decayed from the
+    chunk start, k to its end; q, k without decay), ``p`` the in-chunk scores ``Q K^T * Dec * M``,
+    ``kk = K K^T * Dec`` (the Gram matrix, decayed),
+    ``dec`` (``exp(g_t - g_j)``, 0 for ``j > t``) and ``gates`` (each chunk's whole decay
+    ``(C, BH)``); the last two None without decay."""
 
-        U_c = U_v,c - W_c S_c,    S_{c+1} = gate_c S_c + K_end,c^T U_c
-
-    ``u_v (BH, C, L, D_v)``, ``w, k_end (BH, C, L, D)``, ``gates (BH, C)`` or None, ``s0 (BH, D, D_v)``
-    -> ``U (BH, C, L, D_v)``, the chunk starts ``(BH, C, D, D_v)`` and ``S_N (BH, D, D_v)``.
-    The backward is one reverse scan over the adjoints ``l_c`` of the states (two matmuls per chunk,
-    as the forward); every other gradient is then one batched matmul over all chunks, where autograd
-    would keep graph nodes per chunk and compute them inside the loop. Each step computes into a
-    fresh block, and the blocks are stacked once at the end: a batched matmul writing into a strided
-    slot would run matrix by matrix, and a copy per chunk costs a dispatch per chunk."""
-
-    @staticmethod
-    def forward(ctx, u_v: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, s: Tensor):  # noqa: ANN001, ANN205
-        k_end_t = k_end.transpose(-1, -2)
-        us, starts = [], []
-        for c in range(u_v.shape[1]):
-            starts.append(s)
-            us.append(torch.baddbmm(u_v[:, c], w[:, c], s, alpha=-1))
-            s = torch.baddbmm(s if gates is None else s * gates[:, c, None, None], k_end_t[:, c], us[-1])
-        u, starts = torch.stack(us, 1), torch.stack(starts, 1)  # one copy each, not one per chunk
-        ctx.save_for_backward(w, k_end, gates, starts, u)
-        return u, starts, s
-
-    @staticmethod
-    def backward(ctx, d_u: Tensor, d_starts: Tensor, lam: Tensor):  # noqa: ANN001, ANN205
-        w, k_end, gates, starts, u = ctx.saved_tensors
-        w_t = w.transpose(-1, -2)
-        d_us, lams = [], []  # dL/dU_c (through the outputs and the next states); l_{c+1} = dL/dS_{c+1}
-        for c in range(d_u.shape[1] - 1, -1, -1):
-            lams.append(lam)
-            d_us.append(torch.baddbmm(d_u[:, c], k_end[:, c], lam))
-            kept = lam if gates is None else lam * gates[:, c, None, None]
-            lam = torch.baddbmm(kept + d_starts[:, c], w_t[:, c], d_us[-1], alpha=-1)
-        d_u_all, lams = torch.stack(d_us[::-1], 1), torch.stack(lams[::-1], 1)  # [BH, C, L, D_v], [BH, C, D, D_v]
-        d_w = (d_u_all @ starts.transpose(-1, -2)).neg_()
-        d_gates = None if gates is None else torch.einsum("bcde,bcde->bc", lams, starts)
-        return d_u_all, d_w, u @ lams.transpose(-1, -2), d_gates, lam
+    t: Tensor
+    u_v: Tensor
+    w: Tensor
+    qs: Tensor
+    k_end: Tensor
+    p: Tensor
+    kk: Tensor
+    dec: Tensor | None
+    gates: Tensor | None
 
 
-def _solved(k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, chunk: int) -> _Solved:
-    """Stage one, all chunks at once: ``[U_v, W] = T [diag(beta) V, diag(beta G) K]`` with ``T`` the
-    unit lower-triangular inverse (module docstring)."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
-    size = min(chunk, max(k.shape[2], 1))
-    k, v, beta = (_chunked(x, size) for x in (k, v, beta))
-    # diag(beta) scales rows of the Gram matrix and columns of T: (L, L) products, not (L, D) ones.
-    gram = (k @ k.transpose(-1, -2)) * beta[..., None]  # [BH, C, L, L]: beta_t k_t . k_j
-    g = dec = gates = None
-    k_end, start = k, beta  # start: diag(beta G), how the chunk's start state enters u
-    if log_alpha is not None:
-        g = _chunked(log_alpha, size).cumsum(-1)
-        upto = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+def _intra(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None) -> _Intra:
+    """``[U_v, W] = T [diag(beta) V, diag(beta G) K]`` with ``T`` the unit lower-triangular inverse
+    of ``I + tril(diag(beta) (K K^T * Dec), -1)`` (module docstring), and the in-chunk scores.
+    ``diag(beta)``, ``diag(beta G)`` scale T's columns: (L, L) products, not (L, D) ones."""
+    k_t = k.transpose(-1, -2)
+    kk, qk = k @ k_t, q @ k_t  # [C, BH, L, L]
+    if g is None:
+        dec = gates = None
+        qs, k_end, p, start = q, k, qk.tril_(), beta
+    else:
+        upto = torch.ones(k.shape[2], k.shape[2], dtype=torch.bool, device=k.device).tril()
         dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()
-        gram = gram * dec
-        start = beta * g.exp()
+        kk, p, eg = kk.mul_(dec), qk.mul_(dec), g.exp()  # in place: the backward needs only these
+        qs, start = q * eg[..., None], beta * eg
         k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
         gates = g[..., -1].exp()
-    # The inverse reads gram strictly below the diagonal (I + tril(gram, -1)).
-    t = _UnitLowerInverse.apply(gram)
+    t = _unit_lower_inverse(kk * beta[..., None])  # read only below the diagonal
     u_v, w = (t * beta[..., None, :]) @ v, (t * start[..., None, :]) @ k
-    return _Solved(u_v, w, k, k_end, g, dec, gates)
+    return _Intra(t, u_v, w, qs, k_end, p, kk, dec, gates)
+
+
+def _scan(u_v: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """The sequential stage, ``U_c = U_v,c - W_c S_c``, ``S_{c+1} = gate_c S_c + K_end,c^T U_c``:
+    ``U (C, BH, L, D_v)`` and the states at the chunk starts, ``(C + 1, BH, D, D_v)`` (the last is
+    S_N). Each step accumulates in place into its own contiguous slot: nothing is stacked
+    afterwards, and no step allocates or copies (a batched matmul into a strided slot would run
+    matrix by matrix; a fresh result costs a copy of the addend). U overwrites ``u_v``, which
+    nothing reads afterwards."""
+    u = u_v
+    starts = s0.new_empty(u_v.shape[0] + 1, *s0.shape)
+    starts[0] = s0
+    k_end_t = k_end.transpose(-1, -2)
+    for c in range(u_v.shape[0]):
+        u[c].baddbmm_(w[c], starts[c], alpha=-1)
+        if gates is None:
+            starts[c + 1] = starts[c]
+        else:
+            torch.mul(starts[c], gates[c, :, None, None], out=starts[c + 1])
+        starts[c + 1].baddbmm_(k_end_t[c], u[c])
+    return u, starts
+
+
+def _scan_back(du: Tensor, lams: Tensor, w: Tensor, k_end: Tensor, gates: Tensor | None, starts: Tensor):  # noqa: ANN202
+    """The reverse scan over the adjoints ``l_c = dL/dS_c``, in place: ``lams (C + 1, BH, D, D_v)``
+    holds ``dL/dS_N`` last and, before it, what the outputs send to each chunk start; ``du`` what
+    they send to ``U``. Then ``dU_c += K_end,c l_{c+1}`` (through the next state) and
+    ``l_c += gate_c l_{c+1} - W_c^T dU_c``. Returns the gates' adjoints ``<l_{c+1}, S_c>`` (C, BH),
+    taken step by step while both are in cache (None without gates)."""
+    w_t = w.transpose(-1, -2)
+    d_gates = None if gates is None else gates.new_empty(gates.shape)
+    for c in range(du.shape[0] - 1, -1, -1):
+        if d_gates is not None:  # [BH, 1, D D_v] @ [BH, D D_v, 1]
+            torch.bmm(lams[c + 1].flatten(1)[:, None], starts[c].flatten(1)[..., None], out=d_gates[c, :, None, None])
+        du[c].baddbmm_(k_end[c], lams[c + 1])
+        if gates is None:
+            lams[c].add_(lams[c + 1])
+        else:
+            lams[c].addcmul_(lams[c + 1], gates[c, :, None, None])
+        lams[c].baddbmm_(w_t[c], du[c], alpha=-1)
+    return d_gates
+
+
+class _ChunkRule(torch.autograd.Function):
+    """The fast path as one autograd function, ``(q, k (C, BH, L, D), v (C, BH, L, D_v), beta,
+    g (C, BH, L) or None, s0 (BH, D, D_v)) -> (o (C, BH, L, D_v), S_N)``, ``g`` the in-chunk
+    cumulative log decays. Forward: ``_intra``, ``_scan``, then ``O = diag(G) Q S_c + P U`` for
+    all chunks at once. The backward is written out (``_back_outputs``, ``_back_intra``): one
+    reverse scan over the states' adjoints, every other gradient a batched matmul or an
+    elementwise product over all chunks, where autograd would keep a node per chunk and per
+    elementwise step, and would form the inverse's adjoint ``T^T dT T^T`` that ``_back_intra``
+    gets without ``dT``."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, s0: Tensor):  # noqa: ANN001, ANN205
+        f = _intra(q, k, v, beta, g)
+        u, starts = _scan(f.u_v, f.w, f.k_end, f.gates, s0)
+        o = _addmm_(f.p @ u, f.qs, starts[:-1])
+        ctx.save_for_backward(q, k, v, beta, g, u, starts, *f)
+        return o, starts[-1].clone()  # a copy: the caller may write into it, the backward reads starts
+
+    @staticmethod
+    def backward(ctx, d_o: Tensor, d_s: Tensor):  # noqa: ANN001, ANN205
+        q, k, v, beta, g, u, starts, *rest = ctx.saved_tensors
+        f = _Intra(*rest)
+        # contiguous: out.sum().backward() sends an expanded (stride-0) gradient, on which CPU
+        # batched matmuls take a per-matrix path (_ops.dense_gradient)
+        dp, dqs, du, dk_end, dgates, ds0 = _back_outputs(d_o.contiguous(), d_s.contiguous(), f, u, starts)
+        dq, dk, dv, dbeta, dg = _back_intra(q, k, v, beta, g, f, u, starts[:-1], dp, dqs, du, dk_end, dgates)
+        return dq, dk, dv, dbeta, dg, ds0
+
+
+def _back_outputs(d_o: Tensor, d_s: Tensor, f: _Intra, u: Tensor, starts: Tensor) -> tuple[Tensor, ...]:
+    """From ``dL/dO`` and ``dL/dS_N`` through ``O = Q_s S_c + P U`` and the scan: the adjoints of
+    ``P, Q_s, U_v, K_end``, the gates and ``S_0`` (W's, ``-dU_v S_c^T``, is left to ``_back_intra``)."""
+    s_c = starts[:-1]  # [C, BH, D, D_v]
+    dp, du = d_o @ u.transpose(-1, -2), f.p.transpose(-1, -2) @ d_o
+    lams = d_s.new_empty(starts.shape)  # [C + 1, BH, D, D_v]
+    lams[-1] = d_s
+    torch.bmm(f.qs.transpose(-1, -2).flatten(0, 1), d_o.flatten(0, 1), out=lams[:-1].flatten(0, 1))
+    dqs = d_o @ s_c.transpose(-1, -2)
+    dgates = _scan_back(du, lams, f.w, f.k_end, f.gates, starts)  # du: dL/dU_v from here on
+    dk_end = u @ lams[1:].transpose(-1, -2)
+    return dp, dqs, du, dk_end, dgates, lams[0]
+
+
+def _back_intra(q, k, v, beta, g, f: _Intra, u, s_c, dp, dqs, du, dk_end, dgates) -> tuple[Tensor, ...]:  # noqa: ANN001
+    """Through ``[U_v, W] = T [diag(beta) V, diag(b) K]`` (``b = beta G``) and the scores. ``U_v``
+    and ``W`` enter only as ``U = U_v - W S_c``, so ``dW = -dU_v S_c^T`` and, with ``Y = T^T dU_v``,
+    ``T^T dW = -Y S_c^T``: ``dV = diag(beta) Y``, ``dK = -diag(b) Y S_c^T + ...``, and the
+    inverse's adjoint ``dA = -T^T dT T^T = -(Y U_v^T - Y S_c^T W^T) = -Y U^T`` (as ``T diag(beta) V
+    = U_v``, ``T diag(b) K = W``), read below the diagonal: one (L, D_v) product where autograd
+    makes ``dW``, ``dT`` and ``T^T dT T^T``. Row dot products go through one scratch buffer and the
+    (L, D) sums accumulate in place: on CPU each fresh (N, D) temporary costs its page faults."""
+    t_t, scratch = f.t.transpose(-1, -2), {k.shape: torch.empty_like(k), v.shape: torch.empty_like(v)}
+
+    def rowdot(a: Tensor, b: Tensor) -> Tensor:  # [C, BH, L]
+        return torch.mul(a, b, out=scratch[a.shape]).sum(-1)
+
+    y_v = t_t @ du
+    y_w = (y_v @ s_c.transpose(-1, -2)).neg_()  # T^T dW
+    da = (y_v @ u.transpose(-1, -2)).tril_(-1).neg_()
+    d_start, da_kk = rowdot(y_w, k), da * f.kk  # start: beta G, the column scales of W's T
+    dbeta = rowdot(y_v, v) + da_kk.sum(-1)
+    if f.dec is None:
+        dkk, dqk = da.mul_(beta[..., None]), dp.tril_()
+        start = beta
+    else:
+        eg, to_end = g.exp(), (g[..., -1:] - g).exp()
+        m = da_kk.mul_(beta[..., None]).addcmul_(dp, f.p)  # dL/dDec * Dec (p, kk: decayed)
+        dkk, dqk, start = da.mul_(beta[..., None]).mul_(f.dec), dp.mul_(f.dec), beta * eg
+        r = rowdot(dk_end, k) * to_end  # k_end = k exp(g_L - g)
+        dg = m.sum(-1) - m.sum(-2) + rowdot(dqs, q) * eg + d_start * start - r
+        dg[..., -1] += r.sum(-1) + dgates * f.gates
+        dbeta += d_start * eg
+        dqs, dk_end = dqs.mul_(eg[..., None]), dk_end.mul_(to_end[..., None])  # fresh, ours
+    dk = _addmm_((dkk + dkk.transpose(-1, -2)) @ k, dqk.transpose(-1, -2), q)  # K K^T and Q K^T
+    dk.addcmul_(y_w, start[..., None]).add_(dk_end)
+    dq = (dqk @ k).add_(dqs)
+    if f.dec is None:
+        return dq, dk, y_v.mul_(beta[..., None]), dbeta + d_start, None
+    return dq, dk, y_v.mul_(beta[..., None]), dbeta, dg
 
 
 def _chunkwise(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_alpha: Tensor | None, s0: Tensor | None, chunk: int
 ) -> tuple[Tensor, Tensor]:
-    """The fast path of both rules (``log_alpha=None``: no decay); see the module docstring.
-
-    Three stages: the triangular inverses (``_solved``), the states at the chunk starts and the
-    ``U`` given them (``_Scan``), then, all chunks at once, ``O = diag(G) Q S_c + (Q K^T * Dec * M) U``."""
+    """The fast path of both rules (``log_alpha=None``: no decay); see the module docstring and
+    ``_ChunkRule``. Chunking, padding and the in-chunk cumulative decays stay with autograd."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     b, h, n, d = k.shape
-    ch = _solved(k, v, beta, log_alpha, chunk)
     s0 = k.new_zeros(b * h, d, v.shape[-1]) if s0 is None else s0.to(k.dtype).flatten(0, 1)
-    u, starts, s = _Scan.apply(ch.u_v, ch.w, ch.k_end, ch.gates, s0)
-    s = s.view(b, h, d, -1)
     if n == 0:
-        return v.new_zeros(v.shape), s
-    q = _chunked(q, ch.k.shape[2])
-    scores = q @ ch.k.transpose(-1, -2)  # [BH, C, L, L]
-    if ch.dec is None:
-        scores = scores.tril()
-    else:
-        scores, q = scores * ch.dec, q * ch.g.exp()[..., None]  # dec is 0 above the diagonal
-    out = torch.baddbmm((scores @ u).flatten(0, 1), q.flatten(0, 1), starts.flatten(0, 1))  # [BH C, L, D_v]
-    return rearrange(dense_gradient(out), "(b h c) l e -> b h (c l) e", b=b, h=h)[:, :, :n], s
+        return v.new_zeros(v.shape), s0.view(b, h, d, -1)
+    size = min(chunk, n)
+    q, k, v, beta = (_chunked(x, size) for x in (q, k, v, beta))
+    g = None if log_alpha is None else _chunked(log_alpha, size).cumsum(-1)
+    o, s = _ChunkRule.apply(q, k, v, beta, g, s0)
+    return rearrange(o, "c (b h) l e -> b h (c l) e", b=b)[:, :, :n], s.view(b, h, d, -1)
