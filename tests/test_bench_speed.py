@@ -99,6 +99,25 @@ def test_density_counts_against_the_pairs_sdpa_computes():
     assert speed.density(None, 8, causal=False) is None
 
 
+def test_content_mechanisms_report_their_budget_as_keys_per_query():
+    build = __import__("attnzoo").build
+    # topk: k keys per row, all a causal row sees when it sees fewer (rows 0..3 see 1, 2, 3, 4)
+    assert build("topk", topk=4).keys_per_query(10, causal=False) == 4.0
+    assert build("topk", topk=2).keys_per_query(4, causal=True) == (1 + 2 + 2 + 2) / 4
+    # moba causal, block 2, topk 2: the own block up to the row plus one earlier block
+    assert build("moba", block=2, topk=2).keys_per_query(6, causal=True) == (1 + 2 + 3 + 4 + 3 + 4) / 6
+    # nsa, block 2, n_select 2, window 2: window min(2, i + 1); selected: own block up to the row,
+    # plus block 0 from the second block on; compressed: one key per complete block
+    nsa = build("nsa", block=2, n_select=2, window=2, heads=1, head_dim=4)
+    per_row = [1 + 1 + 0, 2 + 2 + 1, 2 + 1 + 2 + 1, 2 + 2 + 2 + 2]
+    assert nsa.keys_per_query(4, causal=True) == sum(per_row) / 4
+    # hierarchical with k >= N - 1 is full attention over tokens: N keys per row
+    assert build("hierarchical", k=7).keys_per_query(8, causal=False) == 8.0
+    # and the speed report turns a budget into pairs; a data-dependent one reports none
+    assert speed.useful_pairs(build("topk", topk=4), 10, causal=False) == 40.0
+    assert speed.useful_pairs(build("lsh"), 64, causal=False) is None
+
+
 def test_crossover_is_the_smallest_n_from_which_the_mechanism_stays_ahead():
     rows = [
         {"n": 512, "speedup_forward_backward_vs_sdpa": 1.2},

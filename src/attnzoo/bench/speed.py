@@ -206,12 +206,15 @@ def check(
 
 def useful_pairs(module: torch.nn.Module, n: int, causal: bool) -> float | None:
     """Pairs per (batch, head) the mechanism attends: the pattern's pairs, all pairs for exact
-    attention, None where the pairs depend on the data (no GFLOP/s is reported then)."""
+    attention, its budget where it declares one (``Attention.keys_per_query``: ``topk``, ``sac``,
+    ``hierarchical``, ``moba``, ``nsa``, ``dsa``), None where the pairs depend on the data (no
+    density bound or GFLOP/s is reported then)."""
     pattern = getattr(module, "pattern", None)
     if pattern is None:
-        if module.spec.family != "exact":
-            return None
-        return n * (n + 1) / 2 if causal else float(n * n)
+        if module.spec.family == "exact":
+            return n * (n + 1) / 2 if causal else float(n * n)
+        keys = module.keys_per_query(n, causal) if isinstance(module, Attention) else None
+        return None if keys is None else keys * n
     if causal:
         pattern = pattern & attnzoo.patterns.causal()
     return pattern.density(n, block=128) * n * n

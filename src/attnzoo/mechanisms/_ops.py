@@ -133,6 +133,16 @@ def dense_gradient(x: Tensor) -> Tensor:
     return _DenseGradient.apply(x)
 
 
+def mean_keys(per_row: Tensor) -> float:
+    """``keys_per_query`` from the keys each row attends, ``(N,)``: their mean."""
+    return float(per_row.double().mean()) if per_row.numel() else 0.0
+
+
+def visible_counts(n: int, causal: bool) -> Tensor:
+    """Keys each of ``n`` self-attention rows can see: ``i + 1`` causal, else ``n``, ``(N,)``."""
+    return torch.arange(1, n + 1) if causal else torch.full((n,), n)
+
+
 def block_union(index: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """A per-row key list as query blocks: rows ``index (N, S)`` of key positions (``valid`` marks
     the real entries) grouped ``block`` at a time -> ``cols (blocks, W)``, each block's sorted

@@ -142,6 +142,12 @@ class Attention(Mechanism):
         ``MultiHeadAttention(positional="rope")`` reads it (``mla`` keeps positions out of its latent)."""
         return None
 
+    def keys_per_query(self, n: int, causal: bool) -> float | None:
+        """The keys a query attends at length ``n``, averaged over the rows: the budget the speed
+        report turns into a density bound (``bench.speed``); None where it depends on the data.
+        Pattern mechanisms and exact attention are counted by the report itself."""
+        return None
+
     @renamed_key_mask
     def forward(
         self,

@@ -23,7 +23,7 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, mean_keys
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.block_attend import attend_blocks
 from attnzoo.mechanisms.cache import KVCache
@@ -219,6 +219,15 @@ class MoBAAttention(Attention):
         cfg = self.config
         scale = default_scale(cfg.scale, q.shape[-1])
         return dict(block=cfg.block, topk=cfg.topk, causal=args.causal, scale=scale, key_mask=args.key_mask)
+
+    def keys_per_query(self, n: int, causal: bool) -> float:
+        """``topk`` blocks of keys per row; causal: its own block up to itself and ``topk - 1``
+        earlier ones (all when fewer)."""
+        block, topk = self.config.block, self.config.topk
+        if not causal:
+            return float(min(topk * block, n))
+        i = torch.arange(n)
+        return mean_keys(i % block + 1 + block * (i // block).clamp(max=topk - 1))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         return moba(q, k, v, **self._options(q, args))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from attnzoo.mechanisms._ops import compute_dtype
+from attnzoo.mechanisms._ops import compute_dtype, mean_keys, visible_counts
 from attnzoo.mechanisms.auxiliary import leave_auxiliary_loss
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.mechanisms.cache import KVCache
@@ -145,6 +145,10 @@ class DSAAttention(Attention):
         x_q, x_k = q.to(wide).mean(1), k.to(wide).mean(1)  # (B, N, D)
         index_q = rearrange(F.linear(x_q, self.index_q.weight.to(wide)), "b n (j e) -> b n j e", j=cfg.index_heads)
         return index_q, F.linear(x_k, self.index_k.weight.to(wide)), F.linear(x_q, self.index_w.weight.to(wide))
+
+    def keys_per_query(self, n: int, causal: bool) -> float:
+        """``topk`` keys per row (all it sees when fewer); the indexer scores every pair."""
+        return mean_keys(visible_counts(n, causal).clamp(max=self.config.topk))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         cfg = self.config

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, real_tokens
+from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, mean_keys, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.span_tree import SpanTree, left_nodes, level_sums
 from attnzoo.registry import Config, bounded, register
@@ -292,6 +292,10 @@ class HierarchicalAttention(Attention):
     """BP-Transformer attention (see the module docstring for the exact rule)."""
 
     config: HierarchicalConfig
+
+    def keys_per_query(self, n: int, causal: bool) -> float:
+        """The span nodes of each token's graph row (``hierarchical_graph``)."""
+        return mean_keys(_graph_index(n, self.config.k, causal)[1].sum(-1))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         return hierarchical_attention(q, k, v, self.config, args)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from attnzoo.backends.dispatch import attend
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, mean_keys, visible_counts
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.block_attend import attend_blocks
 from attnzoo.mechanisms.cache import KVCache
@@ -309,6 +309,15 @@ class NSAAttention(Attention):
         """``(B, H, N, 3)``: ``sigmoid(q W_h + b_h)``, the (compressed, selected, window) gates."""
         weight, bias = self.gate_weight.to(q.dtype), self.gate_bias.to(q.dtype)
         return torch.sigmoid(torch.einsum("bhnd,hdg->bhng", q, weight) + bias[:, None, :])
+
+    def keys_per_query(self, n: int, causal: bool) -> float:
+        """The three branches' keys per row (each its own softmax, so overlaps count twice): the
+        window, the selected blocks (the own one up to the row, block 0 and ``n_select - 2``
+        earlier ones) and one compressed key per complete block."""
+        cfg, i = self.config, torch.arange(n)
+        own = i // cfg.block
+        selected = i % cfg.block + 1 + cfg.block * ((own > 0).long() + (own - 1).clamp(min=0, max=cfg.n_select - 2))
+        return mean_keys(visible_counts(n, True).clamp(max=cfg.window) + selected + (i + 1) // cfg.block)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         options, block = self._options(q, args), self.config.block

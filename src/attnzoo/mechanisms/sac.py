@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, gather_rows
+from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, gather_rows, mean_keys
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import kept_indices, register_selective, sparse_softmax, topk_mask
@@ -238,6 +238,11 @@ class SACAttention(Attention):
     def __init__(self, config: SACConfig) -> None:
         super().__init__(config)
         self.predictor = nn.Parameter(torch.eye(config.head_dim))
+
+    def keys_per_query(self, n: int, causal: bool) -> float:
+        """The ``topk`` kept edges per node (all its candidates when fewer)."""
+        valid = sac_candidates(n, self.config, causal, torch.device("cpu"))[1]
+        return mean_keys(valid.sum(-1).clamp(max=self.config.topk))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         return sac_attention(q, k, v, self.predictor, self._checked_config(q), args)

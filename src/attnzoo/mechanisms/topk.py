@@ -24,7 +24,7 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, mean_keys, visible_counts
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
 from attnzoo.mechanisms.selected import SelectedSoftmax
@@ -231,6 +231,10 @@ class TopKAttention(KVCacheDecode, Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         return topk_attention(q, k, v, self.config, args)
+
+    def keys_per_query(self, n: int, causal: bool) -> float:
+        """``topk`` keys per row (all it sees when fewer; every pair is still scored)."""
+        return mean_keys(visible_counts(n, causal).clamp(max=self.config.topk))
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         return reference_topk(q, k, v, self.config, args, return_weights)
