@@ -43,8 +43,9 @@ class Round:
     sees chunk ``i - 1`` (if the same bucket) and itself. Indices are flat over the ``B * H``
     rows: ``keys`` the token behind each slot with c leading dummies (the window before the
     first chunk), ``queries`` the same without them, and ``queries_t`` the same again in the
-    kernel's own output order ``(BH, c, chunks)``; ``slot_t`` each position's row in that order
-    (``own_t`` its row in the key windows' order ``(BH, 2c, chunks)``, second half), ``code`` a
+    order ``(BH, c, chunks)`` the kernel wants the output gradient in; ``slot`` each position's
+    slot, ``slot_t`` the same in that order (``own_t`` in the key windows' order ``(BH, 2c,
+    chunks)``, second half: the kernel's layouts of its lse and gradients), ``code`` a
     number per position whose difference (query - key) is 0 or 1 exactly when this round shows
     the key to the query. ``mask (BH, chunks, c, 2c)`` is the additive mask, ``empty`` the rows
     that see nothing."""
@@ -53,6 +54,7 @@ class Round:
     keys: Tensor
     queries: Tensor
     queries_t: Tensor
+    slot: Tensor
     slot_t: Tensor
     own_t: Tensor
     code: Tensor
@@ -99,6 +101,7 @@ def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, T
         keys=keys.flatten(),
         queries=keys[..., chunk:].flatten(),
         queries_t=queries_t.flatten(),
+        slot=(rows * length + slot).flatten(),
         slot_t=((rows * chunk + o) * chunks + c).flatten(),
         own_t=((rows * 2 * chunk + chunk + o) * chunks + c).flatten(),
         code=bucket * (chunks + 2) + c,
@@ -162,6 +165,14 @@ def _native(x: Tensor) -> Tensor:
     return x.transpose(1, 2).contiguous()
 
 
+def _by_position(x: Tensor, r: Round, shape: torch.Size) -> Tensor:
+    """A kernel output ``(BH, chunks, c, D)`` by position ``shape + (D,)``, read in whichever of
+    the two orders it is laid out in (the kernel's output is, its lse and gradients are not)."""
+    if x.is_contiguous():
+        return _rows(x, r.slot, shape)
+    return _rows(_native(x), r.slot_t, shape)
+
+
 def _round_forward(q: Tensor, keys: Tensor, v: Tensor, r: Round, chunk: int, scale: float) -> tuple[Tensor, ...]:
     """One round's kernel inputs ``(qx, kx, vx)``, its kernel output and log-sum-exp (+inf
     where a row sees nothing, for the backward) and its output and log-sum-exp by position."""
@@ -172,9 +183,9 @@ def _round_forward(q: Tensor, keys: Tensor, v: Tensor, r: Round, chunk: int, sca
     # The kernel reports lse 0 for a row with no key: -inf by position, +inf for the backward
     # (p = exp(s - inf) = 0 even where s is -inf everywhere).
     lse = lse.masked_fill(r.empty, float("inf"))
-    lse_position = _native(lse).flatten().index_select(0, r.slot_t).view(by_position)
-    by_position_out = _rows(_native(out), r.slot_t, by_position)
-    return (qx, kx, vx), (out, lse), by_position_out, lse_position.masked_fill(torch.isinf(lse_position), float("-inf"))
+    lse_position = _by_position(lse[..., None], r, by_position)[..., 0]
+    lse_position = lse_position.masked_fill(torch.isinf(lse_position), float("-inf"))
+    return (qx, kx, vx), (out, lse), _by_position(out, r, by_position), lse_position
 
 
 def _tensors(r: Round) -> tuple[Tensor | None, ...]:
@@ -197,7 +208,7 @@ def _scatter(gq: Tensor, gk: Tensor, gv: Tensor, r: Round, chunk: int, shape: to
     """A round's kernel gradients ``(BH, chunks, c | 2c, D)`` back by position ``shape``. A key's
     gradient is its own window's second half plus the next window's first half: summed in place
     in window space (memory order ``(BH, 2c, chunks, D)``), then one gather per tensor."""
-    grads = [_rows(_native(gq), r.slot_t, shape)]
+    grads = [_by_position(gq, r, shape)]
     for g in (gk, gv):
         g = _native(g)  # [BH, 2c, chunks, D]
         g[:, chunk:, :-1] += g[:, :chunk, 1:]
