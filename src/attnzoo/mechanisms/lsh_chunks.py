@@ -218,7 +218,8 @@ def _scatter(gq: Tensor, gk: Tensor, gv: Tensor, r: Round, chunk: int, shape: to
 
 class _Rounds(torch.autograd.Function):
     """All rounds, combined into one softmax by log-sum-exp; returns ``(out, lse)``. Backward:
-    each round's flash backward with the union's output and log-sum-exp."""
+    each round's flash backward with the union's output and log-sum-exp (with one round, the
+    kernel's own, kept in its layout), its gradients gathered back by position (``_scatter``)."""
 
     @staticmethod
     def forward(
