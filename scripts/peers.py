@@ -68,6 +68,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--pair", choices=("lsh", "sinkhorn"), action="append", help="run only these pairs (repeatable)"
+    )
     args = parser.parse_args()
     release_mmap_threshold()
     torch.manual_seed(0)
@@ -79,6 +82,8 @@ def main() -> None:
     )
     print("# ratio = peer time / attnzoo time (> 1: attnzoo faster), median of pairwise ratios [spread]")
     for name, (peer, ours) in _pairs(args.n).items():
+        if args.pair and name not in args.pair:
+            continue
         for backward in (False, True):
             inputs = tuple(torch.randn(1, 8, args.n, 64, requires_grad=backward) for _ in range(3))
             timed = interleaved(_timed(peer, inputs, backward), _timed(ours, inputs, backward), args.repeats)

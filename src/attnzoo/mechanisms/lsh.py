@@ -186,7 +186,9 @@ class LSHAttention(Attention):
             scale=default_scale(cfg.scale, dim),
         )
         alone = torch.isinf(total)[..., None] & real[:, None, :, None]  # sees nothing in any round
-        return torch.where(alone, vc, out).to(q.dtype)
+        if alone.any():  # rare: skip a select over (B, H, N, D_v) and its backward's two
+            out = torch.where(alone, vc, out)
+        return out.to(q.dtype)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """``reference_lsh`` under this module's rotations. k is not read: LSH attention shares

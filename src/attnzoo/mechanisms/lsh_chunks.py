@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
@@ -41,18 +42,21 @@ class Round:
     (filler slots pad it), so a bucket's rank-chunks are whole chunks of slots and chunk ``i``
     sees chunk ``i - 1`` (if the same bucket) and itself. Indices are flat over the ``B * H``
     rows: ``keys`` the token behind each slot with c leading dummies (the window before the
-    first chunk), ``queries`` the same without them, ``slot`` each position's slot, ``own`` /
-    ``prev`` the position's key entries in the kernel's ``(BH, chunks, 2c)`` windows, ``code``
-    a number per position whose difference (query - key) is 0 or 1 exactly when this round
-    shows the key to the query. ``mask (BH, chunks, c, 2c)`` is the additive mask, ``empty``
-    the rows that see nothing."""
+    first chunk), ``queries`` the same without them, and ``queries_t`` the same again in the
+    order ``(BH, c, chunks)`` the kernel wants the output gradient in; ``slot`` each position's
+    slot, ``slot_t`` the same in that order (``own_t`` in the key windows' order ``(BH, 2c,
+    chunks)``, second half: the kernel's layouts of its lse and gradients), ``code`` a
+    number per position whose difference (query - key) is 0 or 1 exactly when this round shows
+    the key to the query. ``mask (BH, chunks, c, 2c)`` is the additive mask, ``empty`` the rows
+    that see nothing."""
 
     length: int
     keys: Tensor
     queries: Tensor
+    queries_t: Tensor
     slot: Tensor
-    own: Tensor
-    prev: Tensor
+    slot_t: Tensor
+    own_t: Tensor
     code: Tensor
     mask: Tensor | None = None
     empty: Tensor | None = None
@@ -89,15 +93,17 @@ def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, T
     chunks, c, o = length // chunk, torch.div(slot, chunk, rounding_mode="floor"), slot % chunk
     rows = torch.arange(b * h, device=dev).view(b, h, 1)
     keys = F.pad(position + rows * n, (chunk, 0))  # [B, H, c + L]; dummies read position 0 of row 0
+    # The flash kernel's outputs (and the output gradient it reads) are laid out (BH, c, chunks)
+    # in memory: index that order directly rather than copying them into (BH, chunks, c).
+    queries_t = rearrange(keys[..., chunk:], "b h (j o) -> b h o j", o=chunk)
     r = Round(
         length=length,
         keys=keys.flatten(),
         queries=keys[..., chunk:].flatten(),
+        queries_t=queries_t.flatten(),
         slot=(rows * length + slot).flatten(),
-        own=(((rows * chunks + c) * 2 + 1) * chunk + o).flatten(),
-        # the next chunk's window holds the key in its first half; the last chunk has none
-        # (it points at chunk 0's first dummy, whose gradient is zero: always masked)
-        prev=torch.where(c + 1 < chunks, (rows * chunks + c + 1) * 2 * chunk + o, rows * chunks * 2 * chunk).flatten(),
+        slot_t=((rows * chunk + o) * chunks + c).flatten(),
+        own_t=((rows * 2 * chunk + chunk + o) * chunks + c).flatten(),
         code=bucket * (chunks + 2) + c,
     )
     return r, position.flatten(0, 1), filled.flatten(0, 1), slot_bucket[..., :length:chunk].flatten(0, 1)
@@ -116,7 +122,9 @@ def round_mask(
     dtype: torch.dtype,
 ) -> Round:
     """``r`` with its additive mask (0, or ``-log N_ij`` with ``dedupe``, where visible; -inf
-    elsewhere: other buckets, filler slots, self, the future) and its empty rows."""
+    elsewhere: other buckets, filler slots, self, the future) and its empty rows (filler slots'
+    rows among them). Filler rows are not masked: their output is never read, and the backward
+    gives every empty row an lse of +inf, so they weigh nothing there."""
     bh, chunks = position.shape[0], r.length // chunk
     same_prev = F.pad(chunk_bucket[:, 1:] == chunk_bucket[:, :-1], (1, 0), value=False)  # [BH, chunks]
     key_ok = _windows(F.pad(filled, (chunk, 0), value=False), chunk).clone()  # [BH, chunks, 2c]
@@ -128,7 +136,6 @@ def round_mask(
     fixed[:, chunk:].masked_fill_(~own, inf)
     key_term = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device)
     mask = key_term.masked_fill_(~key_ok[:, :, None], inf) + fixed
-    mask.masked_fill_(~filled.view(bh, chunks, chunk, 1), inf)  # filler rows see nothing
     if dedupe and others:
         found = torch.zeros(mask.shape, dtype=torch.uint8, device=mask.device)
         key_pos = _windows(F.pad(position, (chunk, 0)), chunk)
@@ -138,7 +145,13 @@ def round_mask(
             code_k = code.gather(1, key_pos.flatten(1)).view(bh, chunks, 1, 2 * chunk)
             found += torch.bitwise_right_shift(code_q - code_k, 1) == 0  # difference 0 or 1
         mask -= torch.log1p(found.to(dtype))
-    return dataclasses.replace(r, mask=mask, empty=mask.amax(-1) == inf)
+    # A row sees something when it is filled and some key of its window passes: counted on the
+    # (BH, chunks, 2c) key pieces instead of a pass over the float mask. Own chunk: the keys
+    # before the query (causal) or all but itself.
+    ko = key_ok[..., chunk:].to(torch.int32)
+    seen = ko.cumsum(-1) if causal else ko.sum(-1, keepdim=True)
+    sees = key_ok[..., :chunk].any(-1, keepdim=True) | (seen - ko > 0)
+    return dataclasses.replace(r, mask=mask, empty=~(sees & filled.view(bh, chunks, chunk)))
 
 
 def _rows(x: Tensor, index: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -146,14 +159,33 @@ def _rows(x: Tensor, index: Tensor, shape: tuple[int, ...]) -> Tensor:
     return x.reshape(-1, x.shape[-1]).index_select(0, index).view(*shape, x.shape[-1])
 
 
+def _native(x: Tensor) -> Tensor:
+    """A kernel tensor ``(BH, chunks, W, ...)`` as ``(BH, W, chunks, ...)``: its memory order,
+    so this is a view (a copy only if the kernel ever changes its layout)."""
+    return x.transpose(1, 2).contiguous()
+
+
+def _by_position(x: Tensor, r: Round, shape: torch.Size) -> Tensor:
+    """A kernel output ``(BH, chunks, c, D)`` by position ``shape + (D,)``, read in whichever of
+    the two orders it is laid out in (the kernel's output is, its lse and gradients are not)."""
+    if x.is_contiguous():
+        return _rows(x, r.slot, shape)
+    return _rows(_native(x), r.slot_t, shape)
+
+
 def _round_forward(q: Tensor, keys: Tensor, v: Tensor, r: Round, chunk: int, scale: float) -> tuple[Tensor, ...]:
-    """One round's kernel inputs ``(qx, kx, vx)`` and its output and log-sum-exp by position."""
+    """One round's kernel inputs ``(qx, kx, vx)``, its kernel output and log-sum-exp (+inf
+    where a row sees nothing, for the backward) and its output and log-sum-exp by position."""
     bh, chunks, by_position = r.mask.shape[0], r.length // chunk, q.shape[:3]
     qx = _rows(q, r.queries, (bh, chunks, chunk))
     kx, vx = (_windows(_rows(x, r.keys, (bh, chunk + r.length)), chunk) for x in (keys, v))  # [BH, chunks, 2c, D]
     out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=r.mask, scale=scale)[:2]
-    lse = lse.masked_fill(r.empty, float("-inf"))  # the kernel reports 0 for a row with no key
-    return (qx, kx, vx), _rows(out, r.slot, by_position), _rows(lse[..., None], r.slot, by_position)[..., 0]
+    # The kernel reports lse 0 for a row with no key: -inf by position, +inf for the backward
+    # (p = exp(s - inf) = 0 even where s is -inf everywhere).
+    lse = lse.masked_fill(r.empty, float("inf"))
+    lse_position = _by_position(lse[..., None], r, by_position)[..., 0]
+    lse_position = lse_position.masked_fill(torch.isinf(lse_position), float("-inf"))
+    return (qx, kx, vx), (out, lse), _by_position(out, r, by_position), lse_position
 
 
 def _tensors(r: Round) -> tuple[Tensor | None, ...]:
@@ -161,9 +193,33 @@ def _tensors(r: Round) -> tuple[Tensor | None, ...]:
     return tuple(getattr(r, f.name) for f in dataclasses.fields(Round)[1:])
 
 
+def _merge(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The rounds' outputs and log-sum-exps by position combined into one softmax. One round is
+    its own answer (logsumexp of one value is that value, its share exactly 1): no work."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    stacked = torch.stack(lses)  # [rounds, B, H, N]
+    total = torch.logsumexp(stacked, 0)
+    share = torch.exp(stacked - torch.where(torch.isinf(total), 0.0, total))[..., None]
+    return (torch.stack(outs) * share.to(outs[0].dtype)).sum(0), total
+
+
+def _scatter(gq: Tensor, gk: Tensor, gv: Tensor, r: Round, chunk: int, shape: torch.Size) -> tuple[Tensor, ...]:
+    """A round's kernel gradients ``(BH, chunks, c | 2c, D)`` back by position ``shape``. A key's
+    gradient is its own window's second half plus the next window's first half: summed in place
+    in window space (memory order ``(BH, 2c, chunks, D)``), then one gather per tensor."""
+    grads = [_by_position(gq, r, shape)]
+    for g in (gk, gv):
+        g = _native(g)  # [BH, 2c, chunks, D]
+        g[:, chunk:, :-1] += g[:, :chunk, 1:]
+        grads.append(_rows(g, r.own_t, shape))
+    return tuple(grads)
+
+
 class _Rounds(torch.autograd.Function):
     """All rounds, combined into one softmax by log-sum-exp; returns ``(out, lse)``. Backward:
-    each round's flash backward with the union's output and log-sum-exp."""
+    each round's flash backward with the union's output and log-sum-exp (with one round, the
+    kernel's own, kept in its layout), its gradients gathered back by position (``_scatter``)."""
 
     @staticmethod
     def forward(
@@ -178,45 +234,52 @@ class _Rounds(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         kernel, outs, lses = [], [], []
         for r in rounds:
-            inputs, out, lse = _round_forward(q, keys, v, r, chunk, scale)
-            kernel.append(inputs)
+            inputs, native, out, lse = _round_forward(q, keys, v, r, chunk, scale)
+            # one round: its kernel output and lse are the union's, in the kernel's layout
+            kernel.append((*inputs, *native) if len(rounds) == 1 else inputs)
             outs.append(out)
             lses.append(lse)
-        stacked = torch.stack(lses)  # [rounds, B, H, N]
-        total = torch.logsumexp(stacked, 0)
-        share = torch.exp(stacked - torch.where(torch.isinf(total), 0.0, total))[..., None]
-        out = (torch.stack(outs) * share.to(outs[0].dtype)).sum(0)
+        out, total = _merge(outs, lses)
         if real is not None:  # padding tokens have no slot: they read another's, and see nothing
             real = real[:, None, :]
             out, total = out * real[..., None], total.masked_fill(~real, float("-inf"))
         # Every tensor backward reads goes through save_for_backward: freed once backward has run,
         # there again for a second backward of a retained graph (retain_graph=True, gradcheck).
-        ctx.save_for_backward(out, total, *(x for r, inputs in zip(rounds, kernel) for x in (*inputs, *_tensors(r))))
+        union = (out, total) if len(rounds) > 1 else ()
+        ctx.save_for_backward(*union, *(x for r, inputs in zip(rounds, kernel) for x in (*inputs, *_tensors(r))))
         ctx.lengths, ctx.chunk, ctx.scale, ctx.real = [r.length for r in rounds], chunk, scale, real
         ctx.mark_non_differentiable(total)
         return out, total
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        out, total, *per_round = ctx.saved_tensors
-        # A row that sees nothing has p = 0 everywhere: exp(-inf - (+inf)), not exp(-inf + inf).
-        total = torch.where(torch.isinf(total), float("inf"), total)[..., None]
-        grad, dq, dk, dv = grad.contiguous(), 0, 0, 0
+        saved, single = ctx.saved_tensors, len(ctx.lengths) == 1
+        if not single:
+            out, total, *per_round = saved
+            # A row that sees nothing has p = 0 everywhere: exp(-inf - (+inf)), not exp(-inf + inf).
+            total = torch.where(torch.isinf(total), float("inf"), total)
+        else:
+            per_round = saved
+        grad, grads = grad.contiguous(), None
         size = len(per_round) // len(ctx.lengths)
         for length, start in zip(ctx.lengths, range(0, len(per_round), size)):
             qx, kx, vx, *fields = per_round[start : start + size]
+            if single:  # the kernel's own output and lse (+inf where a row sees nothing)
+                o, lse, *fields = fields
             r = Round(length, *fields)
-            rows = qx.shape[:3]
-            g, o, lse = (_rows(x, r.queries, rows) for x in (grad, out, total))
-            gq, gk, gv = flash_attention_cpu_backward(
-                g, qx, kx, vx, o, lse[..., 0], 0.0, False, attn_mask=r.mask, scale=ctx.scale
+            if not single:
+                o = _rows(out, r.queries, qx.shape[:3])
+                lse = total.flatten().index_select(0, r.queries).view(qx.shape[:3]).masked_fill_(r.empty, float("inf"))
+            # the output gradient in the kernel's own layout, which it would otherwise copy into
+            g = _rows(grad, r.queries_t, (qx.shape[0], qx.shape[2], qx.shape[1])).transpose(1, 2)
+            kernel_grads = flash_attention_cpu_backward(
+                g, qx, kx, vx, o, lse, 0.0, False, attn_mask=r.mask, scale=ctx.scale
             )
-            dq = dq + _rows(gq, r.slot, grad.shape[:3])
-            dk = dk + _rows(gk, r.own, grad.shape[:3]) + _rows(gk, r.prev, grad.shape[:3])
-            dv = dv + _rows(gv, r.own, grad.shape[:3]) + _rows(gv, r.prev, grad.shape[:3])
+            scattered = _scatter(*kernel_grads, r, ctx.chunk, grad.shape[:3])
+            grads = scattered if grads is None else tuple(a.add_(b) for a, b in zip(grads, scattered))
         if ctx.real is not None:
-            dq, dk, dv = (x * ctx.real[..., None] for x in (dq, dk, dv))
-        return dq, dk, dv, None, None, None, None
+            grads = tuple(x * ctx.real[..., None] for x in grads)
+        return *grads, None, None, None, None
 
 
 def chunked_lsh(
