@@ -37,8 +37,9 @@ from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import routing_decode
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
+from attnzoo.mechanisms.routing_band import causal_attention
 from attnzoo.mechanisms.routing_decode import RoutingState
-from attnzoo.mechanisms.routing_tiles import Pair, attention_inputs, balanced_attention, causal_attention, similarities
+from attnzoo.mechanisms.routing_tiles import Pair, attention_inputs, balanced_attention, similarities
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
