@@ -50,19 +50,20 @@ def causal_attention(
 
 
 class _Picks(torch.autograd.Function):
-    """``x[index]`` for each of several indices ``(...)`` into the rows of ``x (M, D)``, with one
+    """``x[index]`` for each of several indices ``(...)`` into the rows of ``x (M, ...)``, with one
     backward: every pick's gradient accumulates into one ``(M, D)`` buffer (a gather per call
-    would write a whole zero gradient each, and a gather split into calls a concatenation)."""
+    would write a whole zero gradient each, and a gather split into calls a concatenation; and
+    ``index_select``'s own backward, ``index_add_``, is several times slower on CPU)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, *indices: Tensor) -> tuple[Tensor, ...]:
         ctx.save_for_backward(*indices)
-        ctx.rows = x.shape[0]
-        return tuple(x[index] for index in indices)
+        ctx.rows, ctx.row_shape = x.shape[0], x.shape[1:]
+        return tuple(x.index_select(0, i.flatten()).view(*i.shape, *x.shape[1:]) for i in indices)
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        grad = grads[0].new_zeros(ctx.rows, grads[0].shape[-1])
+        grad = grads[0].new_zeros(ctx.rows, *ctx.row_shape)
         for index, g in zip(ctx.saved_tensors, grads):
             if g is not None:
                 grad.index_put_((index,), g, accumulate=True)
@@ -126,28 +127,27 @@ def band_attention(
     tiled = _query_tiles(group, m, n_clusters, BAND)
     if tiled is None:
         return v.new_zeros(b, h, n, v.shape[-1])
-    bhc, query, m_slot = tiled
-    lo = (m_slot[:, 0] - w).clamp(min=0) // block * block  # [T]: first rank of each tile's span
-    spans = _coarse((m_slot.amax(-1) - lo + block - 1) // block) * block
+    lo = (tiled[2][:, 0] - w).clamp(min=0) // block * block  # [T]: first rank of each tile's span
+    spans, order = torch.sort(_coarse((tiled[2].amax(-1) - lo + block - 1) // block) * block, stable=True)
+    bhc, query, m_slot, lo = (x[order] for x in (*tiled, lo))  # tiles by span: each call a slice
     chunks = _chunks(spans)
-    rows = lambda x: F.pad(x.reshape(dump, x.shape[-1]), (0, 0, 0, 1))  # noqa: E731  [B H N + 1, D]
     key_rows, first_block = _key_blocks(sorted_keys, block, dump)
-    # Each tile's span as whole blocks (past the cluster: the next cluster's, masked, or the zero block).
-    blocks = [
-        (first_block[bhc[t], None] + lo[t, None] // block + torch.arange(span // block, device=q.device)).clamp(
-            max=key_rows.shape[0] - 1
-        )
-        for t, span in chunks
-    ]
-    q_t = _Picks.apply(rows(q), *(query[t] for t, _ in chunks))
-    k_t, v_t = (_Picks.apply(rearrange(rows(x)[key_rows], "k j e -> k (j e)"), *blocks) for x in (k, v))
+    first = first_block[bhc] + lo // block  # [T]: each tile's first block
+    # A tile's span as whole blocks: past its cluster the next cluster's (masked) or the zero block.
+    arange = lambda span: torch.arange(span // block, device=q.device)  # noqa: E731
+    blocks = [(first[c, None] + arange(span)).clamp(max=key_rows.shape[0] - 1) for c, span in chunks]
+    rows = lambda x: F.pad(x.reshape(dump, x.shape[-1]), (0, 0, 0, 1))  # noqa: E731  [B H N + 1, D]
+    (kb,), (vb,) = (_Picks.apply(rows(x), key_rows) for x in (k, v))  # [blocks, block, D]
+    q_t = _Picks.apply(rows(q), *(query[c] for c, _ in chunks))
+    k_t, v_t = (_Picks.apply(rearrange(x, "k j e -> k (j e)"), *blocks) for x in (kb, vb))
+    masks = _BandMasks(m_slot - w - lo[:, None], int(spans[-1]), w, q.dtype)
     parts = []
-    for (t, span), q_c, *kv in zip(chunks, q_t, k_t, v_t):
-        mask = _band_mask(m_slot[t] - w - lo[t, None], span, w, q.dtype)
+    for (c, span), q_c, *kv in zip(chunks, q_t, k_t, v_t):
         k_c, v_c = (rearrange(x, "t k (j e) -> t 1 (k j) e", j=block) for x in kv)
-        parts.append(F.scaled_dot_product_attention(q_c[:, None], k_c, v_c, attn_mask=mask[:, None], scale=scale))
-    slot = torch.full((dump + 1,), spans.shape[0] * BAND, device=q.device)  # each row's slot in the parts
-    slot[query[torch.cat([t for t, _ in chunks])].flatten()] = torch.arange(spans.shape[0] * BAND, device=q.device)
+        mask = masks.rows(c, span)[:, None]
+        parts.append(F.scaled_dot_product_attention(q_c[:, None], k_c, v_c, attn_mask=mask, scale=scale))
+    slot = torch.full((dump + 1,), query.numel(), device=q.device)  # each row's slot in the parts
+    slot[query.flatten()] = torch.arange(query.numel(), device=q.device)
     out = F.pad(rearrange(torch.cat(parts), "t 1 w e -> (t w) e"), (0, 0, 0, 1))[slot[:-1]]
     return out.view(b, h, n, v.shape[-1])
 
@@ -170,25 +170,32 @@ def _key_blocks(sorted_keys: tuple[Tensor, Tensor, Tensor], block: int, dump: in
     return F.pad(key, (0, 0, 0, 1), value=dump), first_block
 
 
-def _chunks(spans: Tensor) -> list[tuple[Tensor, int]]:
-    """The tiles ``(t,)`` of each SDPA call and their span: one span each, ``PAIRS`` pairs at most."""
-    by_span, order = torch.sort(spans, stable=True)
-    widths, sizes = torch.unique_consecutive(by_span, return_counts=True)
+def _chunks(spans: Tensor) -> list[tuple[slice, int]]:
+    """The tiles of each SDPA call (``spans (T,)`` sorted) and their span: one span each,
+    ``PAIRS`` pairs at most."""
+    widths, sizes = torch.unique_consecutive(spans, return_counts=True)
     chunks, done = [], 0
     for span, size in zip(widths.tolist(), sizes.tolist()):
         step = max(1, PAIRS // (BAND * span))
-        chunks += [(order[s : min(s + step, done + size)], span) for s in range(done, done + size, step)]
+        chunks += [(slice(s, min(s + step, done + size)), span) for s in range(done, done + size, step)]
         done += size
     return chunks
 
 
-def _band_mask(start: Tensor, span: int, w: int, dtype: torch.dtype) -> Tensor:
-    """``(..., span)`` additive mask, 0 on the ranks ``[start, start + w)`` of a span and -inf
-    elsewhere, for ``start (...)`` in ``[1 - w, span - w]``: rows of one strided line of
-    ``2 span + w`` values (a single gather, not comparisons over every pair)."""
-    line = torch.full((2 * span + w,), -math.inf, dtype=dtype, device=start.device)
-    line[span : span + w] = 0
-    return line.unfold(0, span, 1)[span - start]
+class _BandMasks:
+    """Additive masks, 0 on the ranks ``[start, start + w)`` of a span and -inf elsewhere, for
+    ``start (T, width)`` in ``[1 - w, span - w]``: rows of one strided line of ``2 S + w``
+    values (S: the widest span), one row gather per call rather than comparisons per pair."""
+
+    def __init__(self, start: Tensor, widest: int, w: int, dtype: torch.dtype) -> None:
+        self.line = torch.full((2 * widest + w,), -math.inf, dtype=dtype, device=start.device)
+        self.line[widest : widest + w] = 0
+        self.offset = (widest - start).contiguous()
+
+    def rows(self, tiles: slice, span: int) -> Tensor:
+        """``(t, width, span)``: the masks of the tiles ``tiles``, spans of ``span`` ranks."""
+        offset = self.offset[tiles]
+        return self.line.unfold(0, span, 1).index_select(0, offset.flatten()).view(*offset.shape, span)
 
 
 def _coarse(blocks: Tensor) -> Tensor:
