@@ -17,7 +17,6 @@ from attnzoo.mechanisms.group_windows import counts
 #: Queries per tile, and ranks per block of a tile's key span (at most w); (query, key) pairs per
 #: SDPA call (bounds working memory).
 BAND, PAIRS = 128, 2**24
-BLOCK = None
 
 
 def causal_attention(
@@ -50,24 +49,22 @@ def causal_attention(
 
 
 class _Picks(torch.autograd.Function):
-    """``x[index]`` for each of several indices ``(...)`` into the rows of ``x (M, ...)``, with one
-    backward: every pick's gradient accumulates into one ``(M, D)`` buffer (a gather per call
-    would write a whole zero gradient each, and a gather split into calls a concatenation; and
-    ``index_select``'s own backward, ``index_add_``, is several times slower on CPU)."""
+    """``x[index]`` for a flat ``index`` into the rows of ``x (M, ...)``, split into parts of
+    ``sizes`` rows (views, one gather): the backward accumulates the parts' gradients into one
+    ``(M, ...)`` buffer with ``index_put_`` (per-part gathers would each write a whole zero
+    gradient, and ``index_select``'s own backward, ``index_add_``, is several times slower on CPU)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, *indices: Tensor) -> tuple[Tensor, ...]:
-        ctx.save_for_backward(*indices)
-        ctx.rows, ctx.row_shape = x.shape[0], x.shape[1:]
-        return tuple(x.index_select(0, i.flatten()).view(*i.shape, *x.shape[1:]) for i in indices)
+    def forward(ctx, x: Tensor, index: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
+        ctx.save_for_backward(index)
+        ctx.shape = x.shape
+        return x.index_select(0, index).split(sizes)
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        grad = grads[0].new_zeros(ctx.rows, *ctx.row_shape)
-        for index, g in zip(ctx.saved_tensors, grads):
-            if g is not None:
-                grad.index_put_((index,), g, accumulate=True)
-        return (grad, *(None for _ in grads))
+        (index,) = ctx.saved_tensors
+        grad = torch.cat(grads)  # grads are materialised: zeros for an unused part
+        return grad.new_zeros(ctx.shape).index_put_((index,), grad, accumulate=True), None, None
 
 
 def _query_tiles(group: Tensor, m: Tensor, n_clusters: int, width: int) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -123,29 +120,33 @@ def band_attention(
     """
     b, h, n, _ = q.shape
     dump = b * h * n  # the zero row after the flat (B H N) rows
-    n_clusters, block = sorted_keys[2].shape[-1], min(BLOCK or BAND, w)
+    n_clusters, block = sorted_keys[2].shape[-1], min(BAND, w)
     tiled = _query_tiles(group, m, n_clusters, BAND)
     if tiled is None:
         return v.new_zeros(b, h, n, v.shape[-1])
-    lo = (tiled[2][:, 0] - w).clamp(min=0) // block * block  # [T]: first rank of each tile's span
-    spans, order = torch.sort(_coarse((tiled[2].amax(-1) - lo + block - 1) // block) * block, stable=True)
-    bhc, query, m_slot, lo = (x[order] for x in (*tiled, lo))  # tiles by span: each call a slice
+    bhc, query, m_slot = tiled
+    lo = (m_slot[:, 0] - w).clamp(min=0) // block * block  # [T]: first rank of each tile's span
+    spans, order = torch.sort(_coarse((m_slot.amax(-1) - lo + block - 1) // block) * block, stable=True)
+    bhc, query, m_slot, lo = (x[order] for x in (bhc, query, m_slot, lo))  # tiles by span: each call a slice
     chunks = _chunks(spans)
     key_rows, first_block = _key_blocks(sorted_keys, block, dump)
-    first = first_block[bhc] + lo // block  # [T]: each tile's first block
     # A tile's span as whole blocks: past its cluster the next cluster's (masked) or the zero block.
-    arange = lambda span: torch.arange(span // block, device=q.device)  # noqa: E731
-    blocks = [(first[c, None] + arange(span)).clamp(max=key_rows.shape[0] - 1) for c, span in chunks]
+    n_blocks = spans // block
+    blocks = torch.repeat_interleave(first_block[bhc] + lo // block - (n_blocks.cumsum(0) - n_blocks), n_blocks)
+    blocks = (blocks + torch.arange(blocks.shape[0], device=q.device)).clamp(max=key_rows.shape[0] - 1)
     rows = lambda x: F.pad(x.reshape(dump, x.shape[-1]), (0, 0, 0, 1))  # noqa: E731  [B H N + 1, D]
-    (kb,), (vb,) = (_Picks.apply(rows(x), key_rows) for x in (k, v))  # [blocks, block, D]
-    q_t = _Picks.apply(rows(q), *(query[c] for c, _ in chunks))
-    k_t, v_t = (_Picks.apply(rearrange(x, "k j e -> k (j e)"), *blocks) for x in (kb, vb))
+    (kb,), (vb,) = (_Picks.apply(rows(x), key_rows.flatten(), [key_rows.numel()]) for x in (k, v))
+    sizes = [c.stop - c.start for c, _ in chunks]
+    q_t = _Picks.apply(rows(q), query.flatten(), [size * BAND for size in sizes])
+    key_sizes = [(c.stop - c.start) * span // block for c, span in chunks]
+    k_t, v_t = (_Picks.apply(rearrange(x, "(k j) e -> k (j e)", j=block), blocks, key_sizes) for x in (kb, vb))
     masks = _BandMasks(m_slot - w - lo[:, None], int(spans[-1]), w, q.dtype)
     parts = []
     for (c, span), q_c, *kv in zip(chunks, q_t, k_t, v_t):
-        k_c, v_c = (rearrange(x, "t k (j e) -> t 1 (k j) e", j=block) for x in kv)
+        q_c = rearrange(q_c, "(t w) e -> t 1 w e", w=BAND)
+        k_c, v_c = (rearrange(x, "(t k) (j e) -> t 1 (k j) e", k=span // block, j=block) for x in kv)
         mask = masks.rows(c, span)[:, None]
-        parts.append(F.scaled_dot_product_attention(q_c[:, None], k_c, v_c, attn_mask=mask, scale=scale))
+        parts.append(F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=mask, scale=scale))
     slot = torch.full((dump + 1,), query.numel(), device=q.device)  # each row's slot in the parts
     slot[query.flatten()] = torch.arange(query.numel(), device=q.device)
     out = F.pad(rearrange(torch.cat(parts), "t 1 w e -> (t w) e"), (0, 0, 0, 1))[slot[:-1]]
