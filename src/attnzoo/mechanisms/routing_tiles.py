@@ -1,7 +1,7 @@
 """Routing attention's building blocks (``routing`` is registered in
 ``attnzoo.mechanisms.routing``, beside the dense ``reference_routing``): what attention and
-routing run on, similarities to the centroids, and the fast paths, which gather clusters into
-fixed-size tiles (O(N w) memory, never N x N).
+routing run on, similarities to the centroids, and the non-causal fast path, which gathers
+clusters into fixed-size tiles (O(N w) memory, never N x N); the causal one is ``routing_band``.
 """
 
 from __future__ import annotations
