@@ -57,14 +57,39 @@ class _Picks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
         ctx.save_for_backward(index)
-        ctx.shape = x.shape
+        ctx.shape, ctx.sizes = x.shape, sizes
         return x.index_select(0, index).split(sizes)
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Tensor | None, ...]:
         (index,) = ctx.saved_tensors
-        grad = torch.cat(grads)  # grads are materialised: zeros for an unused part
-        return grad.new_zeros(ctx.shape).index_put_((index,), grad, accumulate=True), None, None
+        grad = grads[0].new_zeros(ctx.shape)
+        for part, g in zip(index.split(ctx.sizes), grads):  # no concatenation of the parts
+            grad.index_put_((part,), g, accumulate=True)
+        return grad, None, None
+
+
+class _Place(torch.autograd.Function):
+    """The rows of ``parts`` (each ``(..., E)``) written to rows ``index`` (flat, split as the
+    parts) of a zero ``(rows + 1, E)`` output whose last row takes the writes nobody reads;
+    returns its first ``rows`` (no concatenation of the parts, forward or backward)."""
+
+    @staticmethod
+    def forward(ctx, index: Tensor, rows: int, *parts: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.shapes = [x.shape for x in parts]
+        indices = index.split([x.numel() // x.shape[-1] for x in parts])
+        out = parts[0].new_zeros(rows + 1, parts[0].shape[-1])
+        for part, x in zip(indices, parts):
+            out.index_copy_(0, part, x.reshape(-1, x.shape[-1]))
+        return out[:-1]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (index,) = ctx.saved_tensors
+        grad = F.pad(grad, (0, 0, 0, 1))
+        indices = index.split([math.prod(shape[:-1]) for shape in ctx.shapes])
+        return None, None, *(grad.index_select(0, part).view(shape) for part, shape in zip(indices, ctx.shapes))
 
 
 def _query_tiles(group: Tensor, m: Tensor, n_clusters: int, width: int) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -147,10 +172,7 @@ def band_attention(
         k_c, v_c = (rearrange(x, "(t k) (j e) -> t 1 (k j) e", k=span // block, j=block) for x in kv)
         mask = masks.rows(c, span)[:, None]
         parts.append(F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=mask, scale=scale))
-    slot = torch.full((dump + 1,), query.numel(), device=q.device)  # each row's slot in the parts
-    slot[query.flatten()] = torch.arange(query.numel(), device=q.device)
-    out = F.pad(rearrange(torch.cat(parts), "t 1 w e -> (t w) e"), (0, 0, 0, 1))[slot[:-1]]
-    return out.view(b, h, n, v.shape[-1])
+    return _Place.apply(query.flatten(), dump, *parts).view(b, h, n, v.shape[-1])
 
 
 def _key_blocks(sorted_keys: tuple[Tensor, Tensor, Tensor], block: int, dump: int) -> tuple[Tensor, Tensor]:
