@@ -54,8 +54,10 @@ def test_fast_path_equals_reference_float64(causal, padded, window):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
-    # Groups of unpicked (or causal) queries are cut into tiles of TILE queries, attended PAIRS
-    # pairs at a time; make tiles of 3 (a group spans several, window 9), one tile per pass.
+    # Groups of unpicked queries are cut into tiles of TILE queries, causal ones into tiles of
+    # BAND over key blocks of min(BAND, w) ranks, attended PAIRS pairs at a time; make tiles of 3
+    # (a group spans several, window 9: a tile's span several blocks), one tile per pass.
+    import attnzoo.mechanisms.routing_band as band
     import attnzoo.mechanisms.routing_tiles as module
 
     q, k, v = make_qkv(B, H, N, N, d=D, d_v=DV)
@@ -64,12 +66,28 @@ def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
     wide = attn(q, k, v, causal=causal, key_mask=mask)
     monkeypatch.setattr(module, "TILE", 3)
     monkeypatch.setattr(module, "PAIRS", 1)
+    monkeypatch.setattr(band, "BAND", 3)
+    monkeypatch.setattr(band, "PAIRS", 1)
     narrow = attn(q, k, v, causal=causal, key_mask=mask)
     ref = reference(attn, q, k, v, causal=causal, key_mask=mask)
     assert_same(narrow, ref)
     assert_same(wide, ref)
     for got, want in zip(grads(narrow, (q, k, v)), grads(ref, (q, k, v))):
         assert_same(got, want)
+
+
+@pytest.mark.parametrize("window", [None, 20, 70])
+def test_causal_band_over_many_tiles_and_blocks_equals_reference(window):
+    # N = 300, 2 clusters of ~150 queries: two tiles of BAND = 128 per cluster; window 20 or 70
+    # makes blocks of 20 or 70 ranks, several per span, and the band's lower end cuts into them.
+    attn = routing(n_clusters=2, window=window)
+    q, k, v = make_qkv(3, 1, 300, 300, d=D, d_v=DV)
+    mask = padding_mask(3, 300, empty_row=False)  # 1, 150 and 300 real tokens
+    fast = attn(q, k, v, causal=True, key_mask=mask)
+    ref = reference(attn, q, k, v, causal=True, key_mask=mask)
+    assert_same(fast, ref, what="forward")
+    for got, want, name in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
+        assert_same(got, want, what=f"d{name}")
 
 
 @pytest.mark.parametrize("causal", [False, True])

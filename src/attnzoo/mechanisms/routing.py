@@ -16,9 +16,11 @@ attention itself runs on the unit-normalised queries, scaled by D by default (se
 ``RoutingConfig``).
 
 ``reference_routing`` (here) recomputes membership independently and runs dense attention under
-the implied mask (the oracle). The fast paths (``routing_tiles``) gather clusters into fixed-size
-tiles (O(N w) memory, never N x N). A decode step (``routing_decode``) keeps each cluster's last
-w keys.
+the implied mask (the oracle). The non-causal fast path (``routing_tiles``) gathers clusters into
+fixed-size tiles; the causal one (``routing_band``) is a band over each cluster's keys sorted by
+position: tiles of one cluster's queries attend only the key blocks their bands cover, one SDPA
+call per span width (both O(N w) memory, never N x N). A decode step (``routing_decode``) keeps
+each cluster's last w keys.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import routing_decode
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
+from attnzoo.mechanisms.routing_band import causal_attention
 from attnzoo.mechanisms.routing_decode import RoutingState
-from attnzoo.mechanisms.routing_tiles import Pair, attention_inputs, balanced_attention, causal_attention, similarities
+from attnzoo.mechanisms.routing_tiles import Pair, attention_inputs, balanced_attention, similarities
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -206,7 +209,9 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
         "centroids (H, C, D): a buffer made at construction when heads and head_dim are set (a layer's Shape), "
         "else on the first forward; EMA updates in training mode only",
         "non-causal: balanced top-w queries and keys per cluster; an unpicked query uses its nearest cluster's keys",
-        "causal: per-token nearest-centroid routing; query i sees the w most recent keys j <= i of its cluster",
+        "causal: per-token nearest-centroid routing; query i sees the w most recent keys j <= i of its cluster: a band "
+        "over the cluster's keys sorted by position, run as tiles of 128 queries of one cluster over the key blocks "
+        "their bands cover (O(N (w + 128)) pairs), one SDPA call per span width",
         "padded query rows are 0; padded keys are never attended and never move centroids",
         "default: routing uses unit-normalised q and k, attention the raw q and k (scale 1/sqrt(D)); share_qk=True: "
         "keys are the queries, and attention uses the unit q with scale D (the official code's LM setting)",

@@ -1,7 +1,7 @@
 """Routing attention's building blocks (``routing`` is registered in
 ``attnzoo.mechanisms.routing``, beside the dense ``reference_routing``): what attention and
-routing run on, similarities to the centroids, and the fast paths, which gather clusters into
-fixed-size tiles (O(N w) memory, never N x N).
+routing run on, similarities to the centroids, and the non-causal fast path, which gathers
+clusters into fixed-size tiles (O(N w) memory, never N x N); the causal one is ``routing_band``.
 """
 
 from __future__ import annotations
@@ -156,40 +156,3 @@ def balanced_attention(q: Tensor, k: Tensor, v: Tensor, sims: Pair, w: int, real
 
     fallback = grouped_attention(q, k, v, group, n_clusters, keys_of, min(w, TILE), scale, lambda i, j: _take(real, j))
     return out / picks.clamp(min=1)[..., None] * real[..., None] + fallback
-
-
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, sims: Pair, w: int, real: Tensor, scale: float) -> Tensor:
-    """Causal fast path: query i attends to the w most recent keys j <= i of its nearest cluster.
-
-    Notes:
-        Key j's rank r_j counts the earlier keys of its cluster; m_i counts the keys of query i's
-        cluster at positions <= i; query i sees its cluster's keys with ``m_i - w <= r_j < m_i``.
-        Queries sharing (cluster, t = (m_i - 1) // w) share the 2w candidate keys of ranks
-        ``[(t - 1) w, (t + 1) w)``: one group of ``grouped_attention``. A real query with m_i = 0
-        gets its own value (its own key alone). Padded keys join no cluster.
-    """
-    (sim_q, sim_k), n = sims, q.shape[2]
-    n_clusters, n_chunks = sim_q.shape[2], math.ceil(n / w)
-    position = torch.arange(n, device=q.device)
-    a_q, a_k = sim_q.argmax(2), torch.where(real, sim_k.argmax(2), n_clusters)  # [B, H, N]; padded: none
-    a_sorted, key_order = torch.sort(a_k, dim=-1, stable=True)  # keys by (cluster, position)
-    n_keys = counts(a_k, n_clusters + 1)
-    first_key = n_keys.cumsum(-1) - n_keys
-    rank = torch.empty_like(a_k).scatter_(-1, key_order, position - first_key.gather(-1, a_sorted))
-    sorted_code = (a_sorted * n + key_order).contiguous()  # increasing: (cluster, position)
-    m = torch.searchsorted(sorted_code, (a_q * n + position).contiguous(), right=True) - first_key.gather(-1, a_q)
-    group = torch.where((m > 0) & real, a_q * n_chunks + (m - 1).clamp(min=0) // w, -1)  # (cluster, chunk)
-
-    def keys_of(tile_group: Tensor) -> Tensor:
-        cluster, t = tile_group.clamp(min=0) // n_chunks, tile_group.clamp(min=0) % n_chunks
-        r = (t[..., None] - 1) * w + torch.arange(2 * w, device=q.device)  # [B, H, S, 2w] ranks
-        ok = (tile_group[..., None] >= 0) & (r >= 0) & (r < n_keys.gather(-1, cluster)[..., None])
-        sorted_index = (first_key.gather(-1, cluster)[..., None] + r).clamp(0, n - 1)
-        return torch.where(ok, _take(key_order, sorted_index), -1)
-
-    def visible(i: Tensor, j: Tensor) -> Tensor:
-        m_i, r_j = _take(m, i), _take(rank, j)
-        return (r_j >= m_i - w) & (r_j < m_i)
-
-    out = grouped_attention(q, k, v, group, n_clusters * n_chunks, keys_of, min(w, TILE), scale, visible)
-    return out + ((m == 0) & real)[..., None] * v  # nothing of its cluster visible: its own key
