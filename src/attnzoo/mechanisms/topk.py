@@ -76,9 +76,14 @@ def select_topk(scores: Tensor, visible: Tensor | None, k: int) -> tuple[Tensor,
     whenever a row's k-th score is not tied with an entry it left out; only rows with such a tie
     (rare, except rows with fewer than k visible keys) go through the exact rule."""
     s = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
-    values, idx = s.topk(k, dim=-1, sorted=False)
-    tau = values.min(-1, keepdim=True).values
-    ambiguous = (s == tau).sum(-1) > (values == tau).sum(-1)  # (...,) rows with a tie at the cut
+    if k < s.shape[-1]:
+        # One more than k, in order: the row's cut splits a tie exactly when the (k+1)-th value
+        # equals the k-th. Costs what top-k costs, where counting ties over the row took longer.
+        top, idx = s.topk(k + 1, dim=-1)
+        values, idx, ambiguous = top[..., :k], idx[..., :k], top[..., k] == top[..., k - 1]
+    else:  # every entry kept
+        values, idx = s.topk(k, dim=-1, sorted=False)
+        ambiguous = torch.zeros(s.shape[:-1], dtype=torch.bool, device=s.device)
     valid = values != float("-inf")  # NaN (a NaN query's scores) is kept: its row comes out NaN
     if ambiguous.device.type != "meta" and bool(ambiguous.any()):  # meta tensors hold no values
         rows = ambiguous.nonzero(as_tuple=True)
