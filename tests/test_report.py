@@ -73,6 +73,12 @@ def test_one_reference_row_per_mechanism(tmp_path):
     rows += loaded(tmp_path, "s3.jsonl", [META, speed("local", 4096, 9.0, 10, config={"left": 256})]).rows
     chosen = pick.speed_points(rows, 4096, False)
     assert list(chosen) == ["local"] and chosen["local"]["speedup_forward_backward_vs_sdpa"] == 5.0
+    # Among committed files the newer measurement wins, whatever the input order (a committed demo
+    # run read last must not hide a later sweep).
+    newer = loaded(tmp_path, "s4.jsonl", [{**META, "date": "2026-02-01"}, speed("local", 4096, 7.0, 10)], True)
+    older = loaded(tmp_path, "s5.jsonl", [META, speed("local", 4096, 2.0, 10)], committed=True)
+    chosen = pick.speed_points(newer.rows + older.rows, 4096, False)
+    assert chosen["local"]["speedup_forward_backward_vs_sdpa"] == 7.0
 
 
 def test_averages_are_over_equal_task_sets():

@@ -49,9 +49,11 @@ def budget(row: Row) -> int:
 def preference(row: Row) -> tuple:
     """Sort key, best last: fresh, then uncommitted, then committed files; a clean revision before
     a dirty one; then the larger training budget (a committed file with a short demo run must not
-    stand in for the full run of the same task, or one column would mix budgets); then the later
-    row (input order)."""
-    return -rank(row.get("_origin")), not is_dirty(row.get("_rev")), budget(row), row.get("_order", 0)
+    stand in for the full run of the same task, or one column would mix budgets); then the newer
+    measurement (its file's date: a committed demo run must not hide a later sweep); then the
+    later row (input order)."""
+    date = str(row.get("_date") or "")
+    return -rank(row.get("_origin")), not is_dirty(row.get("_rev")), budget(row), date, row.get("_order", 0)
 
 
 def one_per(rows: list[Row], key: Any) -> dict[Any, Row]:
