@@ -263,7 +263,6 @@ def _causal_sums(
         starts, final = _prefix_sums(chunk_sums, s0)
         out = scores.masked_fill(~tril.repeat(groups, 1), 0.0) @ v + q @ starts
     else:
-        s0 = k.new_zeros(b, h, m, v.shape[-1]) if s0 is None else s0
         # float64 sums: a difference of two sums near -1000 keeps its digits (float32 loses 1e-4)
         cum = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size).double().cumsum(-1)
         pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~tril, -math.inf).to(q.dtype).exp()
@@ -296,9 +295,10 @@ def _prefix_sums(chunk_sums: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]
     return starts + s0[:, :, None], final + s0
 
 
-def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
     """States at each chunk start, ``S_c = g_{c-1} S_{c-1} + U_{c-1}`` ``(B, H, C, m, E)``, and
-    the state after the last chunk ``(B, H, m, E)``, for log gates ``(B, H, C)``.
+    the state after the last chunk ``(B, H, m, E)``, for log gates ``(B, H, C)``; ``s0`` None is
+    a zero initial state (its term, a pass over every state forward and backward, is skipped).
 
     Up to ``SCAN_MATMUL_CHUNKS`` chunks the recurrence is unrolled into one matmul,
     ``S_c = sum_{c' < c} exp(A_{c-1} - A_{c'}) U_{c'} + exp(A_{c-1}) S_0`` with ``A`` the
@@ -309,7 +309,7 @@ def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor) -> tuple[Tensor, Te
     if c > SCAN_MATMUL_CHUNKS:
         # unbind once: indexing chunk c inside the loop would make every step's backward
         # zero-fill a gradient the size of all chunks (quadratic in the number of chunks).
-        states, s = [], s0
+        states, s = [], chunk_sums.new_zeros(b, h, m, e) if s0 is None else s0
         for gate, sums in zip(log_gates.exp().unbind(2), chunk_sums.unbind(2)):
             states.append(s)
             s = gate[:, :, None, None] * s + sums
@@ -319,7 +319,8 @@ def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor) -> tuple[Tensor, Te
     later = torch.ones(c + 1, c, dtype=torch.bool, device=cum.device).triu()  # c' >= c: not yet summed
     weights = (before[..., :, None] - cum[..., None, :]).masked_fill(later, -math.inf).exp()
     states = weights.to(chunk_sums.dtype) @ chunk_sums.flatten(-2)  # [B, H, C + 1, m E]
-    states = states + before.exp().to(s0.dtype)[..., None] * s0.flatten(-2)[:, :, None]
+    if s0 is not None:
+        states = states + before.exp().to(s0.dtype)[..., None] * s0.flatten(-2)[:, :, None]
     states = states.view(b, h, c + 1, m, e)
     return states[:, :, :-1], states[:, :, -1]
 

@@ -160,16 +160,19 @@ class RandomFeatureConfig(KernelConfig):
         return 2 * head_dim if self.features is None else self.features
 
 
-def fourier_features(x: Tensor, w: Tensor, sigma: float) -> Tensor:
+def fourier_features(x: Tensor, w: Tensor, sigma: float, weight: Tensor | None = None) -> Tensor:
     """RFA's random Fourier features of unit-normalised ``x``: ``(B, H, N, D) -> (B, H, N, 2m)``.
 
     ``phi(x) = sqrt(1/m) [sin(w^T x^ / sigma), cos(w^T x^ / sigma)]`` with ``x^ = x / |x|`` and
     rows of ``w (m, D)`` marginally ``N(0, I)``, so ``E[phi(x) . phi(y)] = exp(-|x^ - y^|^2 /
     (2 sigma^2)) = exp((x^ . y^ - 1) / sigma^2)``: softmax weights with temperature ``sigma^2``
-    on unit vectors. The features, and so the estimated weights, can be negative.
+    on unit vectors. The features, and so the estimated weights, can be negative. ``weight``
+    ``(B, H, N)``: a per-position factor applied in the same pass (RFA's causal ``1 - g_t``).
     """
-    u = F.normalize(x, dim=-1) @ w.T / sigma
-    return torch.cat([torch.sin(u), torch.cos(u)], dim=-1) / math.sqrt(w.shape[0])
+    u = F.normalize(x, dim=-1) @ (w.T / sigma)  # 1/sigma on the (D, m) matrix, not on (N, m)
+    factor = 1 / math.sqrt(w.shape[0])
+    scale = factor if weight is None else (weight * factor)[..., None]
+    return torch.cat([torch.sin(u), torch.cos(u)], dim=-1) * scale
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,13 +269,13 @@ class RFAAttention(RandomFeatureAttention):
         return fourier_features(q, self.projection_for(q), self.config.sigma)
 
     def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
-        phi = fourier_features(k, self.projection_for(k), self.config.sigma)
         if not causal:
-            return KeyFeatures(phi)
+            return KeyFeatures(fourier_features(k, self.projection_for(k), self.config.sigma))
         self.prepare(k.shape[1], k.shape[3], k.device, k.dtype)
         logit = torch.einsum("bhnd,hd->bhn", k, self.gate_weight.to(k.dtype)) + self.gate_bias.to(k.dtype)[:, None]
         # (1 - g_t) phi(k_t) and log g_t, through logsigmoid (stable for large logits)
-        return KeyFeatures(phi * F.logsigmoid(-logit).exp()[..., None], F.logsigmoid(logit))
+        phi = fourier_features(k, self.projection_for(k), self.config.sigma, F.logsigmoid(-logit).exp())
+        return KeyFeatures(phi, F.logsigmoid(logit))
 
     def num_features(self, head_dim: int) -> int:
         return 2 * self.config.features_for(head_dim)
