@@ -86,6 +86,9 @@ _NOTES = (
     "q and k L2-normalised per head (the papers' choice, for stability), then q scaled by `scale`",
     "beta_t = sigmoid(k_t . w_h + b_h): a learned per-head projection of the key before normalisation "
     "(the papers project the hidden state, which a mechanism does not see)",
+    "no short convolution: the papers' layers pass q, k and v through a causal depthwise convolution "
+    "(width 4) before the rule; a mechanism receives them projected, so it is not applied (the README's "
+    "MQAR results: this model stays near chance at 256 tokens)",
     "causal only: causal=False is refused (the papers define no non-causal form)",
     "padded tokens do not touch the state (beta = 0, no decay); a padded query's row is 0",
     "chunkwise (Yang et al. 2024): a unit-triangular inverse per chunk of `chunk` tokens, the state carried across",
