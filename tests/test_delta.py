@@ -181,15 +181,16 @@ def test_fast_equals_reference_across_chunk_boundaries_with_padding(name):
 
 @pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
 def test_mechanism_normalises_q_and_padded_tokens_leave_the_state_untouched(name):
-    attn = small_mechanism(name, 12, heads=2, head_dim=4)
     q, k, v = (torch.randn(2, 2, 12, 4, dtype=torch.float64) for _ in range(3))
-    assert_same(attn(q * 3, k, v, causal=True), attn(q, k, v, causal=True), what="q is L2-normalised")
+    plain = small_mechanism(name, 12, heads=2, head_dim=4, short_conv=0)  # with it, SiLU(conv(q)) is normalised
+    assert_same(plain(q * 3, k, v, causal=True), plain(q, k, v, causal=True), what="q is L2-normalised")
+    attn = small_mechanism(name, 12, heads=2, head_dim=4)
     state = attn.init_state(2, 2, 4, 4, dtype=torch.float64)
     _, state = attn.step(state, q[:, :, :5], k[:, :, :5], v[:, :, :5])
     padded = torch.tensor([[False], [True]])
     out, after = attn.step(state, q[:, :, 5:6], k[:, :, 5:6], v[:, :, 5:6], key_mask=padded)
-    assert torch.equal(after[0], state[0]), "a padded token neither writes nor decays"
-    assert not torch.equal(after[1], state[1]) and not out[0].any()
+    assert torch.equal(after.s[0], state.s[0]), "a padded token neither writes nor decays"
+    assert not torch.equal(after.s[1], state.s[1]) and not out[0].any()
 
 
 @pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
@@ -212,3 +213,55 @@ def test_parameters_are_sized_by_the_layer_geometry_and_checked(name):
     q = torch.randn(1, 2, 7, 6)
     with pytest.raises(ValueError, match="build it with heads=2, head_dim=6"):
         attn(q, q, q, causal=True)
+
+
+def _torch_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The short convolution by torch's own conv1d (depthwise, left-padded), then SiLU: a second
+    implementation to check ``short_conv``'s shifted multiply-adds against."""
+    b, h, n, c = x.shape
+    width = weight.shape[1]
+    flat = F.pad(x.permute(0, 1, 3, 2).reshape(b, h * c, n), (width - 1, 0))
+    kernel = weight.permute(0, 2, 1).reshape(h * c, 1, width)
+    return F.silu(F.conv1d(flat, kernel, groups=h * c)).reshape(b, h, c, n).permute(0, 1, 3, 2)
+
+
+def test_short_conv_equals_torch_conv1d_and_continues_from_its_tail():
+    from attnzoo.mechanisms.delta import short_conv
+
+    x, weight = torch.randn(2, 3, 11, 5, dtype=torch.float64), torch.randn(3, 4, 5, dtype=torch.float64)
+    whole, _ = short_conv(x, weight, x.new_zeros(2, 3, 3, 5))
+    assert_same(whole, _torch_conv(x, weight), what="short_conv vs conv1d")
+    first, tail = short_conv(x[:, :, :7], weight, x.new_zeros(2, 3, 3, 5))
+    rest, _ = short_conv(x[:, :, 7:], weight, tail)
+    assert_same(torch.cat([first, rest], 2), whole, what="continued from the tail")
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_mechanism_is_the_rule_on_the_convolved_normalised_q_and_k(name):
+    """The paper's composition, written out: beta (and the decay) from the raw k; q and k through
+    conv1d + SiLU, L2-normalised, q scaled; then the token-by-token rule."""
+    attn = small_mechanism(name, 13, heads=2, head_dim=4)
+    q, k, v = (torch.randn(2, 2, 13, 4, dtype=torch.float64) for _ in range(3))
+    beta = torch.sigmoid(torch.einsum("bhnd,hd->bhn", k, attn.beta_proj) + attn.beta_bias[:, None])
+    log_alpha = attn.log_alpha(k)
+    qk = _torch_conv(torch.cat([q, k], -1), attn.conv_qk)
+    qc, kc = F.normalize(qk[..., :4], dim=-1) * 4**-0.5, F.normalize(qk[..., 4:], dim=-1)
+    if log_alpha is None:
+        want, _ = naive_delta_rule(qc, kc, v, beta)
+    else:
+        want, _ = naive_gated_delta_rule(qc, kc, v, beta, log_alpha)
+    assert_same(attn(q, k, v, causal=True), want, what=f"{name} vs the rule written out")
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_left_padding_enters_the_convolution_as_the_sequence_start(name):
+    """A left-padded prompt's real tokens get what the unpadded prompt gives: the pads are zeros
+    in the convolution, as the zeros before the first token."""
+    attn = small_mechanism(name, 12, heads=2, head_dim=4)
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    junk = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    padded = [torch.cat([junk, x], 2) for x in (q, k, v)]
+    mask = torch.tensor([[False] * 3 + [True] * 9])
+    out = attn(*padded, causal=True, key_mask=mask)
+    assert_same(out[:, :, 3:], attn(q, k, v, causal=True), what=f"{name}: real tokens after left padding")
+    assert not out[:, :, :3].any(), "padded rows are 0"

@@ -61,7 +61,8 @@ class Capabilities:
         independent_queries: output row i depends on query i alone among the queries (and on
             the keys and values). False where the definition pools or routes the queries
             together (shared-QK hashing, landmarks averaged from queries, clusters of a fixed
-            size): one query can then change other rows, and a NaN query can reach them.
+            size, a short convolution over the queries): one query can then change other rows,
+            and a NaN query can reach them.
     """
 
     causal: bool

@@ -21,12 +21,19 @@ mechanisms make their extra inputs from q, k and their own per-head parameters:
   ``dt_bias`` initialised as Mamba-2 (``A ~ U(1, 16)``, ``dt ~ logU(0.001, 0.1)``).
 - padded tokens (``key_mask`` False) do not touch the state: beta = 0 (no write) and alpha = 1
   (no decay) there, so padding anywhere (left-padded prompts) leaves S as it was.
+- the short convolution (``short_conv`` = 4, the papers' width): q and k pass through a causal
+  depthwise convolution along the sequence and a SiLU before they are normalised, so a token's
+  key can carry its predecessors (what associative recall needs: a value is stored under the key
+  token before it). The papers convolve v as well; here v is left alone, so the output stays
+  ``weights @ v`` (``implied_attention`` holds). Padded tokens enter the convolution as zeros, and
+  the decode state keeps the last ``short_conv - 1`` inputs beside S.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,12 +54,14 @@ from attnzoo.spec import Capabilities, Complexity
 
 __all__ = [
     "DeltaNet",
+    "DeltaState",
     "GatedDeltaNet",
     "delta_rule",
     "delta_weights",
     "gated_delta_rule",
     "naive_delta_rule",
     "naive_gated_delta_rule",
+    "short_conv",
 ]
 
 #: L2 normalisation's guard: a zero (padded) q or k stays zero instead of dividing by 0.
@@ -68,6 +77,8 @@ class DeltaConfig(Config):
             ``Shape`` fills them). chunk: tokens per chunk of the fast path (32: the plain functions'
             ``CHUNK``, fastest fwd+bwd on CPU at N = 4096 against 16, 24 and 64).
         scale: multiplies the normalised q; None (default) for 1/sqrt(D). seed: of the init (0).
+        short_conv: width of the causal depthwise convolution (+ SiLU) over q and k before the
+            rule (4, as the papers; 0 for none: the rule on the projected q and k).
     """
 
     heads: int = bounded(8, ge=1)
@@ -75,6 +86,7 @@ class DeltaConfig(Config):
     chunk: int = bounded(CHUNK, ge=1)
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
     seed: int = bounded(0, ge=0)
+    short_conv: int = bounded(4, ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,20 +98,20 @@ _NOTES = (
     "q and k L2-normalised per head (the papers' choice, for stability), then q scaled by `scale`",
     "beta_t = sigmoid(k_t . w_h + b_h): a learned per-head projection of the key before normalisation "
     "(the papers project the hidden state, which a mechanism does not see)",
-    "no short convolution: the papers' layers pass q, k and v through a causal depthwise convolution "
-    "(width 4) before the rule; a mechanism receives them projected, so it is not applied (the README's "
-    "MQAR results: this model stays near chance at 256 tokens)",
+    "short convolution (width `short_conv`, 4) + SiLU on q and k before normalisation, as the papers; "
+    "the papers convolve v too, here v is left alone so that the output stays weights @ v",
     "causal only: causal=False is refused (the papers define no non-causal form)",
     "padded tokens do not touch the state (beta = 0, no decay); a padded query's row is 0",
     "chunkwise (Yang et al. 2024): a unit-triangular inverse per chunk of `chunk` tokens, the state carried across",
-    "decode step: the state S (D x D_v per head), O(D D_v) per token",
+    "decode step: the state S (D x D_v per head) and the last short_conv - 1 inputs of q and k, O(D D_v) per token",
 )
 _COMPLEXITY = Complexity(
     time="O(N C (C + D + D_v) + N D D_v)",  # C^3 per chunk: the unit-triangular inverse
     memory="O(N (C + D + D_v) + (N / C) D D_v)",
     subquadratic_memory=True,
 )
-_CAPS = Capabilities(causal=True, bidirectional=False, key_mask=True, decode_step=True)
+# The short convolution mixes each query with the 3 before it: rows are not independent of other queries.
+_CAPS = Capabilities(causal=True, bidirectional=False, key_mask=True, decode_step=True, independent_queries=False)
 
 
 @register(
@@ -114,8 +126,9 @@ _CAPS = Capabilities(causal=True, bidirectional=False, key_mask=True, decode_ste
     notes=_NOTES,
 )
 class DeltaNet(Attention):
-    """DeltaNet (module docstring). Parameters: ``beta_proj (H, D)`` (seeded, std 1/sqrt(D)) and
-    ``beta_bias (H,)`` (0: beta starts near 1/2).
+    """DeltaNet (module docstring). Parameters: ``beta_proj (H, D)`` (seeded, std 1/sqrt(D)),
+    ``beta_bias (H,)`` (0: beta starts near 1/2) and, with ``short_conv`` W > 0, ``conv_qk (H, W,
+    2 D)`` (q's channels, then k's; uniform in +-1/sqrt(W), torch's Conv1d init).
 
     Shapes:
         q, k ``(B, H, N, D)``, v ``(B, H, N, D_v)`` -> ``(B, H, N, D_v)``; H and D as configured.
@@ -129,6 +142,9 @@ class DeltaNet(Attention):
         self.beta_proj = nn.Parameter(_projection(config, g))
         self.beta_bias = nn.Parameter(torch.zeros(config.heads))
         self._init_gate(g)
+        width = config.short_conv  # drawn last: the other parameters' init does not depend on it
+        shape = (config.heads, width, 2 * config.head_dim)
+        self.conv_qk = nn.Parameter((2 * torch.rand(shape, generator=g) - 1) * width**-0.5) if width else None
 
     def _init_gate(self, g: torch.Generator) -> None:
         """Create the decay gate's parameters, drawing from ``g`` after beta's (none here)."""
@@ -137,10 +153,11 @@ class DeltaNet(Attention):
         """``(B, H, N)`` log decays from the raw keys; None: no decay (DeltaNet)."""
         return None
 
-    def _inputs(self, q: Tensor, k: Tensor, key_mask: Tensor | None) -> tuple[Tensor, ...]:
-        """``(q, k, beta, log_alpha)`` as the rule takes them, in the compute dtype: q and k
-        normalised (q scaled), beta and log_alpha projected from the raw keys and neutral
-        (0, 0) at padded tokens."""
+    def _inputs(self, q: Tensor, k: Tensor, key_mask: Tensor | None, tail: Tensor | None = None) -> tuple[Tensor, ...]:
+        """``(q, k, beta, log_alpha, tail)`` as the rule takes them, in the compute dtype: q and k
+        convolved and normalised (q scaled), beta and log_alpha projected from the raw keys and
+        neutral (0, 0) at padded tokens; ``tail`` the convolution's inputs to carry (``tail`` in:
+        those before q and k, None for the sequence's start)."""
         c = self.config
         if q.shape[1] != c.heads or q.shape[-1] != c.head_dim:
             raise ValueError(
@@ -155,21 +172,38 @@ class DeltaNet(Attention):
             real = key_mask[:, None]  # [B, 1, N]
             beta = torch.where(real, beta, 0.0)
             log_alpha = None if log_alpha is None else torch.where(real, log_alpha, 0.0)
+        q, k, tail = self._convolve(q, k, key_mask, tail)
         scale = default_scale(c.scale, q.shape[-1])
         q = F.normalize(q, dim=-1, eps=NORM_EPS) * scale
-        return q, F.normalize(k, dim=-1, eps=NORM_EPS), beta, log_alpha
+        return q, F.normalize(k, dim=-1, eps=NORM_EPS), beta, log_alpha, tail
+
+    def _convolve(self, q: Tensor, k: Tensor, key_mask: Tensor | None, tail: Tensor | None) -> tuple[Tensor, ...]:
+        """q and k through the short convolution, padded tokens entering as zeros; ``(q, k, tail)``."""
+        qk = torch.cat([q, k], dim=-1)  # [B, H, N, 2D]
+        if tail is None:
+            tail = qk.new_zeros(*qk.shape[:2], max(self.config.short_conv - 1, 0), qk.shape[-1])
+        if self.conv_qk is None:
+            return q, k, tail
+        real = None if key_mask is None else key_mask[:, None, :, None]  # [B, 1, N, 1]
+        if real is not None:
+            qk = torch.where(real, qk, 0.0)
+        qk, tail = short_conv(qk, self.conv_qk.to(qk.dtype), tail.to(qk.dtype))
+        if real is not None:  # a padded position's output row stays 0 (its q would hold its neighbours')
+            qk = torch.where(real, qk, 0.0)
+        return *qk.chunk(2, dim=-1), tail
 
     def _rule(
-        self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, state: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
+        self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, state: DeltaState | None = None
+    ) -> tuple[Tensor, DeltaState]:
         """The chunkwise rule on the mechanism's inputs: ``(output in q's dtype, final state)``."""
-        qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
+        s0, tail = (None, None) if state is None else state
+        qn, kn, beta, log_alpha, tail = self._inputs(q, k, args.key_mask, tail)
         vc, chunk = v.to(qn.dtype), self.config.chunk
         if log_alpha is None:
-            out, s = delta_rule(qn, kn, vc, beta, initial_state=state, chunk=chunk)
+            out, s = delta_rule(qn, kn, vc, beta, initial_state=s0, chunk=chunk)
         else:
-            out, s = gated_delta_rule(qn, kn, vc, beta, log_alpha, initial_state=state, chunk=chunk)
-        return out.to(q.dtype), s
+            out, s = gated_delta_rule(qn, kn, vc, beta, log_alpha, initial_state=s0, chunk=chunk)
+        return out.to(q.dtype), DeltaState(s, tail)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         return self._rule(q, k, v, args)[0]
@@ -177,23 +211,27 @@ class DeltaNet(Attention):
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         """The dense form (``delta_weights``): ``O = (Q K^T * Dec * M) (I + tril(diag(beta) (K K^T
         * Dec), -1))^-1 diag(beta) V`` on the normalised q, k."""
-        qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
+        qn, kn, beta, log_alpha, _ = self._inputs(q, k, args.key_mask)
         weights = delta_weights(qn, kn, beta, log_alpha, causal=args.causal)
         out = (weights @ v.to(weights.dtype)).to(q.dtype)
         return (out, weights) if return_weights else out
 
-    def _init_state(self, spec: StateSpec) -> Tensor:
-        """The zero state ``S (B, H, D, D_v)``, float64 for float64, else float32."""
+    def _init_state(self, spec: StateSpec) -> DeltaState:
+        """The zero state: ``S (B, H, D, D_v)`` and the convolution's tail ``(B, H, W - 1, 2 D)``,
+        float64 for float64, else float32."""
         dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
-        return torch.zeros(spec.batch, spec.heads, spec.head_dim, spec.value_dim, device=spec.device, dtype=dtype)
+        s = torch.zeros(spec.batch, spec.heads, spec.head_dim, spec.value_dim, device=spec.device, dtype=dtype)
+        width = max(self.config.short_conv - 1, 0)
+        return DeltaState(s, s.new_zeros(spec.batch, spec.heads, width, 2 * spec.head_dim))
 
-    def _step(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, Tensor]:
+    def _step(self, state: DeltaState, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> tuple[Tensor, DeltaState]:
         """The next T tokens: one token by the recurrence itself, a longer prefill chunkwise."""
         if q.shape[2] > 1:
             return self._rule(q, k, v, args, state)
-        qn, kn, beta, log_alpha = self._inputs(q, k, args.key_mask)
-        out, s = naive_gated_delta_rule(qn, kn, v.to(qn.dtype), beta, log_alpha, initial_state=state.to(qn.dtype))
-        return out.to(q.dtype), s
+        qn, kn, beta, log_alpha, tail = self._inputs(q, k, args.key_mask, state.tail)
+        s0 = state.s.to(qn.dtype)
+        out, s = naive_gated_delta_rule(qn, kn, v.to(qn.dtype), beta, log_alpha, initial_state=s0)
+        return out.to(q.dtype), DeltaState(s, tail)
 
 
 @register(
@@ -229,6 +267,25 @@ class GatedDeltaNet(DeltaNet):
         ct = k.dtype
         dt = F.softplus(torch.einsum("bhnd,hd->bhn", k, self.gate_proj.to(ct)) + self.dt_bias.to(ct)[:, None])
         return -self.a_log.to(ct).exp()[:, None] * dt
+
+
+class DeltaState(NamedTuple):
+    """The decode state: ``s (B, H, D, D_v)``, the rule's state; ``tail (B, H, W - 1, 2 D)``, the
+    last ``short_conv - 1`` inputs of q and k (concatenated), which the next tokens' convolution
+    reads (zeros before the first token, as the forward's left padding)."""
+
+    s: Tensor
+    tail: Tensor
+
+
+def short_conv(x: Tensor, weight: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal depthwise convolution along the sequence, then SiLU: ``x (B, H, N, C)``, ``weight
+    (H, W, C)``, ``tail (B, H, W - 1, C)`` the inputs before ``x``. Returns the output ``(B, H, N, C)``
+    and the new tail. W shifted multiply-adds: W is 4, a conv1d call with H C groups is slower on CPU."""
+    width, n = weight.shape[1], x.shape[2]
+    full = torch.cat([tail, x], dim=2)  # [B, H, W - 1 + N, C]
+    out = sum(full[:, :, j : j + n] * weight[:, None, j] for j in range(width))
+    return F.silu(out), full[:, :, full.shape[2] - (width - 1) :]
 
 
 def _projection(config: DeltaConfig, g: torch.Generator) -> Tensor:
