@@ -178,18 +178,16 @@ class DeltaNet(Attention):
         return q, F.normalize(k, dim=-1, eps=NORM_EPS), beta, log_alpha, tail
 
     def _convolve(self, q: Tensor, k: Tensor, key_mask: Tensor | None, tail: Tensor | None) -> tuple[Tensor, ...]:
-        """q and k through the short convolution, padded tokens entering as zeros; ``(q, k, tail)``."""
+        """q and k through the short convolution; ``(q, k, tail)``. Padded tokens enter as zeros:
+        ``zero_padded`` has zeroed their q and k before ``_attend``, ``_reference`` and ``_step``."""
         qk = torch.cat([q, k], dim=-1)  # [B, H, N, 2D]
         if tail is None:
             tail = qk.new_zeros(*qk.shape[:2], max(self.config.short_conv - 1, 0), qk.shape[-1])
         if self.conv_qk is None:
             return q, k, tail
-        real = None if key_mask is None else key_mask[:, None, :, None]  # [B, 1, N, 1]
-        if real is not None:
-            qk = torch.where(real, qk, 0.0)
         qk, tail = short_conv(qk, self.conv_qk.to(qk.dtype), tail.to(qk.dtype))
-        if real is not None:  # a padded position's output row stays 0 (its q would hold its neighbours')
-            qk = torch.where(real, qk, 0.0)
+        if key_mask is not None:  # a padded position's output row stays 0 (its q would hold its neighbours')
+            qk = torch.where(key_mask[:, None, :, None], qk, 0.0)
         return *qk.chunk(2, dim=-1), tail
 
     def _rule(
@@ -281,10 +279,13 @@ class DeltaState(NamedTuple):
 def short_conv(x: Tensor, weight: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
     """Causal depthwise convolution along the sequence, then SiLU: ``x (B, H, N, C)``, ``weight
     (H, W, C)``, ``tail (B, H, W - 1, C)`` the inputs before ``x``. Returns the output ``(B, H, N, C)``
-    and the new tail. W shifted multiply-adds: W is 4, a conv1d call with H C groups is slower on CPU."""
+    and the new tail. W shifted multiply-adds accumulated in place: half the forward time of a
+    depthwise conv1d (H C groups) or of out-of-place adds on CPU, the same backward."""
     width, n = weight.shape[1], x.shape[2]
     full = torch.cat([tail, x], dim=2)  # [B, H, W - 1 + N, C]
-    out = sum(full[:, :, j : j + n] * weight[:, None, j] for j in range(width))
+    out = full[:, :, :n] * weight[:, None, 0]
+    for j in range(1, width):
+        out = out.addcmul_(full[:, :, j : j + n], weight[:, None, j])
     return F.silu(out), full[:, :, full.shape[2] - (width - 1) :]
 
 
