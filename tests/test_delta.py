@@ -225,14 +225,19 @@ def _torch_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.silu(F.conv1d(flat, kernel, groups=h * c)).reshape(b, h, c, n).permute(0, 1, 3, 2)
 
 
-def test_short_conv_equals_torch_conv1d_and_continues_from_its_tail():
-    from attnzoo.mechanisms.delta import short_conv
+def test_short_conv_equals_torch_conv1d_and_continues_from_its_tail(monkeypatch):
+    from attnzoo.mechanisms import delta
 
-    x, weight = torch.randn(2, 3, 11, 5, dtype=torch.float64), torch.randn(3, 4, 5, dtype=torch.float64)
-    whole, _ = short_conv(x, weight, x.new_zeros(2, 3, 3, 5))
-    assert_same(whole, _torch_conv(x, weight), what="short_conv vs conv1d")
-    first, tail = short_conv(x[:, :, :7], weight, x.new_zeros(2, 3, 3, 5))
-    rest, _ = short_conv(x[:, :, 7:], weight, tail)
+    monkeypatch.setattr(delta, "CONV_BLOCK", 4)  # three blocks of 4 and a short one
+    x = torch.randn(2, 3, 15, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    whole, _ = delta.short_conv(x, weight, x.new_zeros(2, 3, 3, 5))
+    want = _torch_conv(x, weight)
+    assert_same(whole, want, what="short_conv vs conv1d")
+    for got, expected, what in zip(grads(whole, (x, weight)), grads(want, (x, weight)), ("x", "weight")):
+        assert_same(got, expected, what=f"gradient of {what}")
+    first, tail = delta.short_conv(x[:, :, :7], weight, x.new_zeros(2, 3, 3, 5))
+    rest, _ = delta.short_conv(x[:, :, 7:], weight, tail)
     assert_same(torch.cat([first, rest], 2), whole, what="continued from the tail")
 
 

@@ -279,14 +279,52 @@ class DeltaState(NamedTuple):
 def short_conv(x: Tensor, weight: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
     """Causal depthwise convolution along the sequence, then SiLU: ``x (B, H, N, C)``, ``weight
     (H, W, C)``, ``tail (B, H, W - 1, C)`` the inputs before ``x``. Returns the output ``(B, H, N, C)``
-    and the new tail. W shifted multiply-adds accumulated in place: half the forward time of a
-    depthwise conv1d (H C groups) or of out-of-place adds on CPU, the same backward."""
-    width, n = weight.shape[1], x.shape[2]
+    and the new tail."""
     full = torch.cat([tail, x], dim=2)  # [B, H, W - 1 + N, C]
-    out = full[:, :, :n] * weight[:, None, 0]
-    for j in range(1, width):
-        out = out.addcmul_(full[:, :, j : j + n], weight[:, None, j])
-    return F.silu(out), full[:, :, full.shape[2] - (width - 1) :]
+    return _ShortConv.apply(full, weight), full[:, :, full.shape[2] - (weight.shape[1] - 1) :]
+
+
+#: Tokens per block of the short convolution: its W shifted multiply-adds run on a block that stays
+#: in cache (at N = 8192 the whole-sequence passes are memory-bound and cost as much as the rule).
+CONV_BLOCK = 512
+
+
+def _pre_activation(full: Tensor, weight: Tensor, start: int, stop: int) -> Tensor:
+    """The convolution's output for tokens ``start:stop`` (before SiLU), accumulated in place."""
+    out = full[:, :, start:stop] * weight[:, None, 0]
+    for j in range(1, weight.shape[1]):
+        out.addcmul_(full[:, :, start + j : stop + j], weight[:, None, j])
+    return out
+
+
+class _ShortConv(torch.autograd.Function):
+    """SiLU(depthwise causal conv) over blocks of ``CONV_BLOCK`` tokens, forward and backward (the
+    backward recomputes each block's pre-activation); first-order gradients only."""
+
+    @staticmethod
+    def forward(ctx, full: Tensor, weight: Tensor) -> Tensor:  # noqa: ANN001
+        n = full.shape[2] - weight.shape[1] + 1
+        out = full.new_empty(*full.shape[:2], n, full.shape[3])
+        for start in range(0, n, CONV_BLOCK):
+            stop = min(start + CONV_BLOCK, n)
+            out[:, :, start:stop] = F.silu(_pre_activation(full, weight, start, stop))
+        ctx.save_for_backward(full, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor, Tensor]:  # noqa: ANN001
+        full, weight = ctx.saved_tensors
+        n, width = d_out.shape[2], weight.shape[1]
+        d_full, d_weight = torch.zeros_like(full), torch.zeros_like(weight)
+        for start in range(0, n, CONV_BLOCK):
+            stop = min(start + CONV_BLOCK, n)
+            pre = _pre_activation(full, weight, start, stop)
+            sig = torch.sigmoid(pre)
+            g = d_out[:, :, start:stop] * sig * (1 + pre * (1 - sig))  # SiLU' = sig (1 + x (1 - sig))
+            for j in range(width):
+                d_full[:, :, start + j : stop + j].addcmul_(g, weight[:, None, j])
+                d_weight[:, j] += (g * full[:, :, start + j : stop + j]).sum((0, 2))
+        return d_full, d_weight
 
 
 def _projection(config: DeltaConfig, g: torch.Generator) -> Tensor:
