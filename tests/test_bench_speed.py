@@ -74,7 +74,7 @@ def test_cli_writes_json_lines(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows[0]["kind"] == "meta" and "bench speed" in rows[0]["command"]
     assert rows[-1]["mechanism"] == "local" and "forward_backward_s" not in rows[-1]
-    assert "local" in capsys.readouterr().out
+    assert "local:left=4,right=4,tile=32" in capsys.readouterr().out, "the table names the config asked for"
 
 
 def test_mechanisms_without_a_backend_switch_are_checked_against_implied_attention():

@@ -188,7 +188,7 @@ def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
         if row["kind"] == "fit":
             fits.append(row)
             return
-        name = "SDPA (dense)" if row["kind"] == "sdpa" else row["mechanism"]
+        name = "SDPA (dense)" if row["kind"] == "sdpa" else _label(row)
         spread = row.get("speedup_forward_backward_spread")
         table.add_row(
             name,
@@ -211,7 +211,7 @@ def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
     console.print(table)
     for fit in fits:
         console.print(
-            f"{fit['mechanism']} ({fit['backend']}, {'causal' if fit['causal'] else 'non-causal'}) over "
+            f"{_label(fit)} ({fit['backend']}, {'causal' if fit['causal'] else 'non-causal'}) over "
             f"N={fit['sizes']}: time ~ N^{_num2(fit['time_exponent'])}, peak memory ~ "
             f"N^{_num2(fit['memory_exponent'])}, beats SDPA from N={fit['crossover_n'] or 'never'}"
         )
@@ -248,6 +248,13 @@ def cmd_bench_decode(console: Console, args: argparse.Namespace) -> None:
 def _mechanism_option(parser: argparse.ArgumentParser, default: str) -> None:
     help = f"repeatable; default: {default} with its defaults"
     parser.add_argument("--mechanism", action="append", default=[], metavar="NAME[:key=value,...]", help=help)
+
+
+def _label(row: dict) -> str:
+    """A row's mechanism as it was asked for: ``name`` or ``name:key=value,...`` (two configs of
+    one mechanism in one run stay apart)."""
+    config = row.get("config") or {}
+    return row["mechanism"] + (":" + ",".join(f"{k}={v}" for k, v in config.items()) if config else "")
 
 
 def _ms(x: float | None) -> str:
