@@ -51,8 +51,9 @@ def causal_attention(
 class _Picks(torch.autograd.Function):
     """``x[index]`` for a flat ``index`` into the rows of ``x (M, ...)``, split into parts of
     ``sizes`` rows (views, one gather): the backward accumulates the parts' gradients into one
-    ``(M, ...)`` buffer with ``index_put_`` (per-part gathers would each write a whole zero
-    gradient, and ``index_select``'s own backward, ``index_add_``, is several times slower on CPU)."""
+    ``(M, ...)`` buffer with ``index_add_`` (per-part gathers would each write a whole zero
+    gradient; ``index_add_`` adds rows in parallel, where ``index_put_(accumulate=True)`` adds them
+    one by one: causal routing fwd+bwd 250 vs 291 ms at 4K)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
@@ -65,7 +66,7 @@ class _Picks(torch.autograd.Function):
         (index,) = ctx.saved_tensors
         grad = grads[0].new_zeros(ctx.shape)
         for part, g in zip(index.split(ctx.sizes), grads):  # no concatenation of the parts
-            grad.index_put_((part,), g, accumulate=True)
+            grad.index_add_(0, part, g)
         return grad, None, None
 
 
