@@ -180,11 +180,11 @@ class DeltaNet(Attention):
     def _convolve(self, q: Tensor, k: Tensor, key_mask: Tensor | None, tail: Tensor | None) -> tuple[Tensor, ...]:
         """q and k through the short convolution; ``(q, k, tail)``. Padded tokens enter as zeros:
         ``zero_padded`` has zeroed their q and k before ``_attend``, ``_reference`` and ``_step``."""
-        qk = torch.cat([q, k], dim=-1)  # [B, H, N, 2D]
         if tail is None:
-            tail = qk.new_zeros(*qk.shape[:2], max(self.config.short_conv - 1, 0), qk.shape[-1])
+            tail = q.new_zeros(*q.shape[:2], max(self.config.short_conv - 1, 0), 2 * q.shape[-1])
         if self.conv_qk is None:
             return q, k, tail
+        qk = torch.cat([q, k], dim=-1)  # [B, H, N, 2D]
         qk, tail = short_conv(qk, self.conv_qk.to(qk.dtype), tail.to(qk.dtype))
         if key_mask is not None:  # a padded position's output row stays 0 (its q would hold its neighbours')
             qk = torch.where(key_mask[:, None, :, None], qk, 0.0)
