@@ -270,3 +270,19 @@ def test_left_padding_enters_the_convolution_as_the_sequence_start(name):
     out = attn(*padded, causal=True, key_mask=mask)
     assert_same(out[:, :, 3:], attn(q, k, v, causal=True), what=f"{name}: real tokens after left padding")
     assert not out[:, :, :3].any(), "padded rows are 0"
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_without_the_convolution_decode_steps_equal_the_forward(name):
+    """``short_conv=0`` (the rule on the projected q, k; older weights load here): token-by-token
+    steps and a prefill continue the causal forward, as the contract tests check for the default."""
+    attn = small_mechanism(name, 10, heads=2, head_dim=4, short_conv=0)
+    assert attn.conv_qk is None
+    q, k, v = (torch.randn(2, 2, 10, 4, dtype=torch.float64) for _ in range(3))
+    state = attn.init_state(2, 2, 4, 4, dtype=torch.float64)
+    out, state = attn.step(state, q[:, :, :6], k[:, :, :6], v[:, :, :6])
+    outs = [out]
+    for t in range(6, 10):
+        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(out)
+    assert_same(torch.cat(outs, 2), attn(q, k, v, causal=True), what=f"{name} short_conv=0: steps vs forward")
