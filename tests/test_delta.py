@@ -1,7 +1,8 @@
 """DeltaNet and Gated DeltaNet (``attnzoo.mechanisms.delta``): the plain functions against the
 independent oracles of ``tests/oracles_modern.py`` (outputs, final state, gradients), the
 recurrence against the same oracles, chunk sizes, long-sequence stability, the delta rule's
-overwrite, and what the mechanisms add (normalisation, padding, the causal-only refusal, geometry).
+overwrite, and what the mechanisms add (the short convolution against torch's conv1d and the rule
+written out, normalisation, padding, the causal-only refusal, geometry).
 
 fast == reference, causal prefix, padding and step == forward for the registered mechanisms are
 the contract tests' (``tests/test_contracts.py``); here only what they do not reach: chunk
