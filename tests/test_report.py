@@ -66,6 +66,10 @@ def test_one_reference_row_per_mechanism(tmp_path):
     fresh = loaded(tmp_path, "new.jsonl", [train("softmax", "A", 0.7, steps=100)])
     table = pick.accuracy_table(committed.rows + fresh.rows)
     assert [c.name for c in table["columns"]] == ["A quick (this run)", "A quick"]
+    # The same size at another sequence length is another task: its own column, named with it.
+    longer = loaded(tmp_path, "long.jsonl", [train("softmax", "A", 0.5, seq_len=1024)], committed=True)
+    lengths = pick.accuracy_table(committed.rows + longer.rows)
+    assert sorted(c.name for c in lengths["columns"]) == ["A quick", "A quick @ 1024 tokens"]
     assert table["info"][table["columns"][0]]["budgets"] == [100]
     # Speed: one row per mechanism, the default config and fresh rows first.
     rows = loaded(tmp_path, "s1.jsonl", [META, speed("local", 4096, 3.0, 10)], committed=True).rows

@@ -89,5 +89,6 @@ def test_suite_runs_every_stage_and_writes_a_complete_report(tmp_path, monkeypat
     html = index.read_text()
     images = re.findall(r'<img[^>]+src="([^"]+)"', html)
     assert images and all((index.parent / src).is_file() for src in images)
-    assert "listops quick (this run)" in html and "speed-here-cpu.jsonl" in html and "speed-there" not in html
+    assert re.search(r"listops quick @ \d+ tokens \(this run\)", html), "the fresh column, named with its length"
+    assert "speed-here-cpu.jsonl" in html and "speed-there" not in html
     assert re.search(r'title="committed: [^"]*train-listops-quick-cpu.jsonl, \d{4}-\d\d-\d\d, git abc1234', html)

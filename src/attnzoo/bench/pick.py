@@ -79,21 +79,25 @@ def source_label(row: Row) -> str:
 
 @dataclass(frozen=True, order=True)
 class Column:
-    """One accuracy column: a task at a size, from fresh or committed results (their budgets differ)."""
+    """One accuracy column: a task at a size and sequence length (0: not recorded), from fresh or
+    committed results (their budgets differ). A size run at another length (``--task-set
+    seq_len=1024``) is another task: its own column, named with its length."""
 
     task: str
     size: str
     origin: str
+    length: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.task} {self.size}" + {"fresh": " (this run)", "uncommitted": " (uncommitted)"}.get(
+        length = f" @ {self.length} tokens" if self.length else ""
+        return f"{self.task} {self.size}{length}" + {"fresh": " (this run)", "uncommitted": " (uncommitted)"}.get(
             self.origin, ""
         )
 
 
 def column(row: Row) -> Column:
-    return Column(row["task"], str(row.get("size")), row.get("_origin", "fresh"))
+    return Column(row["task"], str(row.get("size")), row.get("_origin", "fresh"), int(row.get("seq_len") or 0))
 
 
 def task_is_causal(task: str, params: dict[str, Any] | None = None) -> bool:
