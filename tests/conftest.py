@@ -81,3 +81,14 @@ def small_mechanism(name: str, n: int, *, heads: int, head_dim: int, **extra: ob
     fields = attnzoo.registry.config_fields(name)
     geometry = {key: value for key, value in (("heads", heads), ("head_dim", head_dim)) if key in fields}
     return attnzoo.build(name, **{**sized(name, n), **geometry, **extra}).double().eval()
+
+
+def decode_all(attn: torch.nn.Module, state: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: int):
+    """``attn.step`` over a ``prefill``-token prompt, then one token at a time: the outputs
+    concatenated along N, ``(B, H, N, D_v)``, to compare with the causal forward."""
+    out, state = attn.step(state, q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill])
+    outs = [out]
+    for t in range(prefill, q.shape[2]):
+        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(out)
+    return torch.cat(outs, dim=2)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import attnzoo
 from attnzoo.mechanisms import delta_chunks
 from attnzoo.mechanisms.delta import delta_rule, gated_delta_rule, naive_delta_rule, naive_gated_delta_rule
-from conftest import grads, padding_mask, small_mechanism
+from conftest import decode_all, grads, padding_mask, small_mechanism
 from tolerances import assert_close_to_golden, assert_same
 
 RULES = {
@@ -281,9 +281,5 @@ def test_without_the_convolution_decode_steps_equal_the_forward(name):
     assert attn.conv_qk is None
     q, k, v = (torch.randn(2, 2, 10, 4, dtype=torch.float64) for _ in range(3))
     state = attn.init_state(2, 2, 4, 4, dtype=torch.float64)
-    out, state = attn.step(state, q[:, :, :6], k[:, :, :6], v[:, :, :6])
-    outs = [out]
-    for t in range(6, 10):
-        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
-        outs.append(out)
-    assert_same(torch.cat(outs, 2), attn(q, k, v, causal=True), what=f"{name} short_conv=0: steps vs forward")
+    steps = decode_all(attn, state, q, k, v, prefill=6)
+    assert_same(steps, attn(q, k, v, causal=True), what=f"{name} short_conv=0: steps vs forward")

@@ -7,7 +7,7 @@ import torch
 
 import attnzoo
 from attnzoo.backends.reference import reference_attention
-from conftest import grads, make_qkv, padding_mask
+from conftest import decode_all, grads, make_qkv, padding_mask
 from oracles import attention_oracle
 from tolerances import assert_close_to_golden, assert_same
 
@@ -75,13 +75,7 @@ def test_decode_step_equals_causal_forward():
     q, k, v = make_qkv(2, 3, 10, 10, requires_grad=False)
     full = attn(q, k, v, causal=True)
     state = attn.init_state(2, 3, 8, 8, dtype=q.dtype)
-    # A 4-token prefill, then one token at a time.
-    out, state = attn.step(state, q[:, :, :4], k[:, :, :4], v[:, :, :4])
-    outs = [out]
-    for t in range(4, 10):
-        out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
-        outs.append(out)
-    assert_same(torch.cat(outs, dim=2), full)
+    assert_same(decode_all(attn, state, q, k, v, prefill=4), full)  # a 4-token prefill, then one at a time
 
 
 BAD_INPUTS = [
