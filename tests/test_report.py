@@ -116,6 +116,19 @@ def test_no_ranking_where_softmax_is_not_above_chance_plus_ten_points():
     assert "<b>30.0</b>" not in html  # local's 30% on the unlearned task is not marked best
 
 
+def test_a_causal_encoder_run_is_its_own_column_judged_by_its_own_softmax():
+    causal = {"model": {"causal_encoder": True}}
+    rows = [train("softmax", "listops", 0.45, chance=0.15), train("local", "listops", 0.40, chance=0.15)]
+    rows += [train("softmax", "listops", 0.20, chance=0.15, **causal), train("retnet", "listops", 0.3, **causal)]
+    table = pick.accuracy_table(rows)
+    plain, causal_col = table["columns"]
+    assert (plain.causal_encoder, causal_col.causal_encoder) == (False, True)
+    assert causal_col.name == "listops quick, causal encoder (this run)"
+    assert table["cells"]["softmax"][plain]["test_accuracy"] == 0.45  # not replaced by the causal row
+    assert table["info"][causal_col]["causal"] and table["info"][causal_col]["learned"] is False
+    assert "retnet" not in table["cells"] or plain not in table["cells"]["retnet"]
+
+
 # A known front at N=4096, not causal: (speed-up, MiB, accuracy %).
 FRONT = {
     "softmax": (1.0, 10, 0.90),  # most accurate

@@ -121,6 +121,42 @@ def test_lm_task_refuses_a_mechanism_that_cannot_be_causal():
         )
 
 
+def _classifier(mechanism: str, **extra):
+    return build_model(
+        kind="classify", vocab_size=16, n_classes=3, seq_len=8, dim=16, depth=1, heads=2, mechanism=mechanism,
+        config={}, positional=None, ff_mult=2, dropout=0.0, **extra,
+    )  # fmt: skip
+
+
+def test_a_causal_only_mechanism_classifies_only_with_a_causal_encoder():
+    with pytest.raises(ValueError, match="causal_encoder=True"):
+        _classifier("retnet")
+    with pytest.raises(ValueError, match="cannot run causally"):
+        _classifier("linformer", causal_encoder=True)
+    with pytest.raises(ValueError, match="language-model task is causal already"):
+        build_model(
+            kind="lm", vocab_size=16, n_classes=16, seq_len=8, dim=16, depth=1, heads=2, mechanism="softmax",
+            config={}, positional=None, ff_mult=2, dropout=0.0, causal_encoder=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("mechanism", ["softmax", "retnet"])
+def test_causal_encoder_classifies_the_last_real_token_from_what_precedes_it(mechanism):
+    torch.manual_seed(0)
+    model = _classifier(mechanism, causal_encoder=True).eval()
+    tokens = torch.randint(0, 16, (3, 8))
+    mask = torch.tensor([[True] * 8, [True] * 5 + [False] * 3, [True] * 2 + [False] * 6])
+    logits = model(tokens, mask)
+    changed = tokens.clone()
+    changed[1, 5:], changed[2, 2:] = 0, 1  # padding (after the last real token) is never seen
+    assert torch.allclose(model(changed, mask), logits, atol=1e-6)
+    # Row 1 alone, cut at its last real token: the same logits (its label reads position 4).
+    assert torch.allclose(model(tokens[1:2, :5], mask[1:2, :5]), logits[1:2], atol=1e-5)
+    earlier = tokens.clone()
+    earlier[1, 0] = (earlier[1, 0] + 1) % 16  # an earlier token does change it
+    assert not torch.allclose(model(earlier, mask)[1], logits[1])
+
+
 def _model(mechanism: str, config: dict, kind: str = "lm"):
     return build_model(
         kind=kind,
@@ -320,6 +356,28 @@ def test_redraw_every_flag_sets_the_mechanism_field_and_refuses_mechanisms_witho
         config_from_args(_train_args("--mechanism", "rfa", "--set", "redraw_every=2", "--redraw-every", "3"))
     with pytest.raises(SystemExit):
         _train_args("--mechanism", "performer", "--redraw-every", "0")
+
+
+def test_causal_encoder_flag_reaches_the_config_and_the_results_row(tmp_path):
+    from attnzoo.bench.train_cli import config_from_args
+
+    assert config_from_args(_train_args("--causal-encoder")).causal_encoder is True
+    assert config_from_args(_train_args()).causal_encoder is False
+    cfg = TrainConfig(
+        task="listops",
+        mechanism="retnet",
+        causal_encoder=True,
+        task_overrides=dict(n_train=64, n_val=32, n_test=32),
+        dim=16,
+        depth=1,
+        heads=2,
+        batch_size=16,
+        steps=2,
+        eval_every=2,
+        warmup=1,
+    )
+    row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
+    assert row["status"] == "ok" and row["model"]["causal_encoder"] is True
 
 
 def test_a_training_run_with_redraw_every_redraws_and_checkpoints_the_draws(tmp_path):

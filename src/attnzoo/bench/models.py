@@ -17,7 +17,12 @@ from attnzoo.registry import describe
 class SequenceClassifier(nn.Module):
     """Token embedding, a ``TransformerEncoder`` over the chosen mechanism, mean pooling over real
     tokens, and a linear head (LRA's classifier). ``positional`` as ``CausalLM``: absolute
-    encodings are added to the embeddings (token mixers need that), the others act in attention."""
+    encodings are added to the embeddings (token mixers need that), the others act in attention.
+
+    ``causal=True``: the encoder runs causally (each token sees itself and earlier tokens) and the
+    last real token, the only one that has seen the whole input, is classified (a decoder-style
+    classifier). It is how a causally defined mechanism (``retnet``, ``deltanet``, ...) runs a
+    classification task; it is a different model from the bidirectional one, not a drop-in."""
 
     def __init__(
         self,
@@ -31,9 +36,11 @@ class SequenceClassifier(nn.Module):
         positional: str | None = "sinusoidal",
         ff_mult: int = 2,
         dropout: float = 0.0,
+        causal: bool = False,
         **mechanism_config: Any,
     ) -> None:
         super().__init__()
+        self.causal = causal
         self.embed = nn.Embedding(vocab_size, dim)
         # Absolute encodings are added to the input; the others act inside every attention layer.
         pe = build_positional(positional, dim=dim, heads=heads, head_dim=dim // heads)
@@ -55,7 +62,11 @@ class SequenceClassifier(nn.Module):
         x = self.embed(tokens)
         if self.positional is not None:
             x = self.positional.add_to_input(x, torch.arange(tokens.shape[1], device=x.device))
-        x = self.encoder(x, key_mask=mask)
+        x = self.encoder(x, causal=self.causal, key_mask=mask)
+        if self.causal:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            last = torch.where(mask, positions, 0).amax(1)  # (B,): the last real token (0 when none)
+            return self.head(x[torch.arange(x.shape[0], device=x.device), last])
         weights = mask.unsqueeze(-1).to(x.dtype)  # (B, N, 1)
         pooled = (x * weights).sum(1) / weights.sum(1).clamp_min(1.0)
         return self.head(pooled)
@@ -121,15 +132,25 @@ def build_model(
     positional: str | None,
     ff_mult: int,
     dropout: float,
+    causal_encoder: bool = False,
 ) -> nn.Module:
-    """The benchmark model for a task of ``kind`` ``"classify"`` or ``"lm"``."""
+    """The benchmark model for a task of ``kind`` ``"classify"`` or ``"lm"``; ``causal_encoder``:
+    a classifier whose encoder runs causally (``SequenceClassifier(causal=True)``)."""
     if dim % heads:
         raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
-    spec = describe(mechanism)
-    if kind == "lm" and not spec.capabilities.causal:
+    capabilities = describe(mechanism).capabilities
+    if kind == "lm" and causal_encoder:
+        raise ValueError("causal_encoder applies to classification tasks; a language-model task is causal already")
+    if (kind == "lm" or causal_encoder) and not capabilities.causal:
+        what = "a causal language model" if kind == "lm" else "run with causal_encoder (--causal-encoder)"
         raise ValueError(
-            f"{mechanism!r} cannot run causally, and this task is a causal language model; "
+            f"{mechanism!r} cannot run causally, and this task is {what}; "
             f"mechanisms that can: see `attnzoo list` (supports: causal)"
+        )
+    if kind == "classify" and not causal_encoder and not capabilities.bidirectional:
+        raise ValueError(
+            f"{mechanism!r} is defined causally only and this classifier is bidirectional; run it with "
+            f"causal_encoder=True (--causal-encoder): a causal encoder that classifies the last real token"
         )
     positional = resolve_positional(positional, kind, mechanism)
     common = dict(
@@ -148,5 +169,5 @@ def build_model(
     if kind == "lm":
         return LanguageModel(**common)
     if kind == "classify":
-        return SequenceClassifier(n_classes=n_classes, **common)
+        return SequenceClassifier(n_classes=n_classes, causal=causal_encoder, **common)
     raise ValueError(f"task kind must be 'classify' or 'lm', got {kind!r}")

@@ -81,23 +81,29 @@ def source_label(row: Row) -> str:
 class Column:
     """One accuracy column: a task at a size and sequence length (0: not recorded), from fresh or
     committed results (their budgets differ). A size run at another length (``--task-set
-    seq_len=1024``) is another task: its own column, named with its length."""
+    seq_len=1024``) is another task: its own column, named with its length; so is a classifier
+    run with a causal encoder (``--causal-encoder``: another model, measured in causal mode)."""
 
     task: str
     size: str
     origin: str
     length: int = 0
+    causal_encoder: bool = False
 
     @property
     def name(self) -> str:
         length = f" @ {self.length} tokens" if self.length else ""
+        length += ", causal encoder" if self.causal_encoder else ""
         return f"{self.task} {self.size}{length}" + {"fresh": " (this run)", "uncommitted": " (uncommitted)"}.get(
             self.origin, ""
         )
 
 
 def column(row: Row) -> Column:
-    return Column(row["task"], str(row.get("size")), row.get("_origin", "fresh"), int(row.get("seq_len") or 0))
+    causal_encoder = bool((row.get("model") or {}).get("causal_encoder"))
+    return Column(
+        row["task"], str(row.get("size")), row.get("_origin", "fresh"), int(row.get("seq_len") or 0), causal_encoder
+    )
 
 
 def task_is_causal(task: str, params: dict[str, Any] | None = None) -> bool:
@@ -125,7 +131,7 @@ def accuracy_table(train: list[Row]) -> dict[str, Any]:
         softmax = accuracy(cells.get(EXACT, {}).get(c))
         learned = None if softmax is None or chance is None else softmax >= chance + MARGIN
         budgets = sorted({budget(r) for r in rows} - {0})
-        causal = task_is_causal(c.task, rows[0].get("task_params"))
+        causal = c.causal_encoder or task_is_causal(c.task, rows[0].get("task_params"))
         info[c] = dict(chance=chance, softmax=softmax, learned=learned, budgets=budgets, causal=causal)
     return {"columns": columns, "info": info, "cells": cells}
 

@@ -102,6 +102,9 @@ class TrainConfig:
     init_from: str | None = None
     # Size the mechanism's config to the task's length (attnzoo.bench.configs.sized; `config` wins).
     sized: bool = False
+    # Classification tasks: a causal encoder that classifies the last real token
+    # (attnzoo.bench.models.SequenceClassifier); how causally defined mechanisms run them.
+    causal_encoder: bool = False
     checkpoint_every: int = 50
 
     def __post_init__(self) -> None:
@@ -429,6 +432,7 @@ def train(
         positional=cfg.positional,
         ff_mult=cfg.ff_mult,
         dropout=cfg.dropout,
+        causal_encoder=cfg.causal_encoder,
     ).to(dist.device)
     optimizer = _optimizer(model, cfg)
     if cfg.init_from is not None:
@@ -500,6 +504,7 @@ def _describe(run: _Run) -> dict[str, Any]:
         "model": {
             **{k: getattr(cfg, k) for k in ("dim", "depth", "heads", "ff_mult", "dropout")},
             "positional": resolve_positional(cfg.positional, info.kind, cfg.mechanism),
+            **({"causal_encoder": True} if cfg.causal_encoder else {}),
         },
         "optim": {
             k: getattr(cfg, k)

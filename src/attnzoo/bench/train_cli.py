@@ -51,6 +51,7 @@ def config_from_args(args: Any) -> TrainConfig:
     if args.positional is not None:
         flags["positional"] = None if args.positional == "none" else args.positional
     flags["init_from"], flags["sized"] = args.init_from, args.sized or None
+    flags["causal_encoder"] = args.causal_encoder or None
     return TrainConfig.with_preset(
         args.task, args.size, mechanism=name, config=config, task_overrides=overrides, **flags
     )
@@ -113,6 +114,12 @@ def add_arguments(parser: Any) -> None:
         "--sized",
         action="store_true",
         help="size the mechanism's config to the task's length (attnzoo.bench.configs.sized); --set values win",
+    )
+    parser.add_argument(
+        "--causal-encoder",
+        action="store_true",
+        help="classification tasks: run the encoder causally and classify the last real token (how causally "
+        "defined mechanisms such as retnet run them; a different model from the default bidirectional one)",
     )
     parser.add_argument(
         "--redraw-every",
