@@ -13,8 +13,9 @@ import torch
 
 import attnzoo
 from attnzoo import patterns as P
-from attnzoo.backends import dispatch, flex, plan
+from attnzoo.backends import dispatch, flex, gathered, plan
 from attnzoo.backends.call import Backend, Call, masked_key_blocks
+from conftest import largest_tensor
 
 SRC = Path(attnzoo.__file__).parent
 
@@ -86,6 +87,10 @@ def test_blocked_records_its_path():
     assert attnzoo.last_choice() == dispatch.Choice("blocked", {}, "structured")
     attnzoo.attend(q, k, v, pattern=P.bigbird(16, 3, 2, 1), backend="blocked")
     assert attnzoo.last_choice() == dispatch.Choice("blocked", {}, "tiles")
+    attnzoo.attend(q, k, v, pattern=P.random(4), causal=True)
+    assert attnzoo.last_choice() == dispatch.Choice("blocked", {}, "gathered")
+    attnzoo.attend(q, k, v, pattern=P.random(4), score_mod=lambda s, b, h, i, j: s, backend="blocked")
+    assert attnzoo.last_choice() == dispatch.Choice("blocked", {}, "tiles")  # no score_mod when gathered
     attnzoo.attend(q, k, v, backend="reference")
     assert attnzoo.last_choice() == dispatch.Choice("reference", {}, None)
 
@@ -94,7 +99,7 @@ def test_blocked_records_its_path():
     "build, cache",
     [
         (lambda: P.local(8), plan.STRUCTURES),  # structured path
-        (lambda: P.local(8) & P.random(2, seed=1), plan.PLANS),  # tile plan
+        (lambda: P.local(8) & P.random(2, seed=1), gathered.TABLES),  # gathered path
         (lambda: P.bigbird(16, 3, 2, 1), plan.PLANS),
     ],
 )
@@ -146,3 +151,49 @@ def test_private_torch_ops_only_through_compat():
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+@pytest.mark.parametrize(
+    "n_q, n_kv, causal, padded, pattern",
+    [
+        (37, 37, False, False, P.random(5, seed=1)),
+        (37, 37, True, True, P.random(5, seed=1)),  # causal: early rows keep few keys (row 0 one at most)
+        (20, 50, True, False, P.random(7, seed=2)),  # queries end-aligned to longer keys
+        (50, 50, False, True, P.random(6) & P.sliding_window(8, 8)),  # another part filters the keys
+    ],
+)
+def test_gathered_path_equals_the_reference_forward_and_gradients(n_q, n_kv, causal, padded, pattern):
+    g = torch.Generator().manual_seed(n_q + n_kv)
+    q = torch.randn(2, 3, n_q, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, n_kv, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, n_kv, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if padded:  # batch row 1 keeps 3 keys: most of its rows see none of their random keys
+        mask = torch.ones(2, n_kv, dtype=torch.bool)
+        mask[0, -10:], mask[1, 3:] = False, False
+    out = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask)
+    assert attnzoo.last_choice().path == "gathered"
+    expected = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, backend="reference")
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    if padded:
+        assert bool((out[1].abs().sum(-1) == 0).any())  # rows with no visible key give zeros
+
+
+def test_gathered_table_puts_each_rows_kept_keys_first_and_never_allocates_n_squared():
+    table, valid = gathered._row_table(P.random(6, seed=3) & P.causal(), 40, 40)
+    assert table.shape == valid.shape == (40, 6)
+    assert bool((valid[:, :-1] >= valid[:, 1:]).all())  # kept keys first in every row
+    full_table = P.random(6, seed=3).table(40, 40)
+    for row in range(40):  # the same keys, reordered; kept exactly where causal allows
+        assert sorted(table[row].tolist()) == sorted(full_table[row].tolist())
+        assert valid[row].tolist() == [key <= row for key in table[row].tolist()]
+    q, k, v = _qkv(n=2048, grad=True)
+    run = lambda: attnzoo.attend(q, k, v, pattern=P.random(8), causal=True).sum().backward()  # noqa: E731
+    biggest = largest_tensor(run)
+    # Gathered chunks of at most CHUNK_BYTES, never a score per pair (B H N^2 = 33.5 M here).
+    assert biggest <= gathered.CHUNK_BYTES // 4 < 2 * 4 * 2048 * 2048 // 16, biggest

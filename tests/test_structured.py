@@ -114,9 +114,10 @@ def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16
 
 def test_patterns_without_window_structure_run_on_the_tile_plan():
     q, k, v = _inputs(64)
+    attend(q, k, v, pattern=P.random(4), backend="blocked")
+    assert last_choice().path == "gathered"  # keys named row by row: backends.gathered
     for pattern in (
         P.bigbird(16, 3, 2, 1),
-        P.random(4),
         P.block2d(8, 8, (4, 4), (2, 2)),
         P.sliding_window(40, 40),
     ):  # the last: all keys

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Backend, Call, compute_dtype
+from attnzoo.backends.gathered import gathered_attention, not_gathered_reasons
 from attnzoo.backends.grouped import grouped_windows
 from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
 from attnzoo.backends.windowed import structured_attention
@@ -355,7 +356,8 @@ def blocked_attention(call: Call, plan: Plan, *, return_lse: bool = False) -> Te
 
 class Blocked(Backend):
     """The CPU training backend: the structured path where the pattern has window structure
-    (``plan.structure_for``), else the generic tile plan (``plan.plan_for``)."""
+    (``plan.structure_for``), the gathered path where it names a few keys per row
+    (``gathered``: ``random(r)``), else the generic tile plan (``plan.plan_for``)."""
 
     NAME = "blocked"
 
@@ -365,7 +367,9 @@ class Blocked(Backend):
         return []
 
     def path(self, call: Call) -> str:
-        return "tiles" if structure_for(call) is None else "structured"
+        if structure_for(call) is not None:
+            return "structured"
+        return "tiles" if not_gathered_reasons(call) else "gathered"
 
     def grouped_kv(self, call: Call) -> bool:
         """Grouped-query K/V as they are on most structured plans (``grouped.grouped_windows``)."""
@@ -373,7 +377,9 @@ class Blocked(Backend):
         return structure is not None and grouped_windows(structure, call.q.shape[1] // call.k.shape[1])
 
     def run(self, call: Call) -> Tensor:
-        structure = structure_for(call)
-        if structure is not None:
-            return structured_attention(call, structure)
+        path = self.path(call)
+        if path == "structured":
+            return structured_attention(call, structure_for(call))  # type: ignore[arg-type]
+        if path == "gathered":
+            return gathered_attention(call)
         return blocked_attention(call, plan_for(call))
