@@ -143,6 +143,8 @@ class DifferentialConfig(Config):
     capabilities=_SDPA_THEN_MAP,
     complexity=Complexity(time="O(N^2 D)", memory="O(N D) (SDPA, twice)"),
     notes=(
+        "swapped in untrained: the difference of two half-width softmax maps, weighted by a lambda from random "
+        "vectors, then a per-head RMSNorm: a different function from the model's attention until trained",
         "a head's q and k are split in halves along D (Q1, Q2, K1, K2 of width D / 2) and v is used whole: the "
         "paper's head of width d with values of width 2d is an attnzoo head with D = 2d and D_v = 2d",
         "lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, one per layer (shared by the heads), "
@@ -249,6 +251,8 @@ class GatedConfig(Config):
     capabilities=_SDPA_THEN_MAP,
     complexity=Complexity(time="O(N^2 D + N D D_v)", memory="O(N D) (SDPA)"),
     notes=(
+        "swapped in untrained: the gate's weights are random at init: each output channel is scaled by the "
+        "sigmoid of a random linear map of q (about 0.5 on average)",
         "the paper computes the gate from the layer's hidden state (X W_theta); a mechanism sees q only, so the "
         "gate logits are a learned per-head linear map of q_i (D -> D_v, plus bias): the same place (after SDPA, "
         "elementwise, head-specific), a different input",

@@ -97,6 +97,8 @@ class DSAState:
         subquadratic_memory=True,
     ),
     notes=(
+        "swapped in untrained: the indexer's projections are random at init, so the top-k keys it picks are "
+        "unrelated to the model's attention until its own loss trains it",
         "indexer: I[t, s] = sum_j w[t, j] ReLU(q^I[t, j] . k^I[s]), with q^I (D -> H_I d_I) and w (D -> H_I) "
         "learned projections of the head-mean of q, k^I (D -> d_I) of the head-mean of k; the paper projects "
         "the hidden state (q^I from the query latent), ropes part of q^I and k^I and runs the indexer in FP8: "

@@ -142,6 +142,8 @@ class MLAConfig(Config):
     ),
     complexity=Complexity(time="O(N^2 H D + N H D R)", memory="O(N H D) (SDPA)"),
     notes=(
+        "swapped in untrained: its latent down- and up-projections are random at init, so its keys and values "
+        "are unrelated to the model's (a pretrained model's MLA layer needs converting or fine-tuning)",
         "the latent is a learned down-projection of the layer's k (first D - rope_dim channels) and v of every "
         "head; k_rope a learned per-head weighted sum of k's last rope_dim channels (commutes with RoPE)",
         "the layer's positional encoding acts on q and k before the mechanism; MultiHeadAttention(positional="
