@@ -106,8 +106,8 @@ GQA_NOTE = (
     "grouped-query K/V (H_kv dividing H): never repeated on flex (FlexAttention's enable_gqa) and on the "
     "blocked backend's structured plans (band windows: a group's query heads stacked as the rows of each block "
     "against one K/V window; global rows and columns as grouped products; dense sub-sequences as G n rows), "
-    "except a causal dense sub-sequence part (strided causal); the blocked tile plan (bigbird, random, graph) "
-    "and the reference repeat them per call; a decode cache keeps H_kv heads"
+    "except a causal dense sub-sequence part (strided causal); the blocked tile plan (bigbird, graph), its "
+    "gathered path (random) and the reference repeat them per call; a decode cache keeps H_kv heads"
 )
 _COMPLEXITY = Complexity(time="O(N k D), k keys per row", memory="O(N k)", subquadratic_memory=True)
 
