@@ -363,19 +363,7 @@ def test_causal_encoder_flag_reaches_the_config_and_the_results_row(tmp_path):
 
     assert config_from_args(_train_args("--causal-encoder")).causal_encoder is True
     assert config_from_args(_train_args()).causal_encoder is False
-    cfg = TrainConfig(
-        task="listops",
-        mechanism="retnet",
-        causal_encoder=True,
-        task_overrides=dict(n_train=64, n_val=32, n_test=32),
-        dim=16,
-        depth=1,
-        heads=2,
-        batch_size=16,
-        steps=2,
-        eval_every=2,
-        warmup=1,
-    )
+    cfg = TrainConfig(**{**TINY_MQAR, "task": "listops", "mechanism": "retnet", "causal_encoder": True})
     row = train(cfg, run_dir=tmp_path / "run", data_dir=str(tmp_path / "data"), progress=False)
     assert row["status"] == "ok" and row["model"]["causal_encoder"] is True
 
