@@ -377,9 +377,9 @@ class Blocked(Backend):
         return structure is not None and grouped_windows(structure, call.q.shape[1] // call.k.shape[1])
 
     def run(self, call: Call) -> Tensor:
-        path = self.path(call)
-        if path == "structured":
-            return structured_attention(call, structure_for(call))  # type: ignore[arg-type]
-        if path == "gathered":
+        structure = structure_for(call)
+        if structure is not None:
+            return structured_attention(call, structure)
+        if not not_gathered_reasons(call):
             return gathered_attention(call)
         return blocked_attention(call, plan_for(call))
