@@ -1,7 +1,10 @@
 """MQAR standard (256 tokens, 16 pairs) for causal mechanisms, with the curriculum: 600 quick
 steps (64 tokens), then up to 1000 standard steps from the quick run's best weights, stopping at
 99% — the command pair of the committed softmax row, with each mechanism's config sized for 256
-tokens (``Config.for_length(256)``) in both stages. Resumable: mechanisms with a standard row
+tokens (``Config.for_length(256)``) in both stages, except where that config cannot run 64
+tokens (a 16x16 grid or a 256-node graph: ``axial``, ``block2d``, ``graph``), whose quick stage
+takes the config sized for 64 (the weights are the same). Token mixers (gMLP) get no positional
+encoding inside attention (``--positional auto``; RoPE for attention). Resumable: mechanisms with a standard row
 (or an error row) in ``--results`` are skipped. The standard result lines go to ``--results``;
 the quick stage's to ``--stage1-results`` (a curriculum step at the standard config, not a quick
 result: a report must not read it as one).
@@ -17,8 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 import attnzoo
 from attnzoo.bench.configs import sized
+from attnzoo.bench.models import build_model
+from attnzoo.registry import config_fields
 
 
 def _done(results: Path) -> set[str]:
@@ -26,13 +33,34 @@ def _done(results: Path) -> set[str]:
     return {r.get("mechanism") for r in rows if r.get("size") == "standard" or r.get("kind") == "error"}
 
 
+def _runs_at(name: str, config: dict, seq_len: int) -> bool:
+    """Whether a benchmark language model of ``name`` with ``config`` runs ``seq_len`` tokens
+    (a grid or graph config sized for 256 positions does not run 64)."""
+    model = build_model(
+        **dict(kind="lm", vocab_size=8, n_classes=0, seq_len=seq_len, dim=16, depth=1, heads=2),
+        **dict(mechanism=name, config=config, positional=None, ff_mult=1, dropout=0.0),
+    )
+    try:
+        model(torch.zeros(1, seq_len, dtype=torch.long), torch.ones(1, seq_len, dtype=torch.bool))
+    except ValueError:
+        return False
+    return True
+
+
+def _sets(config: dict) -> list[str]:
+    return [a for k, v in config.items() for a in ("--set", f"{k}={v!r}")]
+
+
 def run(name: str, results: Path, stage1: Path, work: Path, data: str) -> None:
-    sets = [a for k, v in sized(name, 256).items() for a in ("--set", f"{k}={v!r}")]
-    base = [sys.executable, "-m", "attnzoo.cli", "bench", "train", "--task", "mqar", "--mechanism", name, *sets]
-    base += ["--positional", "rope", "--quiet", "--data-dir", data]
+    # max_len=256 in both stages: a mechanism whose weights are sized by it (synthesizer, gMLP)
+    # then keeps their shape from the quick stage to the standard one.
+    standard = {**sized(name, 256), **({"max_len": 256} if "max_len" in config_fields(name) else {})}
+    quick_config = standard if _runs_at(name, standard, 64) else {**standard, **sized(name, 64)}
+    base = [sys.executable, "-m", "attnzoo.cli", "bench", "train", "--task", "mqar", "--mechanism", name]
+    base += ["--positional", "auto", "--quiet", "--data-dir", data]  # auto: rope in attention
     quick = work / name / "s1"
     stage = ["--size", "quick", "--steps", "600", "--eval-every", "100", "--run-dir", str(quick)]
-    done = subprocess.run([*base, *stage, "--results", str(stage1)])
+    done = subprocess.run([*base, *_sets(quick_config), *stage, "--results", str(stage1)])
     best = quick / "best.safetensors"
     if done.returncode or not best.exists():
         with results.open("a") as f:
@@ -40,7 +68,7 @@ def run(name: str, results: Path, stage1: Path, work: Path, data: str) -> None:
         return
     stage2 = ["--size", "standard", "--batch-size", "32", "--init-from", str(best), "--steps", "1000"]
     stage2 += ["--eval-every", "100", "--stop-at", "0.99", "--run-dir", str(work / name / "s2")]
-    subprocess.run([*base, *stage2, "--results", str(results)])
+    subprocess.run([*base, *_sets(standard), *stage2, "--results", str(results)])
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from attnzoo import patterns as P
 from attnzoo.bench import speed
 from attnzoo.cli import main
 
@@ -19,6 +20,17 @@ def test_parse_mechanism_reads_literals():
         speed.parse_mechanism("local:left")
     with pytest.raises(ValueError, match="no mechanism named"):
         speed.parse_mechanism("locl")
+
+
+def test_parse_mechanism_reads_brackets_and_patterns():
+    # A comma inside [] belongs to the value, and a Pattern-typed field reads its text as a pattern.
+    name, config = speed.parse_mechanism("pattern", ["pattern=per_head[local(8), strided(8)]"])
+    assert config["pattern"] == P.per_head([P.local(8), P.strided(8)])
+    assert speed.parse_settings("a=[1, 2],b={'x': (3, 4)},c=5") == {"a": [1, 2], "b": {"x": (3, 4)}, "c": 5}
+    with pytest.raises(ValueError, match="unbalanced brackets"):
+        speed.parse_settings("left=(3")
+    with pytest.raises(ValueError, match="unknown builder 'loca'"):
+        speed.parse_mechanism("pattern", ["pattern=loca(8)"])
 
 
 def test_run_reports_ratios_checks_and_errors():

@@ -264,3 +264,34 @@ def test_patterns_are_immutable_values():
     assert P.per_head([P.local(2), P.strided(3)]) == P.per_head([P.local(2), P.strided(3)])
     assert P.global_tokens([0, 3]) == P.global_tokens([3, 0])
     assert P.random(4, seed=1) != P.random(4, seed=2)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        P.sliding_window(3, 0),
+        P.local(8) & P.causal(),
+        P.local(2) | P.global_tokens([0, 5]),
+        P.random(4, seed=3) & P.causal(),
+        P.longformer(32, [0], dilation=(1, 2)),
+        P.per_head([P.sliding_window(7, 0), P.strided(8) & P.causal()]),
+    ],
+    ids=repr,
+)
+def test_parse_reads_back_what_a_pattern_prints(pattern):
+    assert P.parse(repr(pattern)) == pattern
+
+
+def test_parse_builds_calls_and_refuses_everything_else():
+    assert P.parse("axial(4, 4)") == P.axial(4, 4)  # display forms such as axial(4x4) do not read back
+    assert P.parse("full") == P.full()
+    for text, error, match in [
+        ("__import__('os')", ValueError, "unknown builder '__import__'"),
+        ("os.system(1)", ValueError, "cannot read 'os.system"),
+        ("local(8) + causal", ValueError, "joined by | and &"),
+        ("3", ValueError, "not a pattern"),
+        ("local(", ValueError, "not an expression"),
+        ("local", TypeError, "missing 1 required positional argument"),
+    ]:
+        with pytest.raises(error, match=match):
+            P.parse(text)

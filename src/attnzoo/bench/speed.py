@@ -68,16 +68,37 @@ def parse_mechanism(text: str, settings: tuple[str, ...] | list[str] = ()) -> tu
     config = parse_settings(rest, where=text)
     for item in settings:
         config.update(parse_settings(item, where=f"--set {item}"))
+    config = {key: _read_pattern(name, key, value) for key, value in config.items()}
     check_values(name, config)
     return name, config
 
 
+def _read_pattern(name: str, key: str, value: Any) -> Any:
+    """A text value of a field typed ``Pattern`` read as one (``attnzoo.patterns.parse``)."""
+    field_type = config_fields(name).get(key, ("", None))[0]
+    return attnzoo.patterns.parse(value) if isinstance(value, str) and field_type == "Pattern" else value
+
+
+def _top_level_split(text: str) -> list[str]:
+    """``text`` split at the commas outside every (), [] and {} pair."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"settings {text!r} have unbalanced brackets; close every (, [ and {{ in a value")
+    return [*parts, text[start:]]
+
+
 def parse_settings(text: str, *, where: str = "") -> dict[str, Any]:
     """``"left=256,indices=(0, 5)"`` -> ``{"left": 256, "indices": (0, 5)}``: comma-separated
-    ``key=value`` pairs (commas inside parentheses belong to the value); a value that is not a
-    Python literal stays a string."""
+    ``key=value`` pairs (commas inside brackets of any kind belong to the value, so
+    ``pattern=per_head[local(8), strided(8)]`` is one pair); a value that is not a Python literal
+    stays a string."""
     config: dict[str, Any] = {}
-    for item in filter(None, re.split(r",(?![^()]*\))", text)):
+    for item in filter(None, _top_level_split(text)):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ValueError(f"settings are key=value pairs, got {item!r} in {where or text!r}")

@@ -42,6 +42,7 @@ from attnzoo.patterns.compound import (
     sparse_transformer_strided,
     star,
 )
+from attnzoo.patterns.parse import parse
 
 __all__ = [
     "Axial",
@@ -72,6 +73,7 @@ __all__ = [
     "key_columns",
     "local",
     "longformer",
+    "parse",
     "per_head",
     "random",
     "random_blocks",
