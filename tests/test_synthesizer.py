@@ -10,7 +10,7 @@ import torch
 import attnzoo
 from attnzoo.mechanisms.synthesizer import SynthesizerConfig, reference_synthesizer
 from attnzoo.nn import MultiHeadAttention
-from conftest import padding_mask
+from conftest import largest_tensor, padding_mask
 from tolerances import assert_same
 
 VARIANTS = ("dense", "random", "factorized_dense", "factorized_random", "mix")
@@ -126,6 +126,22 @@ def test_matches_the_plain_reference(variant, mix_with):
         assert_same(out, ref)
         weights = module.implied_attention(q, k, causal=causal, key_mask=mask)
         assert_same(weights @ v, out)
+
+
+FUSED = [("dense", "random"), ("factorized_random", "random"), ("mix", "dense")]
+
+
+@pytest.mark.parametrize(("variant", "mix_with"), FUSED)
+def test_dot_product_variants_run_fused_without_a_batch_of_score_matrices(variant, mix_with):
+    # Their scores are dot products of synthesized vectors: SDPA's kernel takes them, and no
+    # (B, H, N, N) tensor is made (the padding mask, (B, 1, N, N) bool at most, is smaller).
+    b, n = 3, 64
+    module = attnzoo.build("synthesizer", variant=variant, mix_with=mix_with, max_len=n, head_dim=D, heads=H)
+    q, k, v = (torch.randn(b, H, n, D) for _ in range(3))
+    assert module.synthesized_qk(q, k) is not None
+    for causal, mask in ((False, None), (True, None), (True, padding_mask(b, n))):
+        assert largest_tensor(module, q, k, v, causal=causal, key_mask=mask) < b * H * n * n
+    assert _build("random").synthesized_qk(*_qkv()[:2]) is None  # an explicit matrix: the reference
 
 
 @pytest.mark.parametrize(("variant", "mix_with"), ALL)

@@ -27,8 +27,13 @@ not come from token-token interactions. In attnzoo's ``(q, k, v)`` interface it 
 Then ``Y = softmax(scores + masks) V``. ``causal=True`` masks future keys; this is causal in the
 strong sense because dense scores of row ``i`` depend only on ``q_i``, random scores on no input,
 and the dot-product part of ``mix`` is masked as usual. Padded keys are masked; a row with no
-visible key returns zeros. The scores are an explicit ``N x N`` matrix: time ``O(N^2 D)``
-(dense also ``O(N D max_len)`` for the synthesis), memory ``O(N^2)``.
+visible key returns zeros. Time ``O(N^2 D)`` (dense also ``O(N D max_len)`` for the synthesis).
+Where the scores are dot products of synthesized vectors (``dense``: ``[h_i, 1] . [W2[:, j],
+b2[j]]``; ``factorized_random``: ``R1[i] . R2[j]``; ``mix`` with dense, which appends
+``q_i . k_j``) the fast path hands those vectors to SDPA's fused kernel with scale 1
+(``synthesized_qk``): memory ``O(N)`` beyond the parameters, no ``(B, H, N, N)`` tensor. The
+other variants (``random``, ``factorized_dense``, ``mix`` with random) build the explicit
+``N x N`` score matrix, as the paper defines them: memory ``O(N^2)`` per batch row.
 
 Decoding: row t of the causal synthesized matrix involves positions ``<= t`` only (the synthesized
 row of query t, restricted to keys ``0..t``), so ``step`` keeps the values (and the keys, for
@@ -49,12 +54,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
+from attnzoo.mechanisms.softmax import sdpa_attention
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -122,7 +129,8 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
     capabilities=Capabilities(causal=True, key_mask=True, decode_step=True),
     complexity=Complexity(
         time="O(N^2 D) (dense also O(N D max_len) to synthesize)",
-        memory="O(N^2) scores; parameters O(H max_len^2) for random",
+        memory="O(N) fused for dense, factorized_random, mix(dense); O(N^2) scores for the others; "
+        "parameters O(H max_len^2) for random",
     ),
     notes=(
         "not a drop-in for pretrained attention: synthesized attention weights are trained parameters "
@@ -134,6 +142,9 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
         "(the paper learns the mixture weights; per head is this library's choice) from config.alpha, "
         "unconstrained (no sigmoid); learn_alpha=False fixes it",
         "a query with no visible key returns zeros",
+        "dense, factorized_random and mix with dense run SDPA's fused kernel on synthesized query/key vectors "
+        "whose dot products are the scores (zero-padded to one width with v); the other variants build the "
+        "N x N score matrix",
         "decode step: the values kept in a KV cache (the keys too for mix only), row t synthesized over "
         "keys 0..t directly: O(t D_v) per token (+ O(D^2 + t D) dense, O(t rank) factorized_random, "
         "O(t D) mix), O(t D_v) memory; positions past max_len are refused",
@@ -245,10 +256,44 @@ class SynthesizerAttention(Attention):
         weights = normalize_scores(scores, visible, "softmax")
         return torch.einsum("bhij,bhjd->bhid", weights, v.to(weights.dtype)).to(v.dtype), weights
 
+    def synthesized_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Queries and keys ``(B, H, N, E)`` whose plain dot products are the pre-mask scores,
+        for the variants whose scores are such a product, else None (``random``,
+        ``factorized_dense`` and ``mix`` with random: an explicit matrix). Dense:
+        ``[relu(W1 q_i + b1), 1] . [W2[:, j], b2[j]]``; factorized_random: ``R1[i] . R2[j]``; mix
+        with dense: ``[alpha h_i, alpha, (1 - alpha) q_i / sqrt(D)] . [W2[:, j], b2[j], k_j]``."""
+        (batch, heads, n, d), c = q.shape, self.config
+        if self._base not in ("dense", "factorized_random") or (c.variant == "mix" and self._base != "dense"):
+            return None
+        self._check(q, n)
+        p = lambda x: x.to(compute_dtype(q))  # noqa: E731
+        if self._base == "factorized_random":
+            return p(self.r1[:, :n]).expand(batch, -1, -1, -1), p(self.r2[:, :n]).expand(batch, -1, -1, -1)
+        hidden = torch.relu(torch.einsum("bhid,hde->bhie", p(q), p(self.w1)) + p(self.b1)[:, None])
+        ones = hidden.new_ones(batch, heads, n, 1)
+        keys = torch.cat([p(self.w2[:, :, :n]).transpose(-1, -2), p(self.b2[:, :n, None])], dim=-1)
+        keys = keys.expand(batch, -1, -1, -1)  # shared by the batch: (B, H, N, D + 1)
+        if c.variant != "mix":
+            return torch.cat([hidden, ones], dim=-1), keys
+        alpha = p(self.alpha)[:, None, None]  # one weight per head: [H, 1, 1]
+        queries = torch.cat([alpha * hidden, alpha * ones, (1.0 - alpha) * d**-0.5 * p(q)], dim=-1)
+        return queries, torch.cat([keys, p(k)], dim=-1)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
-        # The synthesizer's weights are an explicit N x N matrix by definition (the paper's
-        # point): its fast path is its reference.
-        return self._reference(q, k, v, args, return_weights=False)
+        # Where the synthesized scores are dot products of synthesized vectors, SDPA's fused
+        # kernel takes them (scale 1): no (B, H, N, N) tensor. Elsewhere the scores are an
+        # explicit N x N matrix by definition (the paper's point): the reference.
+        pair = self.synthesized_qk(q, k)
+        if pair is None:
+            return self._reference(q, k, v, args, return_weights=False)
+        # The fused kernel wants one last dimension for q, k and v: zero columns change no dot
+        # product and add output columns that are dropped.
+        (sq, sk), d_v = pair, v.shape[-1]
+        width = max(sq.shape[-1], d_v)
+        sq, sk = (F.pad(x, (0, width - x.shape[-1])) for x in (sq, sk))
+        wide_v = F.pad(v.to(sq.dtype), (0, width - d_v))
+        out = sdpa_attention(sq, sk, wide_v, causal=args.causal, key_mask=args.key_mask, scale=1.0)
+        return out[..., :d_v].to(v.dtype)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         out, weights = self._weighted(q, k, v, args.causal, args.key_mask)
