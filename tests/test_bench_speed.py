@@ -89,6 +89,15 @@ def test_cli_writes_json_lines(tmp_path, capsys):
     assert "local:left=4,right=4,tile=32" in capsys.readouterr().out, "the table names the config asked for"
 
 
+def test_device_is_checked_and_recorded(monkeypatch):
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        speed.Setting(mechanisms=(), device="mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA device is available here; use --device cpu"):
+        speed.Setting(mechanisms=(), device="cuda")
+    assert "device" not in speed.machine("cpu")  # the CPU row names no accelerator
+
+
 def test_mechanisms_without_a_backend_switch_are_checked_against_implied_attention():
     setting = speed.Setting(
         mechanisms=(("topk", {"topk": 8}),), sizes=(128,), heads=2, dim=16, repeats=1, backward=False

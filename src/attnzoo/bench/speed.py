@@ -55,7 +55,15 @@ class Setting:
     repeats: int = 5
     backward: bool = True
     sdpa_max_n: int = 16384
+    #: where inputs and modules live: "cpu" or "cuda" (timings then synchronize the device).
+    device: str = "cpu"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: no CUDA device is available here; use --device cpu")
 
 
 def parse_mechanism(text: str, settings: tuple[str, ...] | list[str] = ()) -> tuple[str, dict[str, Any]]:
@@ -109,8 +117,11 @@ def parse_settings(text: str, *, where: str = "") -> dict[str, Any]:
     return config
 
 
-def machine() -> dict[str, Any]:
+def machine(device: str = "cpu") -> dict[str, Any]:
+    """Where a benchmark ran: the CPU, and the accelerator for ``device="cuda"``."""
+    gpu = {"device": torch.cuda.get_device_name(device)} if torch.device(device).type == "cuda" else {}
     return {
+        **gpu,
         "machine": platform.machine(),
         "processor": platform.processor() or _cpu_model(),
         "cpus": os.cpu_count(),
@@ -130,32 +141,35 @@ def _cpu_model() -> str:
     return match.group(1).strip() if match else "unknown"
 
 
-def peak_memory(fn: Callable[[], Any]) -> int | None:
-    """Bytes the call adds to the process's peak resident set (``monitor.PeakMemory`` on the CPU);
-    None where that is not available."""
-    memory = PeakMemory(torch.device("cpu"))
+def peak_memory(fn: Callable[[], Any], device: str = "cpu") -> int | None:
+    """Bytes the call adds to the peak: the process's resident set on the CPU, the allocator's
+    peak on CUDA (``monitor.PeakMemory``); None where that is not available."""
+    memory = PeakMemory(torch.device(device))
     if memory.base is None:
         return None
     result = fn()
     del result
     peak = memory.peak()
-    release_mmap_threshold()  # the probe's pinned threshold would make every later timing page-fault
+    if memory.device.type == "cpu":
+        release_mmap_threshold()  # the probe's pinned threshold would make every later timing page-fault
     return peak
 
 
 def median_time(fn: Callable[[], Any], repeats: int) -> float:
     fn()  # warm-up (and compilation, for flex)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_clock(fn) for _ in range(repeats))
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_initialized():  # GPU work is queued: wait for it (a no-op on CPU-only runs)
+        torch.cuda.synchronize()
 
 
 def _clock(fn: Callable[[], Any]) -> float:
+    _synchronize()
     start = time.perf_counter()
     fn()
+    _synchronize()
     return time.perf_counter() - start
 
 
@@ -176,20 +190,20 @@ def interleaved(reference: Callable[[], Any], fn: Callable[[], Any], repeats: in
     }
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 3) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(n: int = 2048, repeats: int = 3, device: str = "cpu") -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     return 2 * n**3 / median_time(lambda: a @ b, repeats) / 1e9
 
 
 def _inputs(setting: Setting, n: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
     shape = (setting.batch, setting.heads, n, setting.dim)
-    return tuple(torch.randn(shape).requires_grad_(requires_grad) for _ in range(3))
+    return tuple(torch.randn(shape, device=setting.device).requires_grad_(requires_grad) for _ in range(3))
 
 
-def _build(name: str, config: dict[str, Any], backend: str) -> torch.nn.Module:
+def _build(name: str, config: dict[str, Any], backend: str, device: str = "cpu") -> torch.nn.Module:
     if backend != "auto" and "backend" in config_fields(name):
         config = {**config, "backend": backend}
-    return attnzoo.build(name, **config)
+    return attnzoo.build(name, **config).to(device)
 
 
 def _fwd_bwd(
@@ -210,12 +224,14 @@ def check(
     checked: the ``reference`` backend where the mechanism has a backend switch, else its
     ``implied_attention(q, k) @ v`` (the matrix its reference computes), or its ``reference``
     where the output is not ``weights @ v`` (``Capabilities.weights_apply_to_v``)."""
-    fast = _build(name, config, backend).eval()
-    q, k, v = _inputs(Setting(mechanisms=(), batch=1, heads=setting.heads, dim=setting.dim), n, False)
+    fast = _build(name, config, backend, setting.device).eval()
+    small = Setting(mechanisms=(), batch=1, heads=setting.heads, dim=setting.dim, device=setting.device)
+    q, k, v = _inputs(small, n, False)
     with torch.no_grad():
         out = fast(q, k, v, causal=causal)
         if "backend" in config_fields(name):
-            want, how = _build(name, config, "reference")(q, k, v, causal=causal), "reference backend"
+            want = _build(name, config, "reference", setting.device)(q, k, v, causal=causal)
+            how = "reference backend"
         elif isinstance(fast, Attention) and fast.spec.capabilities.weights_apply_to_v:
             want, how = fast.implied_attention(q, k, causal=causal) @ v, "implied_attention @ v"
         elif isinstance(fast, Attention):  # a gate, norm or latent around the weights: the whole reference
@@ -264,7 +280,7 @@ def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Se
     }
     if attnzoo.describe(name).capabilities.kind == "mixer":
         return _run_mixer(row, name, config, n, setting, causal)
-    module = _build(name, config, backend).eval()
+    module = _build(name, config, backend, setting.device).eval()
     # Checked at the benchmark's own N up to CHECK_MAX_N (mechanisms defined on one length,
     # e.g. a 32 x 32 grid, can only be checked there), else at CHECK_N.
     check_n = n if n <= CHECK_MAX_N else CHECK_N
@@ -275,7 +291,7 @@ def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Se
     with torch.no_grad():
         timed = interleaved(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), forward, setting.repeats)
         row["forward_s"], row["sdpa_forward_s"] = timed["s"], timed["reference_s"]
-        row["peak_forward_bytes"] = peak_memory(forward)
+        row["peak_forward_bytes"] = peak_memory(forward, setting.device)
     choice = attnzoo.last_choice() if hasattr(module, "pattern") else None
     row["backend_ran"] = name if choice is None else choice.backend + (f" ({choice.path})" if choice.path else "")
     pairs = useful_pairs(module, n, causal)
@@ -286,7 +302,7 @@ def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Se
         row["useful_gflops"] = 4 * pairs * setting.dim * setting.batch * setting.heads / row["forward_s"] / 1e9
     if row["correct"]:
         row["speedup_forward_vs_sdpa"], row["speedup_forward_spread"] = timed["ratio"], timed["spread"]
-    if setting.backward and backend != "flex":
+    if setting.backward and (backend != "flex" or setting.device != "cpu"):  # flex has no CPU backward
         qg, kg, vg = _inputs(setting, n, True)
         timed = interleaved(
             lambda: _fwd_bwd(_sdpa, qg, kg, vg, causal), lambda: _fwd_bwd(module, qg, kg, vg, causal), setting.repeats
@@ -311,11 +327,12 @@ def _run_mixer(
     """Token mixers take the layer input ``x (B, N, H * D)``: time that. There is no reference
     to check against, so no speed-up is claimed (``correct`` is None)."""
     width = setting.heads * setting.dim
-    module = attnzoo.build(name, shape=attnzoo.Shape(max_len=max(n, 512)), **{"dim": width, **config}).eval()
-    x = torch.randn(setting.batch, n, width)
+    module = attnzoo.build(name, shape=attnzoo.Shape(max_len=max(n, 512)), **{"dim": width, **config})
+    module = module.to(setting.device).eval()
+    x = torch.randn(setting.batch, n, width, device=setting.device)
     with torch.no_grad():
         row["forward_s"] = median_time(lambda: module(x, causal=causal), setting.repeats)
-        row["peak_forward_bytes"] = peak_memory(lambda: module(x, causal=causal))
+        row["peak_forward_bytes"] = peak_memory(lambda: module(x, causal=causal), setting.device)
     row.update(backend_ran=name, correct=None, checked_by="unchecked (token mixer: no reference)")
     return row
 
@@ -344,7 +361,7 @@ def sdpa_row(n: int, setting: Setting, causal: bool) -> dict[str, Any]:
             "n": n,
             "causal": causal,
             "forward_s": median_time(lambda: _sdpa(q, k, v, causal), setting.repeats),
-            "peak_forward_bytes": peak_memory(lambda: _sdpa(q, k, v, causal)),
+            "peak_forward_bytes": peak_memory(lambda: _sdpa(q, k, v, causal), setting.device),
         }
     if setting.backward:
         qg, kg, vg = _inputs(setting, n, True)
@@ -358,7 +375,8 @@ def run(setting: Setting) -> Iterator[dict[str, Any]]:
     mechanism and backend, then the fits. Failures are lines with an ``error`` field."""
     from attnzoo.bench.train import git_revision
 
-    yield {"kind": "meta", **machine(), "git": git_revision(), "matmul_2048_gflops": matmul_gflops(), **setting.extra}
+    meta = {"kind": "meta", **machine(setting.device), "git": git_revision()}
+    yield {**meta, "matmul_2048_gflops": matmul_gflops(device=setting.device), **setting.extra}
     done: list[dict[str, Any]] = []
     for causal in setting.causal_modes:
         for n in setting.sizes:
