@@ -14,7 +14,7 @@ import torch
 import attnzoo
 from attnzoo import patterns as P
 from attnzoo.backends import dispatch, flex, gathered, plan
-from attnzoo.backends.call import Backend, Call, masked_key_blocks
+from attnzoo.backends.call import Backend, BackendUnavailable, Call, masked_key_blocks
 from conftest import largest_tensor
 
 SRC = Path(attnzoo.__file__).parent
@@ -79,6 +79,33 @@ def test_auto_walks_the_priority_list_and_records_every_skipped_reason(monkeypat
     assert choice.skipped["refuses"] == ["first reason", "second reason"]
     assert len(choice.skipped["flex"]) == 3
     torch.testing.assert_close(out, attnzoo.attend(q, k, v, pattern=P.local(3), backend="reference"))
+
+
+def test_a_flex_compile_failure_is_refused_from_then_on_and_never_silent(monkeypatch):
+    # A mask_mod inductor cannot lower (bigbird's on an H100, torch 2.11): auto runs the next
+    # backend and names the reason; an explicit flex raises it; dynamo's recompile limit raises.
+    def fails(*args, **kwargs):
+        raise torch._dynamo.exc.BackendCompilerFailed(fails, RuntimeError("cannot lower"), None)
+
+    monkeypatch.setattr(flex, "_compiled", lambda: fails)
+    monkeypatch.setattr(flex, "FAILED", {})
+    monkeypatch.setattr(dispatch, "DEFAULT_PRIORITY", ("flex", "blocked", "reference"))
+    q, k, v = _qkv()
+    out = attnzoo.attend(q, k, v, pattern=P.local(8))
+    choice = attnzoo.last_choice()
+    assert choice.backend == "blocked" and "could not compile this pattern's mask_mod" in choice.skipped["flex"][0]
+    torch.testing.assert_close(out, attnzoo.attend(q, k, v, pattern=P.local(8), backend="reference"))
+    with pytest.raises(ValueError, match="could not compile"):  # refused up front now
+        attnzoo.attend(q, k, v, pattern=P.local(8), backend="flex")
+    with pytest.raises(BackendUnavailable, match="could not compile"):  # another pattern: found at run time
+        attnzoo.attend(q, k, v, pattern=P.local(4), backend="flex")
+
+    def limit(*args, **kwargs):
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit")
+
+    monkeypatch.setattr(flex, "_compiled", lambda: limit)
+    with pytest.raises(RuntimeError, match="RECOMPILE_LIMIT"):
+        attnzoo.attend(q, k, v, pattern=P.local(2), backend="flex")
 
 
 def test_blocked_records_its_path():

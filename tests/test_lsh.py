@@ -11,7 +11,7 @@ import torch
 import attnzoo
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms.lsh import reference_lsh
-from conftest import grads, make_qkv, padding_mask
+from conftest import grads, make_qkv, padding_mask, small_mechanism
 from tolerances import assert_close_to_golden, assert_same
 
 CONFIG = dict(n_hashes=3, n_buckets=4, block=8, seed=0)
@@ -214,3 +214,25 @@ def test_steps_refuse_fresh_rotations_and_follow_fixed_ones_in_training():
     fixed = attnzoo.build("lsh", **CONFIG, resample=False).double()  # training mode, fixed rotations
     got = steps(fixed, q, v, [9, *[1] * 31], torch.ones(1, 40, dtype=torch.bool))
     assert_same(got, fixed(q, q, v, causal=True))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_off_cpu_kernel_twin_gives_the_cpu_kernels_answer(monkeypatch, causal):
+    # Off the CPU (CUDA) the chunk attention runs the flash kernel's plain-op twin: same output
+    # and gradients, forced here on the CPU.
+    from attnzoo.mechanisms import block_attend, lsh_chunks
+
+    module = small_mechanism("lsh", 200, heads=2, head_dim=16)
+    q, v = (torch.randn(2, 2, 200, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = padding_mask(2, 200)
+    results = []
+    for forward, backward in [
+        (block_attend.flash_forward, block_attend.flash_backward),
+        (block_attend._plain_forward, block_attend._plain_backward),
+    ]:
+        monkeypatch.setattr(lsh_chunks, "flash_forward", forward)
+        monkeypatch.setattr(lsh_chunks, "flash_backward", backward)
+        out = module(q, q, v, causal=causal, key_mask=mask)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, v))))
+    for kernel, plain in zip(*results, strict=True):
+        torch.testing.assert_close(plain, kernel)

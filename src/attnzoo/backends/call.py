@@ -98,6 +98,12 @@ def _resolved_name(pattern: Pattern, heads: int, causal: bool) -> str:
     return _Resolved.names[key]
 
 
+class BackendUnavailable(RuntimeError):
+    """A backend found at run time that it cannot run a call (flex: its ``mask_mod`` does not
+    compile on this device). ``backend="auto"`` records the reason and runs the next backend of
+    its priority list; an explicitly requested backend raises it."""
+
+
 class Backend:
     """The protocol every backend follows. ``dispatch`` asks ``not_supported_reasons`` (empty
     means the backend can run the call) and then ``run``s; the reasons are shown to the user,

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from attnzoo._checks import check_causal, check_choice, check_key_mask, check_positive_int, check_qkv, renamed_key_mask
 from attnzoo.backends.blocked import Blocked
-from attnzoo.backends.call import Backend, Call, repeated_kv, resolve_pattern
+from attnzoo.backends.call import Backend, BackendUnavailable, Call, repeated_kv, resolve_pattern
 from attnzoo.backends.flex import Flex
 from attnzoo.backends.reference import Reference
 from attnzoo.patterns import Pattern, full
@@ -109,9 +109,15 @@ def attend_call(call: Call, backend: str = "auto") -> Tensor:
     inputs and whose config the backend and block, calls it directly."""
     chosen, skipped = choose(backend, call)
     _LAST.choice = Choice(chosen.NAME, skipped, chosen.path(call))
-    if call.k.shape[1] != call.q.shape[1] and not chosen.grouped_kv(call):
-        call = repeated_kv(call)
-    return chosen.run(call)
+    ready = call if call.k.shape[1] == call.q.shape[1] or chosen.grouped_kv(call) else repeated_kv(call)
+    try:
+        return chosen.run(ready)
+    except BackendUnavailable:
+        if backend != "auto":
+            raise
+        # The backend now refuses this call in not_supported_reasons: auto walks on, and
+        # last_choice() names it with the reason among the skipped.
+        return attend_call(call, backend)
 
 
 def not_supported_reasons(backend: str, call: Call) -> list[str]:

@@ -7,6 +7,14 @@ full, which partial) is cached by the pattern's value, the sizes and the masked 
 (``call.plan_key``); a key padding mask only enters through ``mask_mod``, so it is never part of
 a cache key (keying on ``id(mask)`` would miss on every fresh mask and pin old masks alive).
 On CPU, FlexAttention has no backward: inputs that require grad are refused.
+
+Compilation never degrades silently. Dynamo compiles one variant per pattern ``mask_mod`` and
+shape and, past its recompile limit (8 by default), would run FlexAttention eagerly: the
+unfused path that materializes the N x N scores. Calls here allow ``RECOMPILE_LIMIT`` variants
+per process and raise past it. A ``mask_mod`` that does not compile on a device (bigbird's on
+an H100 with torch 2.11: an inductor lowering error) raises ``BackendUnavailable``, and the
+pattern is refused on that device from then on, so ``backend="auto"`` runs the next backend and
+``last_choice()`` says why.
 """
 
 from __future__ import annotations
@@ -17,13 +25,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.backends.call import Backend, Call, PlanCache, masked_key_blocks, plan_key
+from attnzoo.backends.call import Backend, BackendUnavailable, Call, PlanCache, masked_key_blocks, plan_key
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
 #: Per plan key and device: the ``BlockMask`` (calls without padding) or its four CSR tensors
 #: (calls with padding: the ``BlockMask`` is rebuilt around the call's own mask).
 MASKS: PlanCache[tuple, Any] = PlanCache(maxsize=32)
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Compiled variants of FlexAttention (patterns x shapes) one process may build before calls
+#: raise instead of compiling more (dynamo's own limit, 8, would fall back to the unfused path).
+RECOMPILE_LIMIT = 64
+#: (pattern, device type) -> why its mask_mod does not compile there; refused from then on.
+FAILED: dict[tuple[Any, str], str] = {}
 
 
 def _flex_module() -> Any:
@@ -110,6 +123,8 @@ class Flex(Backend):
                 reasons.append(f"flex on CPU supports {', '.join(map(str, CPU_DTYPES))}, got {q.dtype}")
         elif q.device.type != "cuda":
             reasons.append(f"flex runs on CPU or CUDA, got {q.device.type}")
+        if (call.pattern, q.device.type) in FAILED:
+            reasons.append(FAILED[call.pattern, q.device.type])
         if call.dropout is not None:
             reasons.append("flex cannot apply attnzoo's seeded attention dropout; use backend='blocked' (CPU)")
         for name, dim in (("D", q.shape[-1]), ("D_v", call.v.shape[-1])):
@@ -129,9 +144,25 @@ class Flex(Backend):
         # Grouped-query K/V (H_kv heads dividing H) as they are: FlexAttention indexes K/V head
         # h // G for query head h (the block mask, mask_mod and score_mod see query heads).
         gqa = call.k.shape[1] != call.q.shape[1]
-        return _compiled()(
-            call.q, call.k, call.v, score_mod=score_mod, block_mask=block_mask, scale=call.scale, enable_gqa=gqa
-        )
+        limits = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
+        try:
+            with torch._dynamo.config.patch(limits):
+                return _compiled()(
+                    call.q, call.k, call.v, score_mod=score_mod, block_mask=block_mask, scale=call.scale, enable_gqa=gqa
+                )
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            raise RuntimeError(
+                f"flex: this process has compiled {RECOMPILE_LIMIT} variants of FlexAttention (one per pattern "
+                "and shape); raise attnzoo.backends.flex.RECOMPILE_LIMIT, call torch._dynamo.reset(), or use "
+                "backend='blocked' (past the limit torch would run the unfused, N x N path)"
+            ) from None
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            FAILED[call.pattern, call.q.device.type] = (
+                f"flex could not compile this pattern's mask_mod on {call.q.device.type} ({first}); "
+                "use backend='blocked' or 'reference'"
+            )
+            raise BackendUnavailable(FAILED[call.pattern, call.q.device.type]) from error
 
     def grouped_kv(self, call: Call) -> bool:
         return True

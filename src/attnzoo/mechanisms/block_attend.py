@@ -179,6 +179,17 @@ def _plain_backward(
     return d_s @ k * scale, d_s.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ g
 
 
+def flash_forward(q: Tensor, *args, **kwargs) -> tuple:  # noqa: ANN002, ANN003
+    """The CPU flash kernel's forward (``_compat.flash_attention_cpu``'s arguments), or on other
+    devices the same in plain tensor ops: ``(out, lse, ...)``."""
+    return (flash_attention_cpu if q.is_cpu else _plain_forward)(q, *args, **kwargs)
+
+
+def flash_backward(grad: Tensor, *args, **kwargs) -> tuple:  # noqa: ANN002, ANN003
+    """The CPU flash kernel's backward, or its plain-op twin off the CPU: ``(dq, dk, dv)``."""
+    return (flash_attention_cpu_backward if grad.is_cpu else _plain_backward)(grad, *args, **kwargs)
+
+
 def _rows(x: Tensor) -> Tensor:
     """``(B, H, R, E)`` -> ``(B H R + 1, E)``: one row per query and a zero row for padding pairs."""
     return F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, 1))
@@ -221,9 +232,7 @@ class _BlockAttention(torch.autograd.Function):
         for u in t.buckets:
             mask, is_causal, seen = _mask(t, u, o, q.dtype)
             k_u, v_u = (x[u.first : u.first + u.count, None] for x in (k_blocks, v_blocks))
-            out, lse = (flash_attention_cpu if q.is_cpu else _plain_forward)(
-                t.gather(q_rows, u), k_u, v_u, 0.0, is_causal, attn_mask=mask, scale=o.scale
-            )[:2]
+            out, lse = flash_forward(t.gather(q_rows, u), k_u, v_u, 0.0, is_causal, attn_mask=mask, scale=o.scale)[:2]
             if seen is not None:  # the kernel gives a row that sees nothing lse = 0
                 lse = lse.masked_fill(~seen.expand_as(lse), -math.inf)
             outs.append(out.reshape(-1, d_v))
@@ -251,7 +260,7 @@ class _BlockAttention(torch.autograd.Function):
             mask, is_causal, _ = _mask(t, u, o, q_rows.dtype)
             k_u, v_u = (x[u.first : u.first + u.count, None] for x in (k_blocks, v_blocks))
             d_out, q_u, out_u, lse_u = (t.gather(x, u) for x in (grad_rows, q_rows, out, lse))
-            dq, dk, dv = (flash_attention_cpu_backward if q_rows.is_cpu else _plain_backward)(
+            dq, dk, dv = flash_backward(
                 d_out, q_u, k_u, v_u, out_u, lse_u[..., 0], 0.0, is_causal, attn_mask=mask, scale=o.scale
             )
             d_q.index_add_(0, t.row[u.span], dq.reshape(-1, dq.shape[-1]))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
+from attnzoo.mechanisms.block_attend import flash_backward, flash_forward
 
 
 def buckets(keys: Tensor, rotation: Tensor, real: Tensor) -> Tensor:
@@ -179,7 +179,7 @@ def _round_forward(q: Tensor, keys: Tensor, v: Tensor, r: Round, chunk: int, sca
     bh, chunks, by_position = r.mask.shape[0], r.length // chunk, q.shape[:3]
     qx = _rows(q, r.queries, (bh, chunks, chunk))
     kx, vx = (_windows(_rows(x, r.keys, (bh, chunk + r.length)), chunk) for x in (keys, v))  # [BH, chunks, 2c, D]
-    out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=r.mask, scale=scale)[:2]
+    out, lse = flash_forward(qx, kx, vx, 0.0, False, attn_mask=r.mask, scale=scale)[:2]
     # The kernel reports lse 0 for a row with no key: -inf by position, +inf for the backward
     # (p = exp(s - inf) = 0 even where s is -inf everywhere).
     lse = lse.masked_fill(r.empty, float("inf"))
@@ -272,9 +272,7 @@ class _Rounds(torch.autograd.Function):
                 lse = total.flatten().index_select(0, r.queries).view(qx.shape[:3]).masked_fill_(r.empty, float("inf"))
             # the output gradient in the kernel's own layout, which it would otherwise copy into
             g = _rows(grad, r.queries_t, (qx.shape[0], qx.shape[2], qx.shape[1])).transpose(1, 2)
-            kernel_grads = flash_attention_cpu_backward(
-                g, qx, kx, vx, o, lse, 0.0, False, attn_mask=r.mask, scale=ctx.scale
-            )
+            kernel_grads = flash_backward(g, qx, kx, vx, o, lse, 0.0, False, attn_mask=r.mask, scale=ctx.scale)
             scattered = _scatter(*kernel_grads, r, ctx.chunk, grad.shape[:3])
             grads = scattered if grads is None else tuple(a.add_(b) for a, b in zip(grads, scattered))
         if ctx.real is not None:
