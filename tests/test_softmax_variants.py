@@ -63,6 +63,25 @@ def test_plain_functions_equal_the_oracles_forward_and_gradients(name, causal):
         assert_same(a, b, what=f"{name} causal={causal}: gradient {i}")
 
 
+@pytest.mark.parametrize("n_q", [N, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_off_cpu_sink_as_a_key_equals_the_oracle(n_q, causal):
+    # Off the CPU the sink is one more key of zero value through SDPA; run it here and compare
+    # with the oracle, and padded (batch row 0 all padding; the oracle takes no padding) with the
+    # CPU kernel path; also with fewer queries than keys.
+    q, k, v = _qkv(3, n_q=n_q)
+    sinks = _extra("sinks").requires_grad_()
+    for key_mask in (None, padding_mask(B, N)):
+        got = sv.sink_key_attention(q, k, v, sinks, causal, key_mask, 0.3)
+        if key_mask is None:
+            want = oracle_sink_softmax_attention(q, k, v, sinks, causal=causal, scale=0.3)
+        else:
+            want = sv.sink_softmax_attention(q, k, v, sinks, causal=causal, scale=0.3, key_mask=key_mask)
+        assert_same(got, want, what=f"causal={causal} padded={key_mask is not None}")
+        for a, b in zip(grads(got, (q, k, v, sinks)), grads(want, (q, k, v, sinks))):
+            assert_same(a, b, what=f"causal={causal} padded={key_mask is not None}: a gradient")
+
+
 def test_the_default_scales_are_the_oracles():
     q, k, v = _qkv(2)
     for name, (fn, oracle) in PAIRS.items():

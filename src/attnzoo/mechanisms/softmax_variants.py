@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from attnzoo import patterns as P
@@ -42,6 +44,7 @@ from attnzoo.mechanisms.diff_gated import (
     lambda_init,
     same_width,
 )
+from attnzoo.mechanisms.softmax import sdpa_attention
 from attnzoo.registry import Config, bounded, register
 from attnzoo.score_mods import chain, softcap, softcap_scores
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
@@ -175,14 +178,22 @@ def sink_softmax_attention(
     That is plain attention times ``1 / (1 + exp(sink_h - lse_i))`` (``lse_i`` the log-sum-exp
     of row i's scores), so it runs as one attention that also returns the lse: PyTorch's CPU
     flash kernel (``SinkFlash``), or with a window (``left``/``right`` keys each side, None =
-    unbounded) the blocked backend's tile plan. Neither makes an ``N x N`` tensor.
+    unbounded) the blocked backend's tile plan. Neither makes an ``N x N`` tensor. Off the CPU
+    (no such kernel there) the sink is one more key of zero value through SDPA
+    (``sink_key_attention``); a window is CPU only.
 
     Shapes: q, k ``(B, H, N_q | N_kv, D)``, v ``(B, H, N_kv, D_v)``, sink_logits ``(H,)``.
     """
-    if q.device.type != "cpu":
-        raise ValueError(f"sink_softmax_attention runs PyTorch's CPU flash kernel; inputs are on {q.device.type}")
+    windowed = left is not None or right is not None
+    if q.device.type != "cpu" and windowed:
+        raise ValueError(
+            f"sink_softmax_attention with a window runs the blocked backend, CPU only; inputs are on {q.device.type}"
+        )
     scale = default_scale(scale, q.shape[-1])
     cd = compute_dtype(q)
+    if q.device.type != "cpu":
+        out = sink_key_attention(q.to(cd), k.to(cd), v.to(cd), sink_logits.to(cd), causal, key_mask, scale)
+        return out.to(v.dtype)
     sink = sink_logits.to(cd).view(1, -1, 1)
     if left is None and right is None:
         out = SinkFlash.apply(*same_width(q.to(cd), k.to(cd), v.to(cd)), sink, causal, key_mask, scale)
@@ -192,6 +203,30 @@ def sink_softmax_attention(
     call = Call(q, k, v, resolve_pattern(band, q.shape[1], causal), key_mask, None, scale, 128)
     out, lse = blocked_attention(call, plan_for(call), return_lse=True)
     return (out.to(cd) * torch.sigmoid(lse.to(cd) - sink)[..., None]).to(q.dtype)
+
+
+def sink_key_attention(
+    q: Tensor, k: Tensor, v: Tensor, sink_logits: Tensor, causal: bool, key_mask: Tensor | None, scale: float
+) -> Tensor:
+    """Attention sinks off the CPU (no CPU flash kernel there): the sink as one more key, first
+    in every row, with a zero value. ``q' = [q * scale, 1]``, ``k' = [k, 0]`` and the sink key
+    ``[0, sink_h]`` give ``q' . k'_j = scale * q . k_j`` and ``q' . sink = sink_h``; SDPA with
+    scale 1 takes them (zero columns pad q, k, v to one width, as its fused kernels want). With
+    the key first, end-aligned causal rows see it and their own keys, nothing later."""
+    (b, h, _, d), d_v = q.shape, v.shape[-1]
+    width = max(d + 1, d_v)
+    qs = F.pad(torch.cat([q * scale, torch.ones_like(q[..., :1])], dim=-1), (0, width - d - 1))
+    sink_key = F.pad(sink_logits.view(1, h, 1, 1).expand(b, h, 1, 1), (d, width - d - 1))  # [B, H, 1, width]
+    ks = torch.cat([sink_key, F.pad(k, (0, width - d))], dim=2)
+    vs = F.pad(v, (0, width - d_v, 1, 0))  # a zero value row for the sink
+    if causal and key_mask is None:  # end-aligned causal without a materialised mask
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=causal_lower_right(qs.shape[2], ks.shape[2]), scale=1.0
+        )
+    else:
+        mask = None if key_mask is None else F.pad(key_mask, (1, 0), value=True)
+        out = sdpa_attention(qs, ks, vs, causal=causal, key_mask=mask, scale=1.0)
+    return out[..., :d_v]
 
 
 class SinkFlash(torch.autograd.Function):
@@ -278,7 +313,8 @@ class LearnedSinksConfig(Config):
     notes=(
         "sink logits start at 0 (each row's denominator gets one extra exp(0)); learned",
         "fast path: the CPU flash kernel's output and log-sum-exp, rescaled by 1 / (1 + exp(sink - lse)); "
-        "with a window the blocked backend's tile plan; CPU only",
+        "with a window the blocked backend's tile plan (CPU only); off the CPU, without a window, SDPA with "
+        "the sink as one more key of zero value ([q * scale, 1] . [0, sink_h])",
         KV_DECODE + " (also with a window: the cache is not trimmed to it)",
     ),
 )
