@@ -12,8 +12,18 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
+
+
+def same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v`` zero-padded to one head size (contiguous), as CPU SDPA's flash kernel needs
+    (else it runs its N x N math path: 5x slower at N = 2048), and every fused kernel (one last
+    dimension for q, k and v); zero channels change no score and
+    no value, so slicing the output back to ``D_v`` gives the same attention (pass the scale)."""
+    width = max(q.shape[-1], v.shape[-1])
+    return tuple(F.pad(x, (0, width - x.shape[-1])).contiguous() for x in (q, k, v))  # type: ignore[return-value]
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:

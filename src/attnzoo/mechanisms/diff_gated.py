@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, same_width
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
 from attnzoo.mechanisms.softmax import sdpa_attention
@@ -99,14 +99,6 @@ def differential_attention(
     )
     one, two = one[..., : v.shape[-1]], two[..., : v.shape[-1]]
     return one - _per_head(lam, one) * two
-
-
-def same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``q, k, v`` zero-padded to one head size (contiguous), as CPU SDPA's flash kernel needs
-    (else it runs its N x N math path: 5x slower at N = 2048); zero channels change no score and
-    no value, so slicing the output back to ``D_v`` gives the same attention (pass the scale)."""
-    width = max(q.shape[-1], v.shape[-1])
-    return tuple(F.pad(x, (0, width - x.shape[-1])).contiguous() for x in (q, k, v))  # type: ignore[return-value]
 
 
 def _per_head(lam: Tensor | float, like: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ from attnzoo.backends.blocked import blocked_attention
 from attnzoo.backends.call import Call, resolve_pattern
 from attnzoo.backends.plan import plan_for
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, same_width
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
 from attnzoo.mechanisms.diff_gated import (
@@ -42,7 +42,6 @@ from attnzoo.mechanisms.diff_gated import (
     gated_attention,
     gated_output,
     lambda_init,
-    same_width,
 )
 from attnzoo.mechanisms.softmax import sdpa_attention
 from attnzoo.registry import Config, bounded, register
@@ -214,11 +213,10 @@ def sink_key_attention(
     scale 1 takes them (zero columns pad q, k, v to one width, as its fused kernels want). With
     the key first, end-aligned causal rows see it and their own keys, nothing later."""
     (b, h, _, d), d_v = q.shape, v.shape[-1]
-    width = max(d + 1, d_v)
-    qs = F.pad(torch.cat([q * scale, torch.ones_like(q[..., :1])], dim=-1), (0, width - d - 1))
-    sink_key = F.pad(sink_logits.view(1, h, 1, 1).expand(b, h, 1, 1), (d, width - d - 1))  # [B, H, 1, width]
-    ks = torch.cat([sink_key, F.pad(k, (0, width - d))], dim=2)
-    vs = F.pad(v, (0, width - d_v, 1, 0))  # a zero value row for the sink
+    sink_key = F.pad(sink_logits.view(1, h, 1, 1).expand(b, h, 1, 1), (d, 0))  # [B, H, 1, D + 1]: [0, sink_h]
+    qs = torch.cat([q * scale, torch.ones_like(q[..., :1])], dim=-1)
+    ks = torch.cat([sink_key, F.pad(k, (0, 1))], dim=2)
+    qs, ks, vs = same_width(qs, ks, F.pad(v, (0, 0, 1, 0)))  # a zero value row for the sink
     if causal and key_mask is None:  # end-aligned causal without a materialised mask
         out = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=causal_lower_right(qs.shape[2], ks.shape[2]), scale=1.0

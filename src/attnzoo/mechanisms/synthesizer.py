@@ -54,11 +54,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import compute_dtype
+from attnzoo.mechanisms._ops import compute_dtype, same_width
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.softmax import sdpa_attention
@@ -286,14 +285,9 @@ class SynthesizerAttention(Attention):
         pair = self.synthesized_qk(q, k)
         if pair is None:
             return self._reference(q, k, v, args, return_weights=False)
-        # The fused kernel wants one last dimension for q, k and v: zero columns change no dot
-        # product and add output columns that are dropped.
-        (sq, sk), d_v = pair, v.shape[-1]
-        width = max(sq.shape[-1], d_v)
-        sq, sk = (F.pad(x, (0, width - x.shape[-1])) for x in (sq, sk))
-        wide_v = F.pad(v.to(sq.dtype), (0, width - d_v))
+        sq, sk, wide_v = same_width(*pair, v.to(pair[0].dtype))  # one width, as fused kernels want
         out = sdpa_attention(sq, sk, wide_v, causal=args.causal, key_mask=args.key_mask, scale=1.0)
-        return out[..., :d_v].to(v.dtype)
+        return out[..., : v.shape[-1]].to(v.dtype)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         out, weights = self._weighted(q, k, v, args.causal, args.key_mask)
