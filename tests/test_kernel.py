@@ -12,7 +12,6 @@ import torch
 
 import attnzoo
 import attnzoo.mechanisms.kernel as kernel
-from attnzoo.mechanisms.kernel_features import fourier_features
 from attnzoo.mechanisms.kernel_performer import favor_exponent
 from conftest import LargestTensor as Largest
 from conftest import grads, make_qkv, padding_mask
@@ -155,6 +154,11 @@ def test_rfa_equals_its_gated_recurrence_written_out():
     fast = attn(q, k, v, causal=True)
     w = attn.projection.double()
     g = torch.sigmoid(torch.einsum("bhnd,hd->bhn", k, attn.gate_weight) + attn.gate_bias[:, None])
+
+    def fourier_features(x, w, sigma):  # the paper's phi written out (the library's has its own backward)
+        u = torch.nn.functional.normalize(x, dim=-1) @ w.T / sigma
+        return torch.cat([u.sin(), u.cos()], dim=-1) / math.sqrt(w.shape[0])
+
     s, z, expected = torch.zeros(B, H, 32, D, dtype=torch.float64), torch.zeros(B, H, 32, dtype=torch.float64), []
     for t in range(N):
         phi_k = fourier_features(k[:, :, t], w, 0.8)  # [B, H, 2m]
@@ -327,18 +331,32 @@ def test_fast_path_never_allocates_n_by_n(name, monkeypatch):
         assert largest.numel <= heads * n * width, (causal, largest.numel)
 
 
-def test_chunk_scan_as_one_matmul_equals_the_loop(monkeypatch):
-    from attnzoo.mechanisms import kernel
+@pytest.mark.parametrize("rows", [1, 4], ids=["gate-per-chunk", "gate-per-row"])
+def test_gated_scan_equals_the_recurrence_written_out(rows):
+    # _ops.gated_scan's hand-written forward and backward loops against S_{c+1} = g_c S_c + U_c
+    # written with autograd ops, forward and gradients, strong decays, a carried state.
+    from attnzoo.mechanisms._ops import gated_scan
 
     g = torch.Generator().manual_seed(0)
     sums = torch.randn(2, 3, 9, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    log_gates = (-torch.rand(2, 3, 9, generator=g, dtype=torch.float64) * 30).requires_grad_()  # strong decays
+    gates = (-torch.rand(2, 3, 9, rows, 1, generator=g, dtype=torch.float64) * 30).exp().requires_grad_()
     s0 = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def written_out(sums, gates, s0):
+        states, s = [], s0
+        for c in range(sums.shape[2]):
+            states.append(s)
+            s = gates[:, :, c] * s + sums[:, :, c]
+        return torch.stack(states, dim=2), s
+
     results = []
-    for limit in (128, 0):  # the matmul form, then the loop
-        monkeypatch.setattr(kernel, "SCAN_MATMUL_CHUNKS", limit)
-        starts, final = kernel._scan(sums, log_gates, s0)
-        grads = torch.autograd.grad((starts.sin().sum() + final.cos().sum()), (sums, log_gates, s0))
+    for scan in (gated_scan, written_out):
+        starts, final = scan(sums, gates, s0)
+        grads = torch.autograd.grad((starts.sin().sum() + final.cos().sum()), (sums, gates, s0))
         results.append((starts, final, *grads))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want)
+    some = (sums[:, :, :3], torch.rand(2, 3, 3, rows, 1, dtype=torch.float64, requires_grad=True), s0)
+    assert torch.autograd.gradcheck(gated_scan, some)
+    one = gated_scan(sums[:, :, :1], gates[:, :, :1], s0)  # one chunk
+    torch.testing.assert_close(one[1], gates[:, :, 0] * s0 + sums[:, :, 0])

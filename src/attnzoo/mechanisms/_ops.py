@@ -172,3 +172,47 @@ def block_union(index: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tenso
         rows, slots = valid[t].nonzero(as_tuple=True)
         member[t, rows, torch.searchsorted(union, index[t, rows, slots])] = True  # each key's column
     return cols, member
+
+
+def gated_scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """The chunkwise recurrence ``S_{c+1} = g_c * S_c + U_c`` from ``S_0 = s0``: the states at
+    each chunk's start ``(B, H, C, m, E)`` and the state after the last chunk ``(B, H, m, E)``.
+
+    ``gates``: ``(B, H, C, 1, 1)`` (a scalar per chunk: RFA's gate, Performer's stabiliser) or
+    ``(B, H, C, m, 1)`` (one per state row: GLA-style per-channel decays), multiplying the state.
+    A loop of one fused multiply-add per chunk into one preallocated tensor, and a backward that
+    is the reverse loop (``GatedScan``): O(C m E) time, no graph node per chunk. The unrolled
+    form, a ``(C, C)`` matmul over the states, costs C times as much (a fifth of ``rfa``'s causal
+    forward+backward at N = 4096, C = 64).
+    """
+    return GatedScan.apply(chunk_sums, gates, s0)
+
+
+class GatedScan(torch.autograd.Function):
+    """``gated_scan``'s forward and backward. With ``L_c`` the gradient reaching state ``c``
+    (``L_C`` that of the final state): ``L_c = G_c + g_c L_{c+1}``, ``dU_c = L_{c+1}``,
+    ``dg_c = <L_{c+1}, S_c>`` summed over what ``g_c`` broadcasts across (after the loop, at once)."""
+
+    @staticmethod
+    def forward(ctx: Any, chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        states = torch.empty_like(chunk_sums)
+        states[:, :, 0] = s0
+        for c in range(chunk_sums.shape[2] - 1):
+            torch.addcmul(chunk_sums[:, :, c], gates[:, :, c], states[:, :, c], out=states[:, :, c + 1])
+        final = torch.addcmul(chunk_sums[:, :, -1], gates[:, :, -1], states[:, :, -1])
+        ctx.save_for_backward(gates, states)
+        return states, final
+
+    @staticmethod
+    def backward(ctx: Any, grad_states: Tensor, grad_final: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        gates, states = ctx.saved_tensors
+        d_sums = torch.empty_like(states)  # dU_c = L_{c+1}
+        d_sums[:, :, -1] = grad_final
+        for c in range(states.shape[2] - 1, 0, -1):
+            torch.addcmul(grad_states[:, :, c], gates[:, :, c], d_sums[:, :, c], out=d_sums[:, :, c - 1])
+        d_s0 = torch.addcmul(grad_states[:, :, 0], gates[:, :, 0], d_sums[:, :, 0])
+        if gates.shape[-2] == 1:  # one gate per chunk: a batched dot product over the (m, E) state
+            d_gates = d_sums.flatten(-2)[..., None, :] @ states.flatten(-2)[..., None]  # [B, H, C, 1, 1]
+        else:  # one gate per state row
+            d_gates = (d_sums * states).sum(-1, keepdim=True)
+        return d_sums, d_gates, d_s0

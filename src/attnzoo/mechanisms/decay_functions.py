@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import dense_gradient
+from attnzoo.mechanisms._ops import dense_gradient, gated_scan
 from attnzoo.mechanisms.kernel import _causal_sums
 
 #: Inside a chunk, blocks of up to this many positions are multiplied out elementwise.
@@ -197,7 +197,7 @@ def gla_chunks(
     last = cum[:, :, :, -1]  # [B, H, C, D]: a chunk's whole decay
     chunk_sums = (k * _exp(last[:, :, :, None] - cum, k)).transpose(-1, -2) @ v  # [B, H, C, D, Dv]
     s0 = k.new_zeros(b, h, d, v.shape[-1]) if s0 is None else s0
-    starts, final = _scan(chunk_sums, _exp(last, k), s0)
+    starts, final = gated_scan(chunk_sums, _exp(last, k)[..., None], s0)  # a gate per state row
     out = _within_chunks(q, k, v, cum) + (q * _exp(cum, q)) @ starts
     return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final
 
@@ -232,16 +232,3 @@ def _within_chunks(q: Tensor, k: Tensor, v: Tensor, cum: Tensor) -> Tensor:
 def _exp(log: Tensor, like: Tensor) -> Tensor:
     """``exp(log)`` in ``like``'s dtype (the differences are taken in float64, the rest is not)."""
     return log.to(like.dtype).exp()
-
-
-def _scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
-    """States at each chunk's start, ``S_c = diag(g_{c-1}) S_{c-1} + U_{c-1}``
-    ``(B, H, C, D, Dv)``, and the state after the last chunk, for per-channel gates
-    ``(B, H, C, D)``: a loop over chunks (N / L steps of two small ops)."""
-    states, s = [], s0
-    # unbind once: indexing chunk c in the loop would make each step's backward fill a
-    # gradient the size of all chunks (quadratic in their number).
-    for gate, sums in zip(gates.unbind(2), chunk_sums.unbind(2)):
-        states.append(s)
-        s = gate[..., None] * s + sums
-    return torch.stack(states, dim=2), s

@@ -32,6 +32,7 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo.backends.grouped import fold_rows, unfold_rows
+from attnzoo.mechanisms._ops import gated_scan
 from attnzoo.mechanisms.base import AttendArgs
 
 #: ``"rows"``: ``num / (den + eps)`` (non-negative features); ``"signed"``: ``den`` kept at
@@ -42,7 +43,7 @@ Normalizer = Literal["rows", "signed", "keys"]
 #: Non-causal blocks hold about this many (batch x head x position) rows, so feature tensors
 #: stay a few MB (cache-sized, and reused by the allocator instead of page-faulted afresh).
 BLOCK_ROWS = 8192
-#: Causal scans over up to this many chunks run as one matmul (see ``_scan``).
+#: Causal prefix sums (no decay) over up to this many chunks run as one matmul (see ``_prefix_sums``).
 SCAN_MATMUL_CHUNKS = 128
 
 
@@ -57,11 +58,16 @@ class KeyFeatures(NamedTuple):
             ``phi * exp(c)``), ``(B, H, 1)`` for ``"rows"`` maps, ``(B, H, m)`` allowed for
             ``"keys"``; -inf where the block holds no real key. Causal: the decode-state value
             after the last key (Performer's running maximum), or None.
+        weight: causal only, ``(B, H, N)`` or None: a factor on key ``t``'s whole contribution
+            (RFA's ``1 - g_t`` in ``S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T``). The true
+            features are ``phi * weight``; the core applies it to the key's value row instead
+            (E + 1 numbers, where phi has m).
     """
 
     phi: Tensor
     log_decay: Tensor | None = None
     c: Tensor | None = None
+    weight: Tensor | None = None
 
 
 class PairWeights(NamedTuple):
@@ -150,6 +156,8 @@ def kernel_attention(
     # the count column of z: 0 for a padded key, so it adds nothing whatever weight it gets
     count = torch.ones_like(v[..., :1]) if real is None else real[..., None].to(v.dtype).expand_as(v[..., :1])
     v1 = torch.cat([v, count], dim=-1)  # [B, H, N_kv, E + 1]
+    if f.weight is not None:  # a per-key factor scales the key's value row, not its m features
+        v1 = v1 * (f.weight if real is None else torch.where(real, f.weight, 0.0))[..., None]
     shift = k.shape[2] - q.shape[2]
     phi_q = maps.query_features(q)
     phi_q = F.pad(phi_q, (0, 0, shift, 0)) if shift else phi_q  # queries end-aligned: zero rows first
@@ -298,31 +306,10 @@ def _prefix_sums(chunk_sums: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]
 def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
     """States at each chunk start, ``S_c = g_{c-1} S_{c-1} + U_{c-1}`` ``(B, H, C, m, E)``, and
     the state after the last chunk ``(B, H, m, E)``, for log gates ``(B, H, C)``; ``s0`` None is
-    a zero initial state (its term, a pass over every state forward and backward, is skipped).
-
-    Up to ``SCAN_MATMUL_CHUNKS`` chunks the recurrence is unrolled into one matmul,
-    ``S_c = sum_{c' < c} exp(A_{c-1} - A_{c'}) U_{c'} + exp(A_{c-1}) S_0`` with ``A`` the
-    cumulative log gates (float64, so far-apart chunks do not cancel digits): no Python loop,
-    and a backward of two matmuls. Beyond that (O(C^2 m E) would dominate) a loop over chunks.
-    """
-    b, h, c, m, e = chunk_sums.shape
-    if c > SCAN_MATMUL_CHUNKS:
-        # unbind once: indexing chunk c inside the loop would make every step's backward
-        # zero-fill a gradient the size of all chunks (quadratic in the number of chunks).
-        states, s = [], chunk_sums.new_zeros(b, h, m, e) if s0 is None else s0
-        for gate, sums in zip(log_gates.exp().unbind(2), chunk_sums.unbind(2)):
-            states.append(s)
-            s = gate[:, :, None, None] * s + sums
-        return torch.stack(states, dim=2), s
-    cum = log_gates.double().cumsum(-1)  # A_c, non-increasing
-    before = F.pad(cum, (1, 0))  # [B, H, C + 1]: A_{c-1} for the states c = 0 .. C (A_{-1} = 0)
-    later = torch.ones(c + 1, c, dtype=torch.bool, device=cum.device).triu()  # c' >= c: not yet summed
-    weights = (before[..., :, None] - cum[..., None, :]).masked_fill(later, -math.inf).exp()
-    states = weights.to(chunk_sums.dtype) @ chunk_sums.flatten(-2)  # [B, H, C + 1, m E]
-    if s0 is not None:
-        states = states + before.exp().to(s0.dtype)[..., None] * s0.flatten(-2)[:, :, None]
-    states = states.view(b, h, c + 1, m, e)
-    return states[:, :, :-1], states[:, :, -1]
+    a zero initial state: ``_ops.gated_scan``."""
+    if s0 is None:
+        s0 = chunk_sums.new_zeros(chunk_sums.shape[:2] + chunk_sums.shape[3:])
+    return gated_scan(chunk_sums, log_gates.exp()[..., None, None], s0)
 
 
 def reference_kernel_attention(

@@ -160,19 +160,38 @@ class RandomFeatureConfig(KernelConfig):
         return 2 * head_dim if self.features is None else self.features
 
 
-def fourier_features(x: Tensor, w: Tensor, sigma: float, weight: Tensor | None = None) -> Tensor:
+class _ScaledSinCos(torch.autograd.Function):
+    """``scale * [sin u, cos u]`` in one buffer, and a backward that reuses it: the derivative of
+    ``scale sin u`` is ``scale cos u``, the forward's other half, so no sine or cosine is
+    evaluated again (nor a concatenation or a scaling pass made twice)."""
+
+    @staticmethod
+    def forward(ctx: Any, u: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        m = u.shape[-1]
+        out = u.new_empty(*u.shape[:-1], 2 * m)
+        torch.sin(u, out=out[..., :m])
+        torch.cos(u, out=out[..., m:])
+        out.mul_(scale)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        m = out.shape[-1] // 2
+        return torch.addcmul(grad[..., :m] * out[..., m:], grad[..., m:], out[..., :m], value=-1), None
+
+
+def fourier_features(x: Tensor, w: Tensor, sigma: float) -> Tensor:
     """RFA's random Fourier features of unit-normalised ``x``: ``(B, H, N, D) -> (B, H, N, 2m)``.
 
     ``phi(x) = sqrt(1/m) [sin(w^T x^ / sigma), cos(w^T x^ / sigma)]`` with ``x^ = x / |x|`` and
     rows of ``w (m, D)`` marginally ``N(0, I)``, so ``E[phi(x) . phi(y)] = exp(-|x^ - y^|^2 /
     (2 sigma^2)) = exp((x^ . y^ - 1) / sigma^2)``: softmax weights with temperature ``sigma^2``
-    on unit vectors. The features, and so the estimated weights, can be negative. ``weight``
-    ``(B, H, N)``: a per-position factor applied in the same pass (RFA's causal ``1 - g_t``).
+    on unit vectors. The features, and so the estimated weights, can be negative.
     """
     u = F.normalize(x, dim=-1) @ (w.T / sigma)  # 1/sigma on the (D, m) matrix, not on (N, m)
-    factor = 1 / math.sqrt(w.shape[0])
-    scale = factor if weight is None else (weight * factor)[..., None]
-    return torch.cat([torch.sin(u), torch.cos(u)], dim=-1) * scale
+    return _ScaledSinCos.apply(u, 1 / math.sqrt(w.shape[0]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,9 +292,10 @@ class RFAAttention(RandomFeatureAttention):
             return KeyFeatures(fourier_features(k, self.projection_for(k), self.config.sigma))
         self.prepare(k.shape[1], k.shape[3], k.device, k.dtype)
         logit = torch.einsum("bhnd,hd->bhn", k, self.gate_weight.to(k.dtype)) + self.gate_bias.to(k.dtype)[:, None]
-        # (1 - g_t) phi(k_t) and log g_t, through logsigmoid (stable for large logits)
-        phi = fourier_features(k, self.projection_for(k), self.config.sigma, F.logsigmoid(-logit).exp())
-        return KeyFeatures(phi, F.logsigmoid(logit))
+        # (1 - g_t) phi(k_t) as phi(k_t) and the weight 1 - g_t on the key's value row (E + 1
+        # wide, not 2m); log g_t. Both through logsigmoid (stable for large logits).
+        phi = fourier_features(k, self.projection_for(k), self.config.sigma)
+        return KeyFeatures(phi, F.logsigmoid(logit), weight=F.logsigmoid(-logit).exp())
 
     def num_features(self, head_dim: int) -> int:
         return 2 * self.config.features_for(head_dim)

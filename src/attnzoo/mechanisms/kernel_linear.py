@@ -82,7 +82,7 @@ class KernelAttention(Attention):
         f = self.key_features(kc, None if mask is None else mask[:, None], causal=args.causal)
         return reference_kernel_attention(
             self.query_features(qc),
-            f.phi,
+            f.phi if f.weight is None else f.phi * f.weight[..., None],
             vc,
             causal=args.causal,
             key_mask=mask,
