@@ -208,16 +208,21 @@ def _band(band: Band, n: int) -> Windows | None:
     if lo > hi or hi - lo + 1 >= sub:
         return None
     block = choose_block(hi - lo + 1)
-    start = (lo // block) * block
+    # A window may start anywhere at or before the band: where it starts at lo <= 0 the key
+    # padding in front lines the windows up with the blocks (what the backward's overlap-add
+    # needs), so only a band wholly to the right is aligned down to a block multiple.
+    start = lo if lo <= 0 else (lo // block) * block
     width = -(-(block + hi - start) // block) * block
     return _window_plan(Band(lo, hi, 1).mask_mod_for(sub, sub), sub, m, block, start, width)
 
 
 def choose_block(keys: int) -> int:
     """Query rows per window for a band of ``keys`` keys per row: small blocks waste fewer keys
-    at the window's ends, large ones run the kernel at a better rate (measured on a 2-core
-    EPYC: 32 up to 48 keys, 64 up to 384, else 128)."""
-    return 32 if keys <= 48 else 64 if keys <= 384 else 128
+    at the window's ends (a window holds ``block + keys - 1`` keys, rounded up to a multiple of
+    the block), large ones run the kernel at a better rate. Measured on a 2-core EPYC (fwd+bwd,
+    N = 4096, ``benchmarks/ab-band-block-cpu.txt``): 32 while its window fits in 128 keys (up to
+    97 keys: 65 keys ran 1.2x faster than with 64), 64 up to 384 keys, else 128."""
+    return 32 if keys + 31 <= 128 else 64 if keys <= 384 else 128
 
 
 def _window_plan(mask_mod: Any, n: int, stride: int, block: int, start: int, width: int) -> Windows:
