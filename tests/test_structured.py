@@ -91,6 +91,29 @@ def test_structured_gradients_equal_the_dense_reference(name, n):
             torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
 
 
+UNIONS = ["longformer", "longformer_dilated", "etc", "star", "global", "sparse_transformer_fixed"]
+
+
+@pytest.mark.parametrize("name", UNIONS)
+def test_union_columns_on_the_flash_kernel_equal_the_dense_reference(name, monkeypatch):
+    # Every union's global columns through the kernel on gathered keys (by default only from
+    # windowed.KERNEL_COLUMNS keys on), forward and gradients, padded, causal and not.
+    from attnzoo.backends import windowed
+
+    monkeypatch.setattr(windowed, "KERNEL_COLUMNS", 1)
+    pattern, _ = CASES[name]
+    for causal in (False, True):
+        q, k, v = _inputs(100)
+        padding = _padding(100)
+        grad = torch.randn(2, 4, 100, 8, dtype=torch.float64)
+        outs = []
+        for backend in ("blocked", "reference"):
+            out = attend(q, k, v, pattern=pattern, causal=causal, key_mask=padding, backend=backend)
+            outs.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+        for fast, ref in zip(*outs):
+            torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16():
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = _inputs(100, dtype=dtype)

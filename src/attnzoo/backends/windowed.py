@@ -232,11 +232,23 @@ class _PartAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+#: From this many global keys on, a union's columns run through the flash kernel on the gathered
+#: keys (``_KernelUnionAttention``) instead of as explicit ``(N, g)`` scores (Sparse Transformer's
+#: fixed columns are N / 16 keys: 256 at N = 4096, where the explicit scores took 80% of the time).
+KERNEL_COLUMNS = 32
+
+
+def _column_allowed(part: WithGlobals, opts: _Options, device: torch.device) -> Tensor:
+    """Which (row, global key) pairs the union's columns hold: bool ``(1 | B, 1, N, g)``."""
+    allowed = part.columns.to(device)[None, None]
+    if opts.key_valid is not None:
+        allowed = allowed & opts.key_valid[:, None, None, part.tokens.to(device)]
+    return allowed
+
+
 def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, opts: _Options) -> Tensor:
     """Scores of every row against the global keys ``(B, H, N, g)``, ``-inf`` where not allowed."""
-    allowed = part.columns.to(q.device)[None, None]
-    if opts.key_valid is not None:
-        allowed = allowed & opts.key_valid[:, None, None, part.tokens.to(q.device)]
+    allowed = _column_allowed(part, opts, q.device)
     cd = compute_dtype(q)
     scores = grouped_matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
     return scores.masked_fill(~allowed, float("-inf"))
@@ -289,6 +301,57 @@ class _UnionAttention(torch.autograd.Function):
         dk = dk.index_add(2, index, grouped_outer(d_scores, q.to(probs.dtype), k.shape[1]))
         dv = dv.index_add(2, index, grouped_outer(probs, g, k.shape[1]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+class _KernelUnionAttention(torch.autograd.Function):
+    """``_UnionAttention`` for many global keys (``KERNEL_COLUMNS``), K/V heads equal to the query
+    heads: the columns are one flash-kernel call on the gathered keys and values under their
+    ``(N, g)`` mask, merged with the window part by log-sum-exp; backward runs the kernel's
+    backward for both with the union's output and log-sum-exp, and adds the gathered keys' and
+    values' gradients back at their positions."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, part: WithGlobals, opts: _Options) -> Tensor:  # type: ignore[override]
+        index = part.tokens.to(q.device)
+        kg, vg = k[:, :, index].contiguous(), v[:, :, index].contiguous()  # [B, H, g, D]
+        allowed = _column_allowed(part, opts, q.device)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        out, lse = flash_attention_cpu(q, kg, vg, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
+        lse = lse.masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 for a row with no key
+        saved = None
+        if part.windows is not None:
+            out_w, saved = _part_forward(part.windows, q, k, v, opts)
+            lse_w = _part_lse(part.windows, saved, q.shape[2], q.shape[1]).to(lse.dtype)
+            union = torch.logaddexp(lse, lse_w)
+            top = _finite(union, 0.0)
+            out = out * torch.exp(lse - top)[..., None].to(out.dtype) + out_w * torch.exp(lse_w - top)[..., None].to(
+                out.dtype
+            )
+            lse = union
+        if saved is None:
+            ctx.save_for_backward(q, kg, vg, mask, out, lse)
+        else:
+            saved.stash(ctx, q, kg, vg, mask, out, lse)
+        ctx.part, ctx.scale, ctx.kv_shape = part, opts.scale, k.shape
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        part, scale = ctx.part, ctx.scale
+        if part.windows is not None:
+            (q, kg, vg, mask, out, lse), saved = _Saved.unstash(ctx, 6)
+        else:
+            q, kg, vg, mask, out, lse = ctx.saved_tensors
+        lse = _finite(lse, float("inf"))  # rows that see nothing: p = 0
+        grad = grad.contiguous()
+        dq, dkg, dvg = flash_attention_cpu_backward(grad, q, kg, vg, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+        if part.windows is not None:
+            dq_w, dk, dv = _part_backward(part.windows, saved, grad, scale, out, lse.to(saved.lse.dtype))
+            dq = dq + dq_w
+        else:
+            dk, dv = (torch.zeros(ctx.kv_shape[:3] + x.shape[3:], dtype=x.dtype, device=x.device) for x in (kg, vg))
+        index = part.tokens.to(q.device)
+        return dq, dk.index_add(2, index, dkg), dv.index_add(2, index, dvg), None, None
 
 
 def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: _Options) -> Tensor:
@@ -347,7 +410,10 @@ def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Ten
         return _PartAttention.apply(q, k, v, part, opts)
     if isinstance(part, Merged):
         return _MergedAttention.apply(q, k, v, part, opts)
-    out = _UnionAttention.apply(q, k, v, part, opts)
+    if part.tokens.numel() >= KERNEL_COLUMNS and q.shape[1] == k.shape[1]:
+        out = _KernelUnionAttention.apply(q, k, v, part, opts)
+    else:
+        out = _UnionAttention.apply(q, k, v, part, opts)
     if not part.rows:
         return out
     return out.index_copy(2, part.tokens.to(q.device), _global_rows(part, q, k, v, opts))
@@ -361,9 +427,30 @@ def structured_attention(call: Call, plan: Structure) -> Tensor:
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
         return _run_part(plan.parts[0][1], q, k, v, opts)
     pieces, groups = [], q.shape[1] // k.shape[1]
+    sizes = _head_runs(plan)
+    if sizes is not None and groups == 1:
+        # Head groups that are consecutive runs in head order (``per_head`` makes them so): split
+        # and concatenated, each a view forward and one copy backward, where indexing the heads
+        # out and back costs a gather, and in backward a zero-filled scatter and an add, per tensor.
+        parts = zip(plan.parts, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))
+        return torch.cat([_run_part(part, *qkv, opts) for (_, part), *qkv in parts], dim=1)
     for heads, part in plan.parts:
         kv = heads if groups == 1 else part_kv_heads(heads, groups)  # not None: see grouped_windows
         pieces.append((heads, _run_part(part, q[:, heads], k[:, kv], v[:, kv], opts)))
     # Head groups are disjoint: put each group's rows back at its heads (differentiably).
     order = torch.cat([heads for heads, _ in pieces]).argsort()
     return torch.cat([piece for _, piece in pieces], dim=1)[:, order.to(q.device)]
+
+
+def _head_runs(plan: Structure) -> list[int] | None:
+    """The sizes of the plan's head groups when they are consecutive runs ``0..a-1, a..b-1, ...``
+    in order, else None."""
+    sizes, first = [], 0
+    for heads, _ in plan.parts:
+        if heads is None or heads.numel() == 0:
+            return None
+        if not torch.equal(heads.cpu(), torch.arange(first, first + heads.numel())):
+            return None
+        sizes.append(heads.numel())
+        first += heads.numel()
+    return sizes
