@@ -1,0 +1,213 @@
+"""One window part of a ``structured.Structure`` through PyTorch's CPU flash kernel, forward and
+backward, for ``windowed.py`` to run and unite: de-interleaving into sub-sequences (``_split``),
+zero-copy K/V windows (``_key_windows``), the pattern and padding masks, and the backward that
+adds overlapping windows' key gradients back block by block (``_overlap_add``). ``part_backward``
+takes the output and log-sum-exp of a union the part belongs to, so every term of a union gets
+its gradient from the union's softmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor
+
+from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
+from attnzoo.backends.grouped import blocks_to_rows, fold_rows, rows_to_blocks, unfold_rows
+from attnzoo.backends.structured import Windows
+
+
+class Options(NamedTuple):
+    """What every part of one call runs with besides q, k, v: the real keys ``key_valid (B, N)``
+    (None = all real) and the score scale."""
+
+    key_valid: Tensor | None
+    scale: float
+
+
+# --- layout: heads, de-interleaving, windows ------------------------------------------------
+
+
+def _split(x: Tensor, stride: int, sub: int) -> Tensor:
+    """``(B, H, N, D)`` -> ``(B * stride, H, sub, D)``: residue class ``r`` of the positions is
+    batch row ``b * stride + r`` (N padded to ``sub * stride`` with zeros)."""
+    if stride == 1:
+        return x
+    x = F.pad(x, (0, 0, 0, sub * stride - x.shape[2]))
+    return rearrange(x, "b h (n m) d -> (b m) h n d", m=stride).contiguous()
+
+
+def _merge(x: Tensor, stride: int, n: int) -> Tensor:
+    """Inverse of ``_split`` (drops the padding)."""
+    if stride == 1:
+        return x
+    return rearrange(x, "(b m) h n d -> b h (n m) d", m=stride)[:, :, :n]
+
+
+def _split_keys(key_valid: Tensor | None, batch: int, n: int, stride: int, sub: int) -> Tensor | None:
+    """Real keys ``(B, N)`` -> ``(B * stride, sub)``; None when every key is real."""
+    if key_valid is None and sub * stride == n:
+        return None
+    if key_valid is None:
+        key_valid = torch.ones(batch, n, dtype=torch.bool)
+    key_valid = F.pad(key_valid, (0, sub * stride - n), value=False)
+    return rearrange(key_valid, "b (n m) -> (b m) n", m=stride)
+
+
+def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
+    """``(BH, n, D)`` -> zero-copy ``(BH, blocks, width, D)`` windows (x padded with zeros)."""
+    front = max(0, -w.start)
+    total = max(front + w.start + (blocks - 1) * w.block + w.width, front + x.shape[1])
+    x = F.pad(x, (0, 0, front, total - front - x.shape[1])).contiguous()
+    first = front + w.start
+    return x[:, first:].as_strided(
+        (x.shape[0], blocks, w.width, x.shape[2]), (x.stride(0), w.block * x.stride(1), x.stride(1), 1)
+    )
+
+
+def _window_mask(w: Windows, key_valid: Tensor | None, heads: int, blocks: int, dtype: torch.dtype) -> Tensor | None:
+    """The pattern mask, with padded keys removed per batch row: ``(1 | B*H, blocks, block, width)``."""
+    mask = None if w.allowed is None else w.allowed.to(dtype)
+    if key_valid is None:
+        return mask
+    valid = _key_windows(key_valid[:, :, None].to(dtype), w, blocks)[..., 0]  # [B, blocks, width]
+    padding = torch.zeros(valid.shape, dtype=dtype).masked_fill_(valid == 0, float("-inf"))[:, :, None, :]
+    mask = padding if mask is None else mask + padding
+    mask = mask.expand(key_valid.shape[0], blocks, w.block, w.width)
+    return mask[:, None].expand(-1, heads, -1, -1, -1).flatten(0, 1)
+
+
+def _dense_mask(w: Windows, key_valid: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
+    # The pattern inside a sub-sequence, when it has one, already holds the causal rule.
+    mask = None if w.allowed is None else w.allowed.to(dtype)[None, None]
+    if key_valid is None:
+        return mask
+    padding = torch.zeros(key_valid.shape, dtype=dtype).masked_fill_(~key_valid, float("-inf"))[:, None, None, :]
+    mask = padding if mask is None else mask + padding
+    if w.causal and w.allowed is None:
+        # The kernel takes is_causal or a mask, not both: with padding the mask is (B * stride,
+        # 1, n, n) for sub-sequences of n = N / stride, i.e. N^2 / stride in all — the pair count
+        # of the pattern itself (quadratic only for ``causal()`` alone, which is dense anyway).
+        mask = mask + torch.full((n, n), float("-inf"), dtype=dtype).triu_(1)
+    return mask
+
+
+# --- forward and backward of one part ------------------------------------------------------
+
+
+@dataclass
+class Saved:
+    """A part's kernel-layout tensors, kept from forward for backward."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    lse: Tensor
+    mask: Tensor | None
+    is_causal: bool
+
+    def stash(self, ctx: Any, *extra: Tensor) -> None:
+        """Save the tensors (after ``extra``) with ``ctx.save_for_backward``: freed as soon as
+        backward has run, yet there again for a second backward of a retained graph
+        (``retain_graph=True``, gradcheck), which a ``del`` after the first one would break."""
+        ctx.save_for_backward(*extra, self.q, self.k, self.v, self.out, self.lse, self.mask)
+        ctx.is_causal = self.is_causal
+
+    @staticmethod
+    def unstash(ctx: Any, n_extra: int = 0) -> tuple[tuple[Tensor, ...], Saved]:
+        """``(extra, saved)`` as ``stash`` left them."""
+        tensors = ctx.saved_tensors
+        return tensors[:n_extra], Saved(*tensors[n_extra:], ctx.is_causal)
+
+
+def part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> tuple[Tensor, Saved]:
+    """One part's rows ``(B, H, N, D_v)``; K/V may have ``H_kv`` heads dividing ``H`` (a group's
+    query heads stacked as rows: ``grouped.rows_to_blocks``, ``grouped.fold_rows``), except
+    for a dense part run with ``is_causal`` (``grouped.grouped_windows`` refuses those)."""
+    n, sub = q.shape[2], -(-q.shape[2] // w.stride)
+    qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
+    valid = _split_keys(opts.key_valid, q.shape[0], n, w.stride, sub)
+    if w.width == 0:  # dense
+        mask = _dense_mask(w, valid, sub, q.dtype)
+        is_causal = w.causal and mask is None and w.allowed is None
+        groups = qs.shape[1] // ks.shape[1]  # > 1 only without is_causal (grouped.grouped_windows)
+        qs = fold_rows(qs, groups)  # [B', H_kv, G sub, D]
+        if mask is not None and groups > 1 and mask.shape[-2] > 1:
+            mask = mask.repeat(1, 1, groups, 1)  # the pattern once per group member's rows
+        out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=opts.scale)[:2]
+        return _merge(unfold_rows(out, groups), w.stride, n), Saved(qs, ks, vs, out, lse, mask, is_causal)
+    h, groups, blocks = qs.shape[1], qs.shape[1] // ks.shape[1], -(-sub // w.block)
+    qx = rows_to_blocks(qs, blocks, w.block, groups)  # [B' H_kv, blocks, G block, D]
+    kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
+    mask = _window_mask(w, valid, ks.shape[1], blocks, q.dtype)
+    if mask is not None and groups > 1:
+        mask = mask.repeat(1, 1, groups, 1)  # the band (and padding) once per group member's rows
+    out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
+    rows = blocks_to_rows(out, h, groups, sub)
+    return _merge(rows, w.stride, n), Saved(qx, kx, vx, out, lse, mask, False)
+
+
+def _to_kernel(x: Tensor, w: Windows, saved: Saved) -> Tensor:
+    """``(B, H, N, D)`` rows -> the kernel layout of ``saved.out`` (zero rows where padded)."""
+    sub = -(-x.shape[2] // w.stride)
+    x = _split(x, w.stride, sub)
+    if w.width == 0:  # dense
+        return fold_rows(x, saved.q.shape[2] // saved.k.shape[2])
+    return rows_to_blocks(x, saved.q.shape[1], w.block, saved.q.shape[2] // w.block)
+
+
+def part_backward(
+    w: Windows, saved: Saved, grad: Tensor, scale: float, out: Tensor | None = None, lse: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v gradients of one part. ``out``/``lse`` (``(B, H, N, Dv)``, ``(B, H, N)``) replace
+    the part's own when it is one term of a union: the kernel's backward then uses the union's
+    softmax (``delta = rowsum(dO * O)`` over the whole union)."""
+    n, sub = grad.shape[2], -(-grad.shape[2] // w.stride)
+    heads = grad.shape[1]
+    g = _to_kernel(grad, w, saved).contiguous()
+    kernel_out = saved.out if out is None else _to_kernel(out, w, saved).contiguous()
+    kernel_lse = saved.lse if lse is None else _to_kernel(lse[..., None], w, saved)[..., 0].contiguous()
+    dq, dk, dv = flash_attention_cpu_backward(
+        g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0, saved.is_causal, attn_mask=saved.mask, scale=scale
+    )
+    if w.width == 0:  # dense
+        dq = unfold_rows(dq, saved.q.shape[2] // saved.k.shape[2])
+        return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
+    groups = saved.q.shape[2] // w.block
+    bb = dq.shape[0] * groups // heads
+    dq = blocks_to_rows(dq, heads, groups, sub)
+    dk, dv = (_overlap_add(x, w, sub).view(bb, heads // groups, sub, -1) for x in (dk, dv))
+    return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
+
+
+def part_lse(w: Windows, saved: Saved, n: int, heads: int) -> Tensor:
+    """The part's log-sum-exp ``(B, H, N)``, ``-inf`` where a row sees no key of the part (the
+    kernel reports 0 there)."""
+    lse = saved.lse
+    if saved.mask is not None:
+        lse = lse.masked_fill((saved.mask == float("-inf")).all(-1).expand_as(lse), float("-inf"))
+    if w.width == 0:  # dense
+        return _merge(unfold_rows(lse[..., None], saved.q.shape[2] // saved.k.shape[2]), w.stride, n)[..., 0]
+    sub = -(-n // w.stride)
+    return _merge(blocks_to_rows(lse[..., None], heads, saved.q.shape[2] // w.block, sub), w.stride, n)[..., 0]
+
+
+def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
+    """Key gradients ``(BH, blocks, width, D)`` of overlapping windows -> ``(BH, n, D)``."""
+    bh, blocks, width, dim = windows.shape
+    front, per = max(0, -w.start), width // w.block
+    first = (front + w.start) // w.block
+    total = max(first + blocks - 1 + per, -(-(front + n) // w.block))
+    out = windows.new_zeros(bh, total, w.block, dim)
+    parts = windows.view(bh, blocks, per, w.block, dim)
+    for s in range(per):
+        out[:, first + s : first + s + blocks] += parts[:, :, s]
+    return out.view(bh, total * w.block, dim)[:, front : front + n]
+
+
+def finite(lse: Tensor, fill: float) -> Tensor:
+    return torch.where(torch.isinf(lse), fill, lse)
