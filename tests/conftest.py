@@ -47,6 +47,13 @@ def grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], seed: int = 1) ->
     return tuple(torch.zeros_like(x) if d is None else d for x, d in zip(inputs, found))
 
 
+def _stored(t: torch.Tensor) -> int:
+    """Elements a tensor stores: a sparse tensor's values (its ``numel`` is the dense size)."""
+    if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return t.values().numel()
+    return t._values().numel() if t.layout == torch.sparse_coo else t.numel()
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the element count of the largest tensor any operation creates inside the
     ``with`` block — the structural check that nothing N x N is ever allocated (run it on the
@@ -58,7 +65,7 @@ class LargestTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        sizes = [_stored(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         self.numel = max([self.numel, *sizes])
         return out
 

@@ -211,6 +211,36 @@ def test_gathered_path_equals_the_reference_forward_and_gradients(n_q, n_kv, cau
         assert bool((out[1].abs().sum(-1) == 0).any())  # rows with no visible key give zeros
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_gathered_path_takes_grouped_kv_heads_as_they_are(causal):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 40, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 40, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 40, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 30:] = False
+    out = attnzoo.attend(q, k, v, pattern=P.random(6, seed=2), causal=causal, key_mask=mask)
+    assert attnzoo.last_choice().path == "gathered"
+    want = attnzoo.attend(q, k, v, pattern=P.random(6, seed=2), causal=causal, key_mask=mask, backend="reference")
+    torch.testing.assert_close(out, want)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+
+
+def test_gathered_plan_is_the_kept_pairs_and_their_transpose():
+    table, valid = gathered._row_table(P.random(5, seed=4) & P.causal(), 30, 30)
+    plan = gathered._row_plan(table, valid, 30)
+    dense = torch.zeros(30, 30, dtype=torch.bool)
+    dense[torch.arange(30)[:, None].expand_as(table)[valid], table[valid]] = True
+    values = torch.arange(plan.col.numel(), dtype=torch.float64) + 1
+    as_rows = gathered._csr(plan, values).to_dense()
+    assert torch.equal(as_rows != 0, dense)  # exactly the kept pairs
+    assert torch.equal(gathered._csr(plan, values[plan.perm], transposed=True).to_dense(), as_rows.t())
+    assert plan.width == int(valid.sum(1).max()) and plan.slots is not None  # causal: rows keep fewer
+    block = torch.zeros(30 * plan.width, dtype=torch.float64).index_copy_(0, plan.slots, values)
+    assert torch.equal(block.view(30, plan.width).sum(1), as_rows.sum(1))  # slots stay in their row
+
+
 def test_gathered_table_puts_each_rows_kept_keys_first_and_never_allocates_n_squared():
     table, valid = gathered._row_table(P.random(6, seed=3) & P.causal(), 40, 40)
     assert table.shape == valid.shape == (40, 6)
@@ -222,5 +252,6 @@ def test_gathered_table_puts_each_rows_kept_keys_first_and_never_allocates_n_squ
     q, k, v = _qkv(n=2048, grad=True)
     run = lambda: attnzoo.attend(q, k, v, pattern=P.random(8), causal=True).sum().backward()  # noqa: E731
     biggest = largest_tensor(run)
-    # Gathered chunks of at most CHUNK_BYTES, never a score per pair (B H N^2 = 33.5 M here).
-    assert biggest <= gathered.CHUNK_BYTES // 4 < 2 * 4 * 2048 * 2048 // 16, biggest
+    # Nothing bigger than the inputs (B H N D) or a weight per kept pair (B H N r); never a score
+    # per pair (B H N^2 = 33.5 M here).
+    assert biggest <= 2 * 4 * 2048 * 16 < 2 * 4 * 2048 * 2048, biggest

@@ -3,23 +3,28 @@ locality between rows (``random(r)``, alone or and-ed with ``causal()`` or other
 rules). Tiles cannot serve them: r random keys per row land in nearly every key block, so a
 query block's tiles are the whole matrix under a mask — slower than dense attention.
 
-Instead each row's ``r`` keys are gathered (K and V laid out position-major, ``(N, B, H, D)``,
-so one key of every (b, h) is one contiguous run; a chunk of query rows at a time so that the
-gathered copies stay a few MB and are reused by the allocator), the ``r`` scores are dot
-products over D, and the output is the softmax-weighted sum of the gathered values. Backward
-recomputes the scores from the saved log-sum-exp and adds the key and value gradients back with
-``index_add_``. Time and memory O(N r D); nothing is N x N. The work is memory-bound (each pair
-reads its key and value row: no reuse across rows, unlike the flash kernel's tiles), so the gain
-over dense attention is far below 1/density: see the README.
+Instead the rows' keys are the structure of a sparse CSR matrix (``RowPlan``, built once per
+pattern and lengths): the scores are a sampled dense-dense product on it
+(``torch.sparse.sampled_addmm``: only the listed pairs), the softmax runs over each row's
+entries laid out as an ``(N_q, w)`` block (``w`` = the most keys a row keeps), and the output is
+a sparse-times-dense product with V. Backward is the same three products: ``dP`` sampled on the
+structure from ``dO V^T``, ``dQ = dS K``, and ``dK = dS^T Q``, ``dV = P^T dO`` through the
+transposed structure (its order precomputed as a permutation of the entries). Time and memory
+O(N r D); nothing is N x N. One (b, h) at a time: the 2-D sparse kernels ran twice as fast as
+their batched forms here. This replaced a gather of every row's keys (elementwise products over
+``(N, r, D)`` copies, memory-bound): ``random(64)`` went from 0.34x dense SDPA (fwd+bwd) at
+N = 1024 to 2.8x in one process (``benchmarks/speed-random-csr-cpu.jsonl`` against
+``speed-random-gathered-cpu.jsonl`` for the sweep).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import Any
+import warnings
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.backends.call import Call, PlanCache, compute_dtype
@@ -27,11 +32,46 @@ from attnzoo.patterns import Pattern
 from attnzoo.patterns.algebra import Intersection
 from attnzoo.patterns.atomic import Random
 
-#: Bytes of one gathered K (or V) chunk: rows per chunk = this / (B H r D * 4).
-CHUNK_BYTES = 4 << 20
-
-#: ``(pattern, n_q, n_kv)`` -> ``(table (N_q, r) long, valid (N_q, r) bool)`` or None.
+#: ``(pattern, n_q, n_kv)`` -> ``RowPlan`` or None.
 TABLES: PlanCache[tuple, Any] = PlanCache(maxsize=32)
+
+
+class RowPlan(NamedTuple):
+    """The kept (row, key) pairs as a CSR structure, its transpose, and the softmax layout.
+
+    ``crow (N_q + 1)``, ``col (nnz)``: the pairs row by row, keys ascending. ``crow_t (N_kv + 1)``,
+    ``col_t (nnz)``: the same pairs key by key; ``perm (nnz)`` puts row-order values in that
+    order. ``rows (nnz)``: each pair's row. ``slots (nnz)`` or None: each pair's place in the
+    ``(N_q, width)`` softmax block (None when every row keeps ``width`` keys: the values are
+    that block as they are)."""
+
+    crow: Tensor
+    col: Tensor
+    crow_t: Tensor
+    col_t: Tensor
+    perm: Tensor
+    rows: Tensor
+    slots: Tensor | None
+    width: int
+    n_q: int
+    n_kv: int
+
+
+def _row_plan(table: Tensor, valid: Tensor, n_kv: int) -> RowPlan:
+    """``RowPlan`` of the kept entries of a row table (``_row_table``)."""
+    n_q = table.shape[0]
+    counts = valid.sum(1)
+    width = int(counts.max()) if n_q else 0
+    keys = table.masked_fill(~valid, n_kv).sort(dim=1).values[:, :width]  # kept keys ascending, n_kv after
+    kept = keys < n_kv
+    rows = torch.arange(n_q)[:, None].expand(n_q, width)[kept]
+    col = keys[kept]
+    crow = F.pad(counts.cumsum(0), (1, 0))
+    perm = torch.argsort(col * max(n_q, 1) + rows)  # key-major order, rows ascending within a key
+    crow_t = F.pad(torch.bincount(col, minlength=n_kv).cumsum(0), (1, 0))
+    full = bool(kept.all())
+    slots = None if full else (rows * width + kept.long().cumsum(1)[kept] - 1)
+    return RowPlan(crow, col, crow_t, rows[perm], perm, rows, slots, width, n_q, n_kv)
 
 
 def _row_table(pattern: Pattern, n_q: int, n_kv: int) -> tuple[Tensor, Tensor] | None:
@@ -56,16 +96,21 @@ def _row_table(pattern: Pattern, n_q: int, n_kv: int) -> tuple[Tensor, Tensor] |
     for part in pattern.parts:
         if part is not randoms[0]:
             valid &= part.mask_mod_for(n_q, n_kv)(zero, zero, rows, table)
-    # Each row's kept keys first: a chunk of rows then gathers only up to its widest row's count
-    # (with causal() about half of the r keys, fewer for early rows).
+    # Each row's kept keys first (``RowPlan`` keeps only those).
     order = (~valid).to(torch.int8).argsort(dim=1, stable=True)
     return table.gather(1, order), valid.gather(1, order)
 
 
-def row_table(call: Call) -> tuple[Tensor, Tensor] | None:
-    """``_row_table`` of the call's pattern, cached by the pattern's value and the lengths."""
+def row_plan(call: Call) -> RowPlan | None:
+    """``RowPlan`` of the call's pattern (None if it does not name its keys row by row), cached
+    by the pattern's value and the lengths."""
     n_q, n_kv, _ = call.sizes()
-    return TABLES.get((call.pattern, n_q, n_kv), lambda: _row_table(call.pattern, n_q, n_kv))
+
+    def build() -> RowPlan | None:
+        table = _row_table(call.pattern, n_q, n_kv)
+        return None if table is None else _row_plan(*table, n_kv)
+
+    return TABLES.get((call.pattern, n_q, n_kv), build)
 
 
 def not_gathered_reasons(call: Call) -> list[str]:
@@ -75,87 +120,81 @@ def not_gathered_reasons(call: Call) -> list[str]:
         reasons.append("a score_mod (the gathered path has no recomputing backward for it)")
     if call.dropout is not None:
         reasons.append("attention dropout")
-    if row_table(call) is None:
+    if row_plan(call) is None:
         reasons.append("the pattern does not name its keys row by row (only random(r) and its intersections do)")
     return reasons
 
 
-def _position_major(x: Tensor) -> Tensor:
-    """``(B, H, N, E)`` -> ``(N, B, H, E)`` contiguous: a key's rows of every (b, h) side by side,
-    so gathering a key (or adding its gradient back) moves one contiguous ``B H E`` run."""
-    return x.permute(2, 0, 1, 3).contiguous()
+def _csr(plan: RowPlan, values: Tensor, transposed: bool = False) -> Tensor:
+    """The pairs with ``values`` (in row order, or key order when ``transposed``) as a CSR matrix
+    ``(N_q, N_kv)`` (or ``(N_kv, N_q)``)."""
+    if transposed:
+        return torch.sparse_csr_tensor(plan.crow_t, plan.col_t, values, (plan.n_kv, plan.n_q), check_invariants=False)
+    return torch.sparse_csr_tensor(plan.crow, plan.col, values, (plan.n_q, plan.n_kv), check_invariants=False)
 
 
-def _rows(x: Tensor, keys: Tensor) -> Tensor:
-    """``x (N, B, H, E)`` at ``keys (c, w)`` -> ``(c, w, B, H, E)``: ``index_select`` copies whole
-    contiguous rows (advanced indexing ``x[keys]`` takes a slower general path)."""
-    return x.index_select(0, keys.flatten()).view(*keys.shape, *x.shape[1:])
+def _sampled(plan: RowPlan, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """``alpha * (a @ b^T)`` at the plan's pairs only: values ``(nnz,)`` in row order."""
+    pattern = _csr(plan, a.new_zeros(plan.col.numel()))
+    return torch.sparse.sampled_addmm(pattern, a, b.t(), beta=0.0, alpha=alpha).values()
 
 
-def _chunks(table: Tensor, valid: Tensor, rows: int, key_mask: Tensor | None) -> Iterator[tuple[slice, Tensor, Tensor]]:
-    """Chunks of ``rows`` query rows: ``(rows, keys (c, w), visible (c, w, B | 1, 1))``, cut to
-    ``w`` = the most keys a row of the chunk keeps (``_row_table`` puts them first); ``visible``
-    is the pattern's and the padding's verdict on each gathered key."""
-    for start in range(0, table.shape[0], rows):
-        part = slice(start, min(start + rows, table.shape[0]))
-        width = int(valid[part].sum(1).max())
-        keys, visible = table[part, :width], valid[part, :width, None, None]
-        yield part, keys, visible if key_mask is None else visible & key_mask.t()[keys][..., None]
+def _row_softmax(plan: RowPlan, scores: Tensor, visible: Tensor | None) -> Tensor:
+    """Softmax of each row's pair scores ``(nnz,)`` over its visible pairs; 0 for the rest, and
+    for every pair of a row with none visible."""
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    if plan.slots is None:
+        block = scores.view(plan.n_q, plan.width)
+    else:
+        block = scores.new_full((plan.n_q * plan.width,), -math.inf).index_copy_(0, plan.slots, scores)
+        block = block.view(plan.n_q, plan.width)
+    lse = torch.logsumexp(block, 1, keepdim=True)
+    weights = torch.exp(block - torch.where(lse == -math.inf, math.inf, lse)).flatten()
+    return weights if plan.slots is None else weights[plan.slots]
 
 
-def _weights(qs: Tensor, k_rows: Tensor, visible: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The chunk's softmax weights ``(c, r, B, H)`` over its gathered keys ``k_rows (c, r, B, H,
-    D)`` for scaled queries ``qs (c, B, H, D)``, and their log-sum-exp ``(c, 1, B, H)`` (given in
-    backward; ``+inf`` for a row with no visible key, so that its weights are 0)."""
-    scores = (k_rows * qs[:, None]).sum(-1).masked_fill_(~visible, -math.inf)
-    if lse is None:
-        lse = torch.logsumexp(scores, 1, keepdim=True)
-        lse = torch.where(lse == -math.inf, math.inf, lse)
-    return scores.sub_(lse).exp_(), lse
-
-
-class _GatheredAttention(torch.autograd.Function):
-    """Inputs and outputs position-major (``_position_major``): q ``(N_q, B, H, D)``, k, v
-    ``(N_kv, B, H, D | D_v)``, out ``(N_q, B, H, D_v)``."""
+class _SparseRowsAttention(torch.autograd.Function):
+    """q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_kv, D | D_v)`` (``H_kv`` dividing ``H``) ->
+    ``(B, H, N_q, D_v)``; saves the weights ``(B, H, nnz)``."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, table: Tensor, valid: Tensor, call: Call) -> Tensor:  # type: ignore[override]
-        n_q, row_bytes = q.shape[0], table.shape[1] * k[0].numel() * k.element_size()
-        rows = max(1, CHUNK_BYTES // max(1, row_bytes))
-        qs = q * call.scale
-        out, lse = v.new_empty(n_q, *v.shape[1:]), q.new_empty(n_q, 1, *q.shape[1:3])
-        for part, keys, visible in _chunks(table, valid, rows, call.key_mask):
-            if keys.shape[1] == 0:  # no row of the chunk keeps a key
-                out[part], lse[part] = 0.0, math.inf
-                continue
-            weights, lse[part] = _weights(qs[part], _rows(k, keys), visible, None)
-            out[part] = (weights[..., None] * _rows(v, keys)).sum(1)
-        ctx.save_for_backward(qs, k, v, out, lse, table, valid)
-        ctx.call, ctx.rows = call, rows
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: RowPlan, call: Call) -> Tensor:  # type: ignore[override]
+        batch, heads, groups = q.shape[0], q.shape[1], q.shape[1] // k.shape[1]
+        out = v.new_empty(batch, heads, plan.n_q, v.shape[-1])
+        weights = q.new_empty(batch, heads, plan.col.numel())
+        for b in range(batch):
+            visible = None if call.key_mask is None else call.key_mask[b][plan.col]
+            for h in range(heads):
+                scores = _sampled(plan, q[b, h], k[b, h // groups], call.scale)
+                weights[b, h] = _row_softmax(plan, scores, visible)
+                out[b, h] = _csr(plan, weights[b, h]) @ v[b, h // groups]
+        ctx.save_for_backward(q, k, v, out, weights)
+        ctx.plan, ctx.scale = plan, call.scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        qs, k, v, out, lse, table, valid = ctx.saved_tensors
-        call, rows = ctx.call, ctx.rows
-        grad = grad.contiguous()  # position-major, as out
-        delta = (grad * out).sum(-1)[:, None]  # (N_q, 1, B, H): rowsum(dO * O)
-        d_q, d_k, d_v = torch.empty_like(qs), torch.zeros_like(k), torch.zeros_like(v)
-        for part, keys, visible in _chunks(table, valid, rows, call.key_mask):
-            k_rows, v_rows, g = _rows(k, keys), _rows(v, keys), grad[part, None]  # (c, r, B, H, E); g (c, 1, B, H, D_v)
-            weights, _ = _weights(qs[part], k_rows, visible, lse[part])
-            d_scores = (v_rows * g).sum(-1).sub_(delta[part]).mul_(weights)  # (c, r, B, H)
-            d_q[part] = (d_scores[..., None] * k_rows).sum(1)
-            flat = keys.flatten()
-            d_k.index_add_(0, flat, (d_scores[..., None] * qs[part, None]).flatten(0, 1))
-            d_v.index_add_(0, flat, (weights[..., None] * g).flatten(0, 1))
-        return d_q * call.scale, d_k, d_v, None, None, None
+        q, k, v, out, weights = ctx.saved_tensors
+        plan, scale, groups = ctx.plan, ctx.scale, q.shape[1] // k.shape[1]
+        delta = (grad * out).sum(-1)  # (B, H, N_q): rowsum(dO * O)
+        d_q, d_k, d_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for b in range(q.shape[0]):
+            for h in range(q.shape[1]):
+                g, p = grad[b, h].contiguous(), weights[b, h]
+                d_scores = p * (_sampled(plan, g, v[b, h // groups]) - delta[b, h][plan.rows])
+                d_q[b, h] = (_csr(plan, d_scores) @ k[b, h // groups]) * scale
+                d_k[b, h // groups] += (_csr(plan, d_scores[plan.perm], transposed=True) @ q[b, h]) * scale
+                d_v[b, h // groups] += _csr(plan, p[plan.perm], transposed=True) @ g
+        return d_q, d_k, d_v, None, None
 
 
 def gathered_attention(call: Call) -> Tensor:
     """Exact attention of ``call`` over each row's listed keys (see the module docstring)."""
-    table, valid = row_table(call)  # type: ignore[misc]
-    dtype = compute_dtype(call.q)
-    q, k, v = (_position_major(x.to(dtype)) for x in (call.q, call.k, call.v))
-    out = _GatheredAttention.apply(q, k, v, table.to(q.device), valid.to(q.device), call)
-    return out.permute(1, 2, 0, 3).to(call.q.dtype)  # (B, H, N_q, D_v)
+    plan = row_plan(call)
+    dtype = compute_dtype(call.q)  # the sparse kernels take float32 and float64
+    q, k, v = (x.to(dtype) for x in (call.q, call.k, call.v))
+    with warnings.catch_warnings():  # torch's one-time notice that its CSR support is beta
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        out = _SparseRowsAttention.apply(q, k, v, plan, call)
+    return out.to(call.q.dtype)
