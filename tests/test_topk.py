@@ -103,12 +103,13 @@ def test_topk_ties_go_to_the_lower_key_index():
 
 
 def test_topk_never_allocates_more_than_one_chunk_of_scores():
-    # On the meta device nothing is computed; every intermediate shape is recorded.
-    n, heads = 16384, 8
-    q, k, v = torch.empty(3, 1, heads, n, 64, device="meta").unbind(0)
-    mask = torch.ones(1, n, dtype=torch.bool, device="meta")
-    with torch.no_grad(), Largest() as largest:
-        attnzoo.build("topk")(q, k, v, causal=True, key_mask=mask)
+    # Real tensors (the sparse attention's sizes depend on the data, which the meta device
+    # cannot run); every intermediate is recorded, forward and backward.
+    n, heads = 4096, 2
+    q, k, v = (torch.randn(1, heads, n, 16, requires_grad=True) for _ in range(3))
+    mask = torch.ones(1, n, dtype=torch.bool)
+    with Largest() as largest:
+        attnzoo.build("topk")(q, k, v, causal=True, key_mask=mask).sum().backward()
     assert largest.numel == heads * 256 * n  # one chunk of scores: H x chunk x N, never N x N
 
 
@@ -205,24 +206,37 @@ def test_sac_refuses_a_head_size_it_was_not_built_for():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_selected_softmax_gradients_with_invalid_slots_and_an_empty_row(causal):
-    """``SelectedSoftmax`` (topk's and dsa's fast path) against autograd's numerical gradient:
-    chunks that do not divide M, a shared (head dim 1) selection with unused slots, and a row
-    whose every slot is unused (zeros out, zero gradient)."""
+    """``SelectedSoftmax`` (topk's and dsa's fast path) against autograd's numerical gradient: a
+    shared (head dim 1) selection with unused slots, a row whose every slot is unused (zeros out,
+    zero gradient), and per-head selections."""
     from attnzoo.mechanisms.selected import SelectedSoftmax
 
     torch.manual_seed(0)
     m, n, kk = 7, 9, 3
     q, k, v = (torch.randn(2, 2, size, 4, dtype=torch.float64, requires_grad=True) for size in (m, n, n))
-    idx = torch.stack([torch.randperm(m if causal else n)[:kk] for _ in range(2 * m)]).view(2, 1, m, kk)
-    if causal:  # row i (end-aligned: position i + n - m) may only pick keys <= i + n - m
-        idx = torch.minimum(idx, torch.arange(m).view(1, 1, m, 1) + n - m)
-    valid = torch.rand(2, 1, m, kk) > 0.3
-    valid[0, 0, 2] = False
+    reach = torch.arange(m).view(m, 1) + n - m + 1 if causal else torch.full((m, 1), n)  # keys a row may pick
+    idx = torch.stack([torch.randperm(int(reach[i]))[:kk] for _ in range(4) for i in range(m)]).view(2, 2, m, kk)
+    valid = torch.rand(2, 2, m, kk) > 0.3
+    valid[0, :, 2] = False
+    for shared in (True, False):
+        sel = (idx[:, :1], valid[:, :1]) if shared else (idx, valid)
+        out, weights = SelectedSoftmax.apply(q, k, v, *sel)
+        assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2])) and not weights.requires_grad
+        assert bool((weights[~sel[1].expand_as(weights)] == 0).all())  # unused slots weigh 0
+        assert torch.autograd.gradcheck(lambda a, b, c, sel=sel: SelectedSoftmax.apply(a, b, c, *sel)[0], (q, k, v))
 
-    def chosen(start, stop, reach, scores):
-        assert scores.shape[-1] == reach and int(idx[:, :, start:stop].max()) < reach
-        return idx[:, :, start:stop], valid[:, :, start:stop]
 
-    out, weights = SelectedSoftmax.apply(q, k, v, chosen, 3, causal)
-    assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2])) and not weights.requires_grad
-    assert torch.autograd.gradcheck(lambda a, b, c: SelectedSoftmax.apply(a, b, c, chosen, 3, causal)[0], (q, k, v))
+def test_select_in_chunks_scores_each_chunk_up_to_its_reach():
+    from attnzoo.mechanisms.selected import select_in_chunks
+
+    q, k = torch.randn(1, 2, 7, 4, dtype=torch.float64), torch.randn(1, 2, 9, 4, dtype=torch.float64)
+    seen = []
+
+    def select(start, stop, reach, scores):
+        torch.testing.assert_close(scores, q[:, :, start:stop] @ k[:, :, :reach].transpose(-1, -2))
+        seen.append((start, stop, reach))
+        top = scores.topk(2, -1).indices
+        return top, torch.ones_like(top, dtype=torch.bool)
+
+    idx, valid = select_in_chunks(q, k, select, 3, causal=True)
+    assert seen == [(0, 3, 5), (3, 6, 8), (6, 7, 9)] and idx.shape == valid.shape == (1, 2, 7, 2)

@@ -92,8 +92,8 @@ class DSAState:
     paper=PAPER,
     capabilities=Capabilities(causal=True, key_mask=True, decode_step=True, independent_queries=False),
     complexity=Complexity(
-        time="O(N^2 d_I H_I) indexer (every pair scored) + O(N^2 D H) attention scores by GEMM, k per query used",
-        memory="O(B H chunk N) per query chunk; O(B H N k) weights kept for backward",
+        time="O(N^2 d_I H_I) indexer (every pair scored) + O(N k D H) attention over the selected pairs",
+        memory="O(B H_I chunk N) indexer chunk; O(B H N k) weights kept for backward",
         subquadratic_memory=True,
     ),
     notes=(
@@ -116,9 +116,9 @@ class DSAState:
         "bench train does); indexer_loss(q, k, causal=...) computes it on its own. The paper's dense warm-up "
         "stage (indexer trained against full attention first) is not reproduced",
         "no per-call scale: q also feeds the indexer (set the config's scale instead)",
-        "fast path: per chunk of queries, the scores against every key it can reach are one GEMM and the "
-        "selected ones are gathered (4-8x faster on CPU than gathering each query's k keys and values), "
-        "so the attention costs O(N^2 D H) time like dense attention; never N x N in memory",
+        "fast path: the selected pairs as a sparse CSR matrix per head (sampled scores, CSR @ v, and a "
+        "backward of the same sparse products), so the attention costs O(N k D H); the indexer still scores "
+        "every pair (small heads); never N x N in memory",
         "decode step: a KV cache and a cache of indexer keys (d_I numbers per token); per token the new "
         "query is scored against every cached indexer key, O(t d_I H_I), then its attention scores by one GEMM "
         "over the cache, O(t D H), of which its topk keys are used",
@@ -159,7 +159,7 @@ class DSAAttention(Attention):
             index = self.indexer(q.detach(), k.detach())  # a graph to the indexer only when it learns
         wide = compute_dtype(q)
         selection = select_keys(*(x.detach().to(wide) for x in index), cfg.topk, args.causal, args.key_mask, cfg.chunk)
-        out, weights = attend_selected(q, k, v, selection, args.causal, cfg.scale, cfg.chunk)
+        out, weights = attend_selected(q, k, v, selection, cfg.scale)
         if learn:
             # the indexer's own loss (the task loss cannot reach it), left for auxiliary_loss(); its
             # target, the heads' mean attention over the selection, is the forward's own weights

@@ -144,24 +144,18 @@ def _dsa_rows(
     a forward; M < N: decode steps over a cache), unchecked."""
     wide = compute_dtype(q)
     selection = select_keys(*(x.to(wide) for x in (iq, ik, iw)), top_k, causal, mask, chunk)
-    return attend_selected(q, k, v, selection, causal, scale, chunk)[0]
+    return attend_selected(q, k, v, selection, scale)[0]
 
 
-def attend_selected(
-    q: Tensor, k: Tensor, v: Tensor, selection: tuple[Tensor, Tensor], causal: bool, scale, chunk: int
-) -> tuple[Tensor, Tensor]:
-    """The attention of ``_dsa_rows`` over a given ``select_keys`` selection: ``(out (B, H, M,
-    D_v)`` in q's dtype, ``weights (B, H, M, k)`` without gradient), through ``SelectedSoftmax``
-    (``selected.py``: one score GEMM per query chunk, the selected weights scattered back for a
-    GEMM with v)."""
+def attend_selected(q: Tensor, k: Tensor, v: Tensor, selection: tuple[Tensor, Tensor], scale) -> tuple[Tensor, Tensor]:
+    """The attention of ``_dsa_rows`` over a given ``select_keys`` selection (which holds the
+    causal rule and the padding): ``(out (B, H, M, D_v)`` in q's dtype, ``weights (B, H, M, k)``
+    without gradient), through ``SelectedSoftmax`` (``selected.py``: the selected pairs as a
+    sparse CSR matrix; O(M k D) forward and backward)."""
     idx, valid = (x[:, None] for x in selection)  # (B, 1, M, k): shared by the heads
-
-    def chosen(start: int, stop: int, reach: int, scores: Tensor) -> tuple[Tensor, Tensor]:
-        return idx[:, :, start:stop], valid[:, :, start:stop]
-
     wide = compute_dtype(q)
     qc, kc, vc = (x.to(wide) for x in (q, k, v))
-    out, weights = SelectedSoftmax.apply(qc * default_scale(scale, q.shape[-1]), kc, vc, chosen, chunk, causal)
+    out, weights = SelectedSoftmax.apply(qc * default_scale(scale, q.shape[-1]), kc, vc, idx, valid)
     return out.to(q.dtype), weights
 
 

@@ -7,10 +7,10 @@ k keys per node out of a bounded candidate set, and attends along those edges on
 
 One selection rule serves both (``topk_mask``): keep a row's k largest visible scores, the lower
 key index winning ties, or all visible entries if fewer. ``topk`` attends through
-``selected.SelectedSoftmax`` (score GEMM per query chunk, kept weights scattered back for a GEMM
-with v); ``sac``, whose candidates are a few per node, through ``sparse_softmax`` over gathered
-keys. Each fast path has a dense ``reference_*`` beside it that makes the same selection on the
-full N x N matrix.
+``selected.SelectedSoftmax`` (the selection from one score GEMM per query chunk, the attention
+over the kept pairs as a sparse CSR matrix); ``sac``, whose candidates are a few per node,
+through ``sparse_softmax`` over gathered keys. Each fast path has a dense ``reference_*`` beside
+it that makes the same selection on the full N x N matrix.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, mean_keys, visible_counts
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
-from attnzoo.mechanisms.selected import SelectedSoftmax
+from attnzoo.mechanisms.selected import SelectedSoftmax, select_in_chunks
 from attnzoo.registry import Config, bounded, quarter, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -145,13 +145,12 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: Atten
         -> ``(B, H, N_q, D_v)`` in the dtype of ``q``.
 
     Notes:
-        ``selected.SelectedSoftmax``: per chunk, the ``(B, H, chunk, N')`` scores are one GEMM
-        (causal: only the keys the chunk can reach), each row keeps its ``topk`` largest visible
-        ones (``select_topk``, the same rule as the reference's ``topk_mask``), and the kept
-        weights are scattered back into the tile for one GEMM with v; the backward redoes the
-        GEMMs per chunk from the saved ``(B, H, N_q, topk)`` weights. So no ``N_q x N_kv`` tensor
-        exists, and the time is that of dense attention plus ``torch.topk`` (every pair is
-        scored by definition).
+        ``selected.select_in_chunks``: per chunk, the ``(B, H, chunk, N')`` scores are one GEMM
+        (causal: only the keys the chunk can reach) and each row keeps its ``topk`` largest
+        visible ones (``select_topk``, the same rule as the reference's ``topk_mask``); then
+        ``selected.SelectedSoftmax`` attends over the kept pairs as a sparse CSR matrix, forward
+        and backward O(N_q topk D). No ``N_q x N_kv`` tensor exists; the time is the selection's
+        GEMMs and ``torch.topk`` (every pair is scored by definition) plus the sparse attention.
     """
     n_q, n_kv = q.shape[2], k.shape[2]
     kk = min(cfg.topk, n_kv)
@@ -163,7 +162,9 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: Atten
         return F.pad(idx, (0, pad)), F.pad(valid, (0, pad))
 
     qc, kc, vc = (t.to(compute_dtype(q)) for t in (q, k, v))
-    out, _ = SelectedSoftmax.apply(qc * default_scale(cfg.scale, q.shape[-1]), kc, vc, keep, cfg.chunk, args.causal)
+    qc = qc * default_scale(cfg.scale, q.shape[-1])
+    idx, valid = select_in_chunks(qc, kc, keep, cfg.chunk, args.causal)
+    out, _ = SelectedSoftmax.apply(qc, kc, vc, idx, valid)
     return out.to(q.dtype)
 
 
@@ -222,9 +223,9 @@ def register_selective(
         "the k kept keys are chosen among visible keys (after causal and padding masks); ties go to "
         "the lower key index; a row with fewer than k visible keys keeps them all",
         "gradients flow through the kept scores; the selection itself is not differentiable",
-        "the fast path costs dense attention's GEMMs plus torch.topk: each query chunk's scores are one GEMM, "
-        "and the kept weights are scattered back into that tile for one GEMM with v (on CPU 2x faster than "
-        "gathering each query's k keys and values); forward and backward never hold more than a chunk x N tile",
+        "the selection costs one score GEMM per query chunk plus torch.topk (every pair is scored, O(N^2 D)); "
+        "the attention over the kept pairs is sparse (CSR: sampled scores, CSR @ v; backward the same, O(N k D)); "
+        "nothing holds more than a chunk x N tile",
         "decode step: every key kept (a KV cache) and the new row's top k chosen over it, O(t) per token",
     ),
     cross=True,
