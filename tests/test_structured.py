@@ -78,7 +78,11 @@ def test_structured_forward_equals_the_double_loop_oracle(name, causal):
     "name, n", [(name, n) for name in CASES if name not in GRID for n in (100, 257)] + list(GRID.items())
 )  # grid patterns: at their one length
 def test_structured_gradients_equal_the_dense_reference(name, n):
-    pattern, _ = CASES[name]
+    _assert_blocked_equals_reference(CASES[name][0], n)
+
+
+def _assert_blocked_equals_reference(pattern, n: int) -> None:
+    """The blocked backend against the dense reference, forward and gradients, padded, causal and not."""
     for causal in (False, True):
         q, k, v = _inputs(n)
         padding = _padding(n)
@@ -101,17 +105,7 @@ def test_union_columns_on_the_flash_kernel_equal_the_dense_reference(name, monke
     from attnzoo.backends import windowed
 
     monkeypatch.setattr(windowed, "KERNEL_COLUMNS", 1)
-    pattern, _ = CASES[name]
-    for causal in (False, True):
-        q, k, v = _inputs(100)
-        padding = _padding(100)
-        grad = torch.randn(2, 4, 100, 8, dtype=torch.float64)
-        outs = []
-        for backend in ("blocked", "reference"):
-            out = attend(q, k, v, pattern=pattern, causal=causal, key_mask=padding, backend=backend)
-            outs.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
-        for fast, ref in zip(*outs):
-            torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+    _assert_blocked_equals_reference(CASES[name][0], 100)
 
 
 def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16():

@@ -56,6 +56,21 @@ def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, opts: Options) -> Te
     return scores.masked_fill(~allowed, float("-inf"))
 
 
+def _save(ctx: Any, saved: Saved | None, *tensors: Tensor) -> None:
+    """A union's own tensors, and its window part's after them where it has one."""
+    if saved is None:
+        ctx.save_for_backward(*tensors)
+    else:
+        saved.stash(ctx, *tensors)
+
+
+def _load(ctx: Any, windows: Windows | None, count: int) -> tuple[tuple[Tensor, ...], Saved | None]:
+    """What ``_save`` kept: the union's ``count`` tensors and its window part's (or None)."""
+    if windows is None:
+        return ctx.saved_tensors, None
+    return Saved.unstash(ctx, count)
+
+
 class _UnionAttention(torch.autograd.Function):
     """Window part + global columns, merged by log-sum-exp; backward gives both parts the
     union's output and log-sum-exp (see ``part_backward``)."""
@@ -74,30 +89,27 @@ class _UnionAttention(torch.autograd.Function):
         if out_w is not None:
             out = out + out_w.to(out.dtype) * torch.exp(lse_w - finite(lse, 0.0))[..., None]
         out = out.to(q.dtype)
-        if saved is None:
-            ctx.save_for_backward(q, k, v, out, lse, probs)
-        else:
-            saved.stash(ctx, q, k, v, out, lse, probs)
+        _save(ctx, saved, q, k, v, out, lse, probs)
         ctx.part, ctx.scale = part, opts.scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         part, scale = ctx.part, ctx.scale
-        if part.windows is not None:
-            (q, k, v, out, lse, probs), saved = Saved.unstash(ctx, 6)
+        (q, k, v, out, lse, probs), saved = _load(ctx, part.windows, 6)
+        if saved is not None:
             lse_k = finite(lse, float("inf")).to(saved.lse.dtype)  # rows that see nothing: p = 0
             dq, dk, dv = (x.to(probs.dtype) for x in part_backward(part.windows, saved, grad, scale, out, lse_k))
         else:
-            q, k, v, out, lse, probs = ctx.saved_tensors
             dq, dk, dv = (torch.zeros(x.shape, dtype=probs.dtype, device=x.device) for x in (q, k, v))
         index = part.tokens.to(q.device)
         g = grad.to(probs.dtype)
         delta = (g * out.to(probs.dtype)).sum(-1, keepdim=True)
         d_scores = probs * (grouped_matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
-        dq = dq + grouped_matmul(d_scores, k[:, :, index].to(probs.dtype))
-        dk = dk.index_add(2, index, grouped_outer(d_scores, q.to(probs.dtype), k.shape[1]))
-        dv = dv.index_add(2, index, grouped_outer(probs, g, k.shape[1]))
+        # In place: dq, dk, dv are this backward's own (fresh from the kernel's backward, or zeros).
+        dq.add_(grouped_matmul(d_scores, k[:, :, index].to(probs.dtype)))
+        dk.index_add_(2, index, grouped_outer(d_scores, q.to(probs.dtype), k.shape[1]))
+        dv.index_add_(2, index, grouped_outer(probs, g, k.shape[1]))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -126,30 +138,24 @@ class _KernelUnionAttention(torch.autograd.Function):
                 out.dtype
             )
             lse = union
-        if saved is None:
-            ctx.save_for_backward(q, kg, vg, mask, out, lse)
-        else:
-            saved.stash(ctx, q, kg, vg, mask, out, lse)
+        _save(ctx, saved, q, kg, vg, mask, out, lse)
         ctx.part, ctx.scale, ctx.kv_shape = part, opts.scale, k.shape
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         part, scale = ctx.part, ctx.scale
-        if part.windows is not None:
-            (q, kg, vg, mask, out, lse), saved = Saved.unstash(ctx, 6)
-        else:
-            q, kg, vg, mask, out, lse = ctx.saved_tensors
+        (q, kg, vg, mask, out, lse), saved = _load(ctx, part.windows, 6)
         lse = finite(lse, float("inf"))  # rows that see nothing: p = 0
         grad = grad.contiguous()
         dq, dkg, dvg = flash_attention_cpu_backward(grad, q, kg, vg, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-        if part.windows is not None:
+        if saved is not None:
             dq_w, dk, dv = part_backward(part.windows, saved, grad, scale, out, lse.to(saved.lse.dtype))
             dq = dq + dq_w
         else:
             dk, dv = (torch.zeros(ctx.kv_shape[:3] + x.shape[3:], dtype=x.dtype, device=x.device) for x in (kg, vg))
         index = part.tokens.to(q.device)
-        return dq, dk.index_add(2, index, dkg), dv.index_add(2, index, dvg), None, None
+        return dq, dk.index_add_(2, index, dkg), dv.index_add_(2, index, dvg), None, None
 
 
 def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> Tensor:
