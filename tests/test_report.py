@@ -257,3 +257,17 @@ def test_optional_sections_without_rows_are_left_out_and_named(tmp_path):
     assert failed == []
     assert "Not in the inputs (left out): Is your bottleneck really attention?, Fidelity" in page
     assert 'id="profile"' not in page and "No train rows" in page and "No meta row" in page
+
+
+def test_a_later_measurement_supersedes_a_file_that_sorts_later(tmp_path):
+    # Two runs of one day: the newer one (by its meta timestamp) is the reference row, even where
+    # the older file comes later in the input (its name sorts later).
+    rows = []
+    runs = (("a-new.jsonl", "2026-11-27T09:45:00+00:00", 2.0), ("b-old.jsonl", "2026-11-27T04:05:00+00:00", 0.5))
+    for name, when, ratio in runs:
+        meta = {"kind": "meta", "date": when}
+        row = {"kind": "speed", "mechanism": "random", "n": 1024, "speedup_forward_backward_vs_sdpa": ratio}
+        (tmp_path / name).write_text(json.dumps(meta) + "\n" + json.dumps(row) + "\n")
+        rows += results.load_run(tmp_path / name, origin="uncommitted").rows
+    chosen = pick.one_per(rows, lambda r: r["mechanism"])
+    assert chosen["random"]["speedup_forward_backward_vs_sdpa"] == 2.0

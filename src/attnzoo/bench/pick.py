@@ -5,9 +5,9 @@ memory, accuracy) per length and causality.
 
 Rows are the JSON objects of result files, annotated by ``results.load_run`` with where they come
 from: ``_origin`` ("fresh": this suite run; "committed": a file git tracks unmodified;
-"uncommitted": any other file), ``_file``, ``_date``, ``_rev`` (the git revision that
-made the row), ``_machine`` (the machine identity of its file's meta row) and ``_order`` (input
-order: later rows supersede earlier ones).
+"uncommitted": any other file), ``_file``, ``_date``, ``_when`` (its file's full timestamp),
+``_rev`` (the git revision that made the row), ``_machine`` (the machine identity of its file's
+meta row) and ``_order`` (input order: later rows supersede earlier ones).
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ def preference(row: Row) -> tuple:
     """Sort key, best last: fresh, then uncommitted, then committed files; a clean revision before
     a dirty one; then the larger training budget (a committed file with a short demo run must not
     stand in for the full run of the same task, or one column would mix budgets); then the newer
-    measurement (its file's date: a committed demo run must not hide a later sweep); then the
-    later row (input order)."""
-    date = str(row.get("_date") or "")
+    measurement (its file's timestamp, else its date: a committed demo run must not hide a later
+    sweep, nor a file whose name sorts later a sweep made after it the same day); then the later
+    row (input order)."""
+    date = str(row.get("_when") or row.get("_date") or "")
     return -rank(row.get("_origin")), not is_dirty(row.get("_rev")), budget(row), date, row.get("_order", 0)
 
 

@@ -57,7 +57,7 @@ def machine_identity(meta: Row | None) -> str | None:
 
 def load_run(path: str | Path, *, origin: str | None = None) -> Run:
     """Read one JSONL file and annotate every row with its source (``_file``, ``_origin``,
-    ``_date``, ``_rev``, ``_machine``, ``_order``) from the meta row above it (else the first).
+    ``_date``, ``_when``, ``_rev``, ``_machine``, ``_order``) from the meta row above it (else the first).
     ``origin``: "fresh" or "committed"; None asks git ("committed" where it tracks the file
     unmodified, else "uncommitted"). ValueError naming
     ``file:line`` for a line that is not a JSON object with a ``kind``, or naming the file when
@@ -88,6 +88,7 @@ def load_run(path: str | Path, *, origin: str | None = None) -> Run:
             _file=str(path),
             _origin=run.origin,
             _date=str(meta.get("date") or "")[:10] or (run.committed_in or "").partition(" ")[2] or None,
+            _when=str(meta.get("date") or "") or None,  # the full timestamp: orders runs of one day
             _rev=row.get("git") or meta.get("git"),
             _machine=machine_identity(meta),
             _order=next(_ORDER),
