@@ -1,4 +1,4 @@
-"""A/B of ``selected.SelectedSoftmax`` (topk's and dsa's attention over selected keys) in one process.
+"""A/B of ``selected.selected_softmax`` (topk's and dsa's attention over selected keys) in one process.
 
 The old implementation (dense score tiles per query chunk, the selected weights scattered back for
 GEMMs) is loaded from a file written with ``git show 2c4157e:src/attnzoo/mechanisms/selected.py``;
@@ -39,8 +39,8 @@ def bench(old, n: int, kk: int, causal: bool, shared: bool, heads: int = 8) -> s
 
     runs = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-        "old": lambda: old.SelectedSoftmax.apply(q * 0.125, k, v, chosen, 256, causal)[0],
-        "new": lambda: selected.SelectedSoftmax.apply(q * 0.125, k, v, idx, valid)[0],
+        "old": lambda: old.selected_softmax(q * 0.125, k, v, chosen, 256, causal)[0],
+        "new": lambda: selected.selected_softmax(q * 0.125, k, v, idx, valid)[0],
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(5):

@@ -227,18 +227,21 @@ def test_gathered_path_takes_grouped_kv_heads_as_they_are(causal):
         torch.testing.assert_close(a, b)
 
 
-def test_gathered_plan_is_the_kept_pairs_and_their_transpose():
+def test_sparse_rows_are_the_kept_pairs_their_transpose_and_their_slots():
+    from attnzoo.backends.sparse_rows import csr, slot_weights, sparse_rows
+
     table, valid = gathered._row_table(P.random(5, seed=4) & P.causal(), 30, 30)
-    plan = gathered._row_plan(table, valid, 30)
+    r = sparse_rows(table, valid, 30)
     dense = torch.zeros(30, 30, dtype=torch.bool)
     dense[torch.arange(30)[:, None].expand_as(table)[valid], table[valid]] = True
-    values = torch.arange(plan.col.numel(), dtype=torch.float64) + 1
-    as_rows = gathered._csr(plan, values).to_dense()
+    values = torch.arange(r.col.numel(), dtype=torch.float64) + 1
+    as_rows = csr(r, values).to_dense()
     assert torch.equal(as_rows != 0, dense)  # exactly the kept pairs
-    assert torch.equal(gathered._csr(plan, values[plan.perm], transposed=True).to_dense(), as_rows.t())
-    assert plan.width == int(valid.sum(1).max()) and plan.slots is not None  # causal: rows keep fewer
-    block = torch.zeros(30 * plan.width, dtype=torch.float64).index_copy_(0, plan.slots, values)
-    assert torch.equal(block.view(30, plan.width).sum(1), as_rows.sum(1))  # slots stay in their row
+    assert torch.equal(csr(r, values[r.perm], transposed=True).to_dense(), as_rows.t())
+    assert not r.full  # causal: most rows keep fewer than 5
+    slots = slot_weights(r, values)  # each value back in its slot: at its key, zero where unused
+    assert torch.equal(slots == 0, ~valid)
+    assert torch.equal(as_rows.gather(1, table).masked_fill(~valid, 0), slots)
 
 
 def test_gathered_table_puts_each_rows_kept_keys_first_and_never_allocates_n_squared():

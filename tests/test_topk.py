@@ -206,10 +206,10 @@ def test_sac_refuses_a_head_size_it_was_not_built_for():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_selected_softmax_gradients_with_invalid_slots_and_an_empty_row(causal):
-    """``SelectedSoftmax`` (topk's and dsa's fast path) against autograd's numerical gradient: a
+    """``selected_softmax`` (topk's and dsa's fast path) against autograd's numerical gradient: a
     shared (head dim 1) selection with unused slots, a row whose every slot is unused (zeros out,
     zero gradient), and per-head selections."""
-    from attnzoo.mechanisms.selected import SelectedSoftmax
+    from attnzoo.mechanisms.selected import selected_softmax
 
     torch.manual_seed(0)
     m, n, kk = 7, 9, 3
@@ -220,10 +220,10 @@ def test_selected_softmax_gradients_with_invalid_slots_and_an_empty_row(causal):
     valid[0, :, 2] = False
     for shared in (True, False):
         sel = (idx[:, :1], valid[:, :1]) if shared else (idx, valid)
-        out, weights = SelectedSoftmax.apply(q, k, v, *sel)
+        out, weights = selected_softmax(q, k, v, *sel)
         assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2])) and not weights.requires_grad
         assert bool((weights[~sel[1].expand_as(weights)] == 0).all())  # unused slots weigh 0
-        assert torch.autograd.gradcheck(lambda a, b, c, sel=sel: SelectedSoftmax.apply(a, b, c, *sel)[0], (q, k, v))
+        assert torch.autograd.gradcheck(lambda a, b, c, sel=sel: selected_softmax(a, b, c, *sel)[0], (q, k, v))
 
 
 def test_select_in_chunks_scores_each_chunk_up_to_its_reach():

@@ -5,7 +5,7 @@ them is in ``dsa.py``.
 
 The indexer is O(N^2 d_I H_I) by design; the fast path scores it in query chunks, so at most a
 ``(B, chunk, H_I, N)`` score tensor exists, picks the keys with ``select_topk`` (``topk.py``) and
-attends over them in ``selected.SelectedSoftmax``, which keeps only the ``(B, H, N, top_k)``
+attends over them in ``selected.selected_softmax``, which keeps only the ``(B, H, N, top_k)``
 weights for backward.
 """
 
@@ -19,7 +19,7 @@ from torch import Tensor
 from attnzoo._checks import check_causal, check_key_mask, check_positive_int, check_qkv, check_tensor
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import compute_dtype, default_scale
-from attnzoo.mechanisms.selected import SelectedSoftmax, row_chunks
+from attnzoo.mechanisms.selected import row_chunks, selected_softmax
 from attnzoo.mechanisms.topk import select_topk, topk_mask
 
 PAPER = (
@@ -150,12 +150,12 @@ def _dsa_rows(
 def attend_selected(q: Tensor, k: Tensor, v: Tensor, selection: tuple[Tensor, Tensor], scale) -> tuple[Tensor, Tensor]:
     """The attention of ``_dsa_rows`` over a given ``select_keys`` selection (which holds the
     causal rule and the padding): ``(out (B, H, M, D_v)`` in q's dtype, ``weights (B, H, M, k)``
-    without gradient), through ``SelectedSoftmax`` (``selected.py``: the selected pairs as a
+    without gradient), through ``selected_softmax`` (``selected.py``: the selected pairs as a
     sparse CSR matrix; O(M k D) forward and backward)."""
     idx, valid = (x[:, None] for x in selection)  # (B, 1, M, k): shared by the heads
     wide = compute_dtype(q)
     qc, kc, vc = (x.to(wide) for x in (q, k, v))
-    out, weights = SelectedSoftmax.apply(qc * default_scale(scale, q.shape[-1]), kc, vc, idx, valid)
+    out, weights = selected_softmax(qc * default_scale(scale, q.shape[-1]), kc, vc, idx, valid)
     return out.to(q.dtype), weights
 
 

@@ -7,7 +7,7 @@ k keys per node out of a bounded candidate set, and attends along those edges on
 
 One selection rule serves both (``topk_mask``): keep a row's k largest visible scores, the lower
 key index winning ties, or all visible entries if fewer. ``topk`` attends through
-``selected.SelectedSoftmax`` (the selection from one score GEMM per query chunk, the attention
+``selected.selected_softmax`` (the selection from one score GEMM per query chunk, the attention
 over the kept pairs as a sparse CSR matrix); ``sac``, whose candidates are a few per node,
 through ``sparse_softmax`` over gathered keys. Each fast path has a dense ``reference_*`` beside
 it that makes the same selection on the full N x N matrix.
@@ -27,7 +27,7 @@ from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, mean_keys, visible_counts
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
-from attnzoo.mechanisms.selected import SelectedSoftmax, select_in_chunks
+from attnzoo.mechanisms.selected import select_in_chunks, selected_softmax
 from attnzoo.registry import Config, bounded, quarter, register
 from attnzoo.spec import Capabilities, Complexity
 
@@ -148,7 +148,7 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: Atten
         ``selected.select_in_chunks``: per chunk, the ``(B, H, chunk, N')`` scores are one GEMM
         (causal: only the keys the chunk can reach) and each row keeps its ``topk`` largest
         visible ones (``select_topk``, the same rule as the reference's ``topk_mask``); then
-        ``selected.SelectedSoftmax`` attends over the kept pairs as a sparse CSR matrix, forward
+        ``selected.selected_softmax`` attends over the kept pairs as a sparse CSR matrix, forward
         and backward O(N_q topk D). No ``N_q x N_kv`` tensor exists; the time is the selection's
         GEMMs and ``torch.topk`` (every pair is scored by definition) plus the sparse attention.
     """
@@ -164,7 +164,7 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: Atten
     qc, kc, vc = (t.to(compute_dtype(q)) for t in (q, k, v))
     qc = qc * default_scale(cfg.scale, q.shape[-1])
     idx, valid = select_in_chunks(qc, kc, keep, cfg.chunk, args.causal)
-    out, _ = SelectedSoftmax.apply(qc, kc, vc, idx, valid)
+    out, _ = selected_softmax(qc, kc, vc, idx, valid)
     return out.to(q.dtype)
 
 

@@ -1,0 +1,141 @@
+"""Softmax attention over a few listed keys per query row, as sparse CSR products: the blocked
+backend's gathered path (``random(r)``: ``gathered.py``) and the selected-keys attention of
+``topk`` and ``dsa`` (``mechanisms/selected.py``).
+
+Each query row lists up to ``k`` keys in slots ``idx, valid (M, k)``. ``sparse_rows`` turns the
+kept slots into a CSR structure (``SparseRows``: row by row with keys ascending, and the same
+pairs key by key). ``SparseRowsAttention`` then computes, per (batch, head): the scores of the
+listed pairs only (``torch.sparse.sampled_addmm``), the softmax over each row's slots, and the
+output as CSR @ V; backward is the same sparse products (``dP`` sampled from ``dO V^T``,
+``dQ = dS K``, and ``dK = dS^T Q``, ``dV = P^T dO`` through the transposed structure). Time and
+memory O(M k D); nothing is M x N. One (batch, head) at a time: the 2-D sparse kernels ran twice
+as fast as their batched forms on CPU. float32 and float64 (the sparse kernels' types).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class SparseRows(NamedTuple):
+    """One (batch, head)'s listed pairs. ``crow (M + 1)``, ``col (nnz)``: row by row, keys
+    ascending; ``rows (nnz)``: each pair's row; ``slots (nnz)``: its place in the ``(M, k)``
+    slot layout it came from; ``perm (nnz)``: row order -> key order; ``crow_t (N + 1)``,
+    ``col_t (nnz)``: the pairs key by key; ``full``: every row keeps all ``k`` slots (then the
+    values in row order are already an ``(M, k)`` block, rows intact)."""
+
+    crow: Tensor
+    col: Tensor
+    rows: Tensor
+    slots: Tensor
+    perm: Tensor
+    crow_t: Tensor
+    col_t: Tensor
+    full: bool
+    shape: tuple[int, int, int]  # (M, N, k)
+
+
+def sparse_rows(idx: Tensor, valid: Tensor, n: int) -> SparseRows:
+    """``SparseRows`` of the slots ``idx, valid (M, k)`` (``idx`` distinct within a row where
+    valid) over ``n`` keys."""
+    m, k = idx.shape
+    keys, order = idx.masked_fill(~valid, n).sort(-1)  # kept keys ascending, unused slots last
+    kept = keys < n
+    counts = kept.sum(-1)
+    col = keys[kept]
+    rows = torch.arange(m, device=idx.device).repeat_interleave(counts)
+    slots = (torch.arange(m, device=idx.device)[:, None] * k + order)[kept]
+    perm = torch.sort(col, stable=True).indices  # rows stay ascending within a key
+    crow_t = F.pad(torch.bincount(col, minlength=n).cumsum(0), (1, 0))
+    crow = F.pad(counts.cumsum(0), (1, 0))
+    return SparseRows(crow, col, rows, slots, perm, crow_t, rows[perm], bool(kept.all()), (m, n, k))
+
+
+def csr(r: SparseRows, values: Tensor, transposed: bool = False) -> Tensor:
+    """The pairs with ``values`` as a CSR matrix ``(M, N)``: values in row order, or in key order
+    with ``transposed`` (then ``(N, M)``)."""
+    m, n, _ = r.shape
+    if transposed:
+        return torch.sparse_csr_tensor(r.crow_t, r.col_t, values, (n, m), check_invariants=False)
+    return torch.sparse_csr_tensor(r.crow, r.col, values, (m, n), check_invariants=False)
+
+
+def _sampled(r: SparseRows, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """``alpha * a @ b^T`` at the pairs only: values ``(nnz,)`` in row order."""
+    pattern = csr(r, a.new_zeros(r.col.numel()))
+    return torch.sparse.sampled_addmm(pattern, a, b.t(), beta=0.0, alpha=alpha).values()
+
+
+def _row_softmax(r: SparseRows, scores: Tensor, visible: Tensor | None) -> Tensor:
+    """Softmax of each row's pair scores ``(nnz,)`` over its visible pairs (``visible (nnz,)``,
+    None: all), in row order; 0 for the rest, and for every pair of a row with none visible."""
+    m, _, k = r.shape
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    if r.full:  # the row-order values are an (M, k) block already
+        block = scores.view(m, k)
+    else:
+        block = scores.new_full((m * k,), -math.inf).index_copy_(0, r.slots, scores).view(m, k)
+    lse = torch.logsumexp(block, -1, keepdim=True)
+    weights = torch.exp(block - torch.where(lse == -math.inf, math.inf, lse)).flatten()
+    return weights if r.full else weights[r.slots]
+
+
+def slot_weights(r: SparseRows, weights: Tensor) -> Tensor:
+    """Row-order pair weights ``(nnz,)`` -> the ``(M, k)`` slot layout (0 in unused slots)."""
+    m, _, k = r.shape
+    return weights.new_zeros(m * k).index_copy_(0, r.slots, weights).view(m, k)
+
+
+#: ``(b, h)`` -> the structure of batch row b, query head h.
+StructureOf = Callable[[int, int], SparseRows]
+#: ``b`` -> which pairs of the structure are real keys ``(nnz,)`` (padding), or None.
+VisibleOf = Callable[[SparseRows, int], "Tensor | None"]
+
+
+class SparseRowsAttention(torch.autograd.Function):
+    """``q (B, H, M, D)``, ``k (B, H_kv, N, D)``, ``v (B, H_kv, N, D_v)`` (``H_kv`` dividing ``H``),
+    ``structure_of``, ``visible_of``, ``scale`` -> ``(out (B, H, M, D_v), *weights)``: one weights
+    tensor ``(nnz,)`` per (b, h) in ``b * H + h`` order, in its structure's row order, without
+    gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, structure_of: StructureOf, visible_of: VisibleOf, scale):  # type: ignore[override]
+        (batch, heads, m), groups = q.shape[:3], q.shape[1] // k.shape[1]
+        out, weights = v.new_empty(batch, heads, m, v.shape[-1]), []
+        with warnings.catch_warnings():  # torch's one-time notice that its CSR support is beta
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            for b in range(batch):
+                for h in range(heads):
+                    r = structure_of(b, h)
+                    w = _row_softmax(r, _sampled(r, q[b, h], k[b, h // groups], scale), visible_of(r, b))
+                    out[b, h] = csr(r, w) @ v[b, h // groups]
+                    weights.append(w)
+        ctx.save_for_backward(q, k, v, out, *weights)
+        ctx.structure_of, ctx.scale = structure_of, scale
+        ctx.mark_non_differentiable(*weights)
+        return (out, *weights)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, *weights = ctx.saved_tensors
+        (batch, heads), groups, scale = q.shape[:2], q.shape[1] // k.shape[1], ctx.scale
+        delta = (grad * out).sum(-1)  # (B, H, M): rowsum(dO * O)
+        d_q, d_k, d_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+            for b in range(batch):
+                for h in range(heads):
+                    r, p, g = ctx.structure_of(b, h), weights[b * heads + h], grad[b, h].contiguous()
+                    d_scores = p * (_sampled(r, g, v[b, h // groups]) - delta[b, h][r.rows])
+                    d_q[b, h] = (csr(r, d_scores) @ k[b, h // groups]) * scale
+                    d_k[b, h // groups] += (csr(r, d_scores[r.perm], transposed=True) @ q[b, h]) * scale
+                    d_v[b, h // groups] += csr(r, p[r.perm], transposed=True) @ g
+        return d_q, d_k, d_v, None, None, None
