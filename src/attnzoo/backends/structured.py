@@ -45,11 +45,11 @@ from attnzoo.patterns.compound import Axial, GlobalBlocks
 
 @dataclass(frozen=True)
 class Windows:
-    """Query blocks of ``block`` rows, each attending ``width`` keys from ``start`` (both
-    multiples of ``block``) relative to the block's first row, on sub-sequences of stride
-    ``stride``. ``allowed (1, blocks, block, width)`` is the additive pattern mask (0 / -inf),
-    None when every pair in every window is allowed; dense parts (``width == 0``) attend
-    the whole sub-sequence, causally when ``causal``."""
+    """Query blocks of ``block`` rows, each attending ``width`` keys (a multiple of ``block``)
+    from ``start`` (<= 0, or a multiple of ``block``) relative to the block's first row, on
+    sub-sequences of stride ``stride``. ``allowed (1, blocks, block, width)`` is the additive
+    pattern mask (0 / -inf), None when every pair in every window is allowed; dense parts
+    (``width == 0``) attend the whole sub-sequence, causally when ``causal``."""
 
     stride: int
     block: int = 0
