@@ -13,7 +13,7 @@ Each pattern derives ``blocks()`` from its own structure:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import torch
@@ -152,6 +152,18 @@ def _positions(indices: Sequence[int], what: str) -> tuple[Tensor, str]:
     return index, str(index.tolist()) if index.numel() <= 8 else f"{index.numel()} positions"
 
 
+def _member_of(indices: Tensor) -> Callable[[Tensor], Tensor]:
+    """``x -> x in indices`` elementwise, by a lookup table (``torch.isin`` does not compile
+    with inductor inside a FlexAttention mask)."""
+    top = int(indices.max())
+    table = _index_table(indices, top + 1)
+
+    def member(x: Tensor) -> Tensor:
+        return (x >= 0) & (x <= top) & table.to(x.device)[x.clamp(0, top)]
+
+    return member
+
+
 class GlobalTokens(Pattern):
     """``p in G or j in G``: the global tokens' rows and columns."""
 
@@ -163,11 +175,7 @@ class GlobalTokens(Pattern):
         return tuple(self.indices.tolist())
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
-        top = int(self.indices.max())
-        table = _index_table(self.indices, top + 1)
-
-        def is_global(x: Tensor) -> Tensor:
-            return (x >= 0) & (x <= top) & table.to(x.device)[x.clamp(0, top)]
+        is_global = _member_of(self.indices)
 
         def global_tokens(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return is_global(q_idx) | is_global(kv_idx)
@@ -243,11 +251,11 @@ class KeyColumns(Pattern):
         return self.indices[self.indices < n_kv]
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
-        indices = self.indices
+        is_column = _member_of(self.indices)
 
         def key_columns(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             # "| (q_idx < q_idx)" adds nothing but broadcasts the result over the query axis.
-            return torch.isin(kv_idx, indices.to(kv_idx.device)) | (q_idx < q_idx)
+            return is_column(kv_idx) | (q_idx < q_idx)
 
         return key_columns
 
