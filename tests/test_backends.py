@@ -227,21 +227,25 @@ def test_gathered_path_takes_grouped_kv_heads_as_they_are(causal):
         torch.testing.assert_close(a, b)
 
 
-def test_sparse_rows_are_the_kept_pairs_their_transpose_and_their_slots():
-    from attnzoo.backends.sparse_rows import csr, slot_weights, sparse_rows
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("causal", [True, False], ids=["rows-keep-fewer", "every-slot-kept"])
+def test_sparse_rows_are_the_kept_pairs_their_transpose_and_their_slots(causal):
+    from attnzoo.backends.sparse_rows import csr, slot_weights, sparse_rows_of_many
 
-    table, valid = gathered._row_table(P.random(5, seed=4) & P.causal(), 30, 30)
-    r = sparse_rows(table, valid, 30)
-    dense = torch.zeros(30, 30, dtype=torch.bool)
-    dense[torch.arange(30)[:, None].expand_as(table)[valid], table[valid]] = True
-    values = torch.arange(r.col.numel(), dtype=torch.float64) + 1
-    as_rows = csr(r, values).to_dense()
-    assert torch.equal(as_rows != 0, dense)  # exactly the kept pairs
-    assert torch.equal(csr(r, values[r.perm], transposed=True).to_dense(), as_rows.t())
-    assert not r.full  # causal: most rows keep fewer than 5
-    slots = slot_weights(r, values)  # each value back in its slot: at its key, zero where unused
-    assert torch.equal(slots == 0, ~valid)
-    assert torch.equal(as_rows.gather(1, table).masked_fill(~valid, 0), slots)
+    pattern = P.random(5, seed=4) & P.causal() if causal else P.random(5, seed=4)
+    table, valid = gathered._row_table(pattern, 30, 30)
+    tables = torch.stack([table, table.flip(1)]), torch.stack([valid, valid.flip(1)])  # two slot orders
+    for r, table, valid in zip(sparse_rows_of_many(*tables, 30), *tables):
+        dense = torch.zeros(30, 30, dtype=torch.bool)
+        dense[torch.arange(30)[:, None].expand_as(table)[valid], table[valid]] = True
+        values = torch.arange(r.col.numel(), dtype=torch.float64) + 1
+        as_rows = csr(r, values).to_dense()
+        assert torch.equal(as_rows != 0, dense)  # exactly the kept pairs
+        assert torch.equal(csr(r, values[r.perm], transposed=True).to_dense(), as_rows.t())
+        assert r.full != causal  # causal: most rows keep fewer than 5
+        slots = slot_weights(r, values)  # each value back in its slot: at its key, zero where unused
+        assert torch.equal(slots == 0, ~valid)
+        assert torch.equal(as_rows.gather(1, table).masked_fill(~valid, 0), slots)
 
 
 def test_gathered_table_puts_each_rows_kept_keys_first_and_never_allocates_n_squared():

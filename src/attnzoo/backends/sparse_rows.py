@@ -45,17 +45,41 @@ class SparseRows(NamedTuple):
 def sparse_rows(idx: Tensor, valid: Tensor, n: int) -> SparseRows:
     """``SparseRows`` of the slots ``idx, valid (M, k)`` (``idx`` distinct within a row where
     valid) over ``n`` keys."""
-    m, k = idx.shape
+    return sparse_rows_of_many(idx[None], valid[None], n)[0]
+
+
+def sparse_rows_of_many(idx: Tensor, valid: Tensor, n: int) -> list[SparseRows]:
+    """``sparse_rows`` of each of ``G`` slot tables ``idx, valid (G, M, k)``. Where every slot is
+    kept (``topk`` without padding or a causal cut) the G structures are built by a few batched
+    calls instead of a dozen small ones each (``topk`` at N = 1024: 84 -> 79 ms fwd+bwd in one
+    process)."""
+    g, m, k = idx.shape
     keys, order = idx.masked_fill(~valid, n).sort(-1)  # kept keys ascending, unused slots last
     kept = keys < n
-    counts = kept.sum(-1)
-    col = keys[kept]
-    rows = torch.arange(m, device=idx.device).repeat_interleave(counts)
-    slots = (torch.arange(m, device=idx.device)[:, None] * k + order)[kept]
-    perm = torch.sort(col, stable=True).indices  # rows stay ascending within a key
-    crow_t = F.pad(torch.bincount(col, minlength=n).cumsum(0), (1, 0))
-    crow = F.pad(counts.cumsum(0), (1, 0))
-    return SparseRows(crow, col, rows, slots, perm, crow_t, rows[perm], bool(kept.all()), (m, n, k))
+    arange_m = torch.arange(m, device=idx.device)
+    if bool(kept.all()):
+        col = keys.reshape(g, m * k)
+        perm = torch.sort(col, dim=-1, stable=True).indices  # rows stay ascending within a key
+        rows = arange_m.repeat_interleave(k)
+        slots = (arange_m[:, None] * k + order).reshape(g, m * k)
+        offsets = torch.arange(g, device=idx.device)[:, None] * n
+        crow_t = torch.bincount((col + offsets).flatten(), minlength=g * n).view(g, n).cumsum(-1)
+        crow_t, crow = F.pad(crow_t, (1, 0)), torch.arange(0, m * k + 1, k, device=idx.device)
+        return [
+            SparseRows(crow, col[i], rows, slots[i], perm[i], crow_t[i], rows[perm[i]], True, (m, n, k))
+            for i in range(g)
+        ]
+    structures = []
+    for keys_i, order_i, kept_i in zip(keys, order, kept):
+        counts = kept_i.sum(-1)
+        col = keys_i[kept_i]
+        rows = arange_m.repeat_interleave(counts)
+        slots = (arange_m[:, None] * k + order_i)[kept_i]
+        perm = torch.sort(col, stable=True).indices  # rows stay ascending within a key
+        crow_t = F.pad(torch.bincount(col, minlength=n).cumsum(0), (1, 0))
+        crow = F.pad(counts.cumsum(0), (1, 0))
+        structures.append(SparseRows(crow, col, rows, slots, perm, crow_t, rows[perm], False, (m, n, k)))
+    return structures
 
 
 def csr(r: SparseRows, values: Tensor, transposed: bool = False) -> Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from attnzoo.backends.sparse_rows import SparseRows, SparseRowsAttention, slot_weights, sparse_rows
+from attnzoo.backends.sparse_rows import SparseRows, SparseRowsAttention, slot_weights, sparse_rows_of_many
 
 #: ``select(start, stop, reach, scores)`` -> ``(idx, valid)``, each ``(B, H, c, k)``, for query rows
 #: ``start:stop`` given their ``(B, H, c, reach)`` scores (no gradient); k is the same for every
@@ -54,7 +54,7 @@ def selected_softmax(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor
     without gradient (``dsa``'s indexer loss reads them as its target). A row with no valid slot
     gets zeros and passes zero gradient; a NaN row stays NaN."""
     (batch, heads), n, per_head = q.shape[:2], k.shape[2], idx.shape[1]
-    structures = [sparse_rows(idx[b, h], valid[b, h], n) for b in range(batch) for h in range(per_head)]
+    structures = sparse_rows_of_many(idx.flatten(0, 1), valid.flatten(0, 1), n)  # b * per_head + h
 
     def structure_of(b: int, h: int) -> SparseRows:
         return structures[b * per_head + (h if per_head > 1 else 0)]
