@@ -19,9 +19,9 @@ from torch import Tensor
 
 def same_width(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``q, k, v`` zero-padded to one head size (contiguous), as CPU SDPA's flash kernel needs
-    (else it runs its N x N math path: 5x slower at N = 2048), and every fused kernel (one last
-    dimension for q, k and v); zero channels change no score and
-    no value, so slicing the output back to ``D_v`` gives the same attention (pass the scale)."""
+    (else it runs its N x N math path: 5x slower at N = 2048), as does every fused kernel that
+    takes one last dimension for q, k and v. Zero channels change no score and no value, so
+    slicing the output back to ``D_v`` gives the same attention (pass the scale)."""
     width = max(q.shape[-1], v.shape[-1])
     return tuple(F.pad(x, (0, width - x.shape[-1])).contiguous() for x in (q, k, v))  # type: ignore[return-value]
 
@@ -174,9 +174,9 @@ def block_union(index: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tenso
     return cols, member
 
 
-def gated_scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
-    """The chunkwise recurrence ``S_{c+1} = g_c * S_c + U_c`` from ``S_0 = s0``: the states at
-    each chunk's start ``(B, H, C, m, E)`` and the state after the last chunk ``(B, H, m, E)``.
+def gated_scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The chunkwise recurrence ``S_{c+1} = g_c * S_c + U_c`` from ``S_0 = s0`` (None: zeros): the
+    states at each chunk's start ``(B, H, C, m, E)`` and the state after the last chunk ``(B, H, m, E)``.
 
     ``gates``: ``(B, H, C, 1, 1)`` (a scalar per chunk: RFA's gate, Performer's stabiliser) or
     ``(B, H, C, m, 1)`` (one per state row: GLA-style per-channel decays), multiplying the state.
@@ -185,6 +185,8 @@ def gated_scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, T
     form, a ``(C, C)`` matmul over the states, costs C times as much (a fifth of ``rfa``'s causal
     forward+backward at N = 4096, C = 64).
     """
+    if s0 is None:
+        s0 = chunk_sums.new_zeros(chunk_sums.shape[:2] + chunk_sums.shape[3:])
     return GatedScan.apply(chunk_sums, gates, s0)
 
 

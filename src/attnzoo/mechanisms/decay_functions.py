@@ -185,7 +185,7 @@ def gla_chunks(
         O(N (L D + D Dv) + N D log L) time, O(N (L + D log L) + (N / L) D Dv) memory. The
         positions padded up to a whole chunk have zero k, v and log decay: they change nothing.
     """
-    b, h, n, d = k.shape
+    n = k.shape[2]
     size = min(chunk, 1 << (n - 1).bit_length())
     pad = -n % size
     q, k, v, log_alpha = (
@@ -196,7 +196,6 @@ def gla_chunks(
     cum = log_alpha.double().cumsum(3)  # [B, H, C, L, D]: non-increasing along L
     last = cum[:, :, :, -1]  # [B, H, C, D]: a chunk's whole decay
     chunk_sums = (k * _exp(last[:, :, :, None] - cum, k)).transpose(-1, -2) @ v  # [B, H, C, D, Dv]
-    s0 = k.new_zeros(b, h, d, v.shape[-1]) if s0 is None else s0
     starts, final = gated_scan(chunk_sums, _exp(last, k)[..., None], s0)  # a gate per state row
     out = _within_chunks(q, k, v, cum) + (q * _exp(cum, q)) @ starts
     return rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n], final

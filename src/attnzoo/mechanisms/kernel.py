@@ -277,7 +277,7 @@ def _causal_sums(
         to_end = (cum[..., -1:] - cum).to(q.dtype).exp()  # decay from key j to the end of its chunk
         # Per-position factors scale the E-wide values and outputs, not the m-wide features.
         chunk_sums = k.transpose(-1, -2) @ (v * to_end[..., None])
-        starts, final = _scan(chunk_sums, cum[..., -1].to(q.dtype), s0)
+        starts, final = gated_scan(chunk_sums, cum[..., -1].to(q.dtype).exp()[..., None, None], s0)
         # The per-K/V-head decays broadcast over the group axis (G, L): nothing repeated.
         within = (scores.unflatten(-2, (groups, size)) * pair_decay[:, :, :, None]).flatten(-3, -2)
         across = (q @ starts).unflatten(-2, (groups, size)) * cum.to(q.dtype).exp()[:, :, :, None, :, None]
@@ -286,8 +286,8 @@ def _causal_sums(
 
 
 def _prefix_sums(chunk_sums: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``_scan`` without gates: the states at each chunk start, ``S_c = S_0 + sum_{c' < c} U_c'``
-    ``(B, H, C, m, E)``, and after the last chunk ``(B, H, m, E)``. Up to ``SCAN_MATMUL_CHUNKS``
+    """``_ops.gated_scan`` without gates: the states at each chunk start, ``S_c = S_0 + sum_{c' <
+    c} U_c'`` ``(B, H, C, m, E)``, and after the last chunk ``(B, H, m, E)``. Up to ``SCAN_MATMUL_CHUNKS``
     chunks one matmul with a ``(C, C)`` 0/1 matrix (one pass, and one matmul backward, where a
     cumulative sum, its padding and its flipped backward cost several passes over the states)."""
     b, h, c, m, e = chunk_sums.shape
@@ -301,15 +301,6 @@ def _prefix_sums(chunk_sums: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]
     if s0 is None:
         return starts, final
     return starts + s0[:, :, None], final + s0
-
-
-def _scan(chunk_sums: Tensor, log_gates: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
-    """States at each chunk start, ``S_c = g_{c-1} S_{c-1} + U_{c-1}`` ``(B, H, C, m, E)``, and
-    the state after the last chunk ``(B, H, m, E)``, for log gates ``(B, H, C)``; ``s0`` None is
-    a zero initial state: ``_ops.gated_scan``."""
-    if s0 is None:
-        s0 = chunk_sums.new_zeros(chunk_sums.shape[:2] + chunk_sums.shape[3:])
-    return gated_scan(chunk_sums, log_gates.exp()[..., None, None], s0)
 
 
 def reference_kernel_attention(
