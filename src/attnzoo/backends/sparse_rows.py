@@ -120,7 +120,7 @@ def slot_weights(r: SparseRows, weights: Tensor) -> Tensor:
 
 #: ``(b, h)`` -> the structure of batch row b, query head h.
 StructureOf = Callable[[int, int], SparseRows]
-#: ``b`` -> which pairs of the structure are real keys ``(nnz,)`` (padding), or None.
+#: ``(structure, b)`` -> which of its pairs have a real key in batch row b ``(nnz,)``, or None (all).
 VisibleOf = Callable[[SparseRows, int], "Tensor | None"]
 
 
@@ -137,9 +137,12 @@ class SparseRowsAttention(torch.autograd.Function):
         with warnings.catch_warnings():  # torch's one-time notice that its CSR support is beta
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
             for b in range(batch):
+                seen: tuple[SparseRows | None, Tensor | None] = (None, None)
                 for h in range(heads):
                     r = structure_of(b, h)
-                    w = _row_softmax(r, _sampled(r, q[b, h], k[b, h // groups], scale), visible_of(r, b))
+                    if r is not seen[0]:  # heads sharing a structure share its padding verdict
+                        seen = (r, visible_of(r, b))
+                    w = _row_softmax(r, _sampled(r, q[b, h], k[b, h // groups], scale), seen[1])
                     out[b, h] = csr(r, w) @ v[b, h // groups]
                     weights.append(w)
         ctx.save_for_backward(q, k, v, out, *weights)
