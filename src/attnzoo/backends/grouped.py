@@ -13,11 +13,24 @@ the one the path had before (views).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
+
+
+def pad_rows(x: Tensor, front: int, back: int) -> Tensor:
+    """``x`` with ``front`` and ``back`` zero rows around its rows (dim -2), contiguous; ``x``
+    itself when there is nothing to add and it is contiguous. Only the new rows are zeroed
+    (``F.pad`` fills all of its output first, one more pass over it)."""
+    if front == back == 0:
+        return x.contiguous()
+    shape = (*x.shape[:-2], front + x.shape[-2] + back, x.shape[-1])
+    out = x.new_empty(shape)
+    out[..., :front, :].zero_()
+    out[..., front + x.shape[-2] :, :].zero_()
+    out[..., front : front + x.shape[-2], :] = x
+    return out
 
 
 def rows_to_blocks(x: Tensor, blocks: int, block: int, groups: int) -> Tensor:
@@ -25,7 +38,8 @@ def rows_to_blocks(x: Tensor, blocks: int, block: int, groups: int) -> Tensor:
     (padded with zeros). Grouped-query K/V (``G = H / H_kv`` query heads per K/V head): the G
     query heads of a group share each block's key window, so they are stacked as the block's
     rows (member ``i`` is rows ``i block .. (i + 1) block``) and K/V are never repeated."""
-    x = F.pad(x, (0, 0, 0, blocks * block - x.shape[2]))
+    if blocks * block != x.shape[2]:
+        x = pad_rows(x, 0, blocks * block - x.shape[2])
     return rearrange(x, "b (h g) (t l) e -> (b h) t (g l) e", g=groups, l=block)
 
 

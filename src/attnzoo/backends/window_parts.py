@@ -16,7 +16,7 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
-from attnzoo.backends.grouped import blocks_to_rows, fold_rows, rows_to_blocks, unfold_rows
+from attnzoo.backends.grouped import blocks_to_rows, fold_rows, pad_rows, rows_to_blocks, unfold_rows
 from attnzoo.backends.structured import Windows
 
 
@@ -36,7 +36,8 @@ def _split(x: Tensor, stride: int, sub: int) -> Tensor:
     batch row ``b * stride + r`` (N padded to ``sub * stride`` with zeros)."""
     if stride == 1:
         return x
-    x = F.pad(x, (0, 0, 0, sub * stride - x.shape[2]))
+    if sub * stride != x.shape[2]:
+        x = F.pad(x, (0, 0, 0, sub * stride - x.shape[2]))
     return rearrange(x, "b h (n m) d -> (b m) h n d", m=stride).contiguous()
 
 
@@ -61,7 +62,7 @@ def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
     """``(BH, n, D)`` -> zero-copy ``(BH, blocks, width, D)`` windows (x padded with zeros)."""
     front = max(0, -w.start)
     total = max(front + w.start + (blocks - 1) * w.block + w.width, front + x.shape[1])
-    x = F.pad(x, (0, 0, front, total - front - x.shape[1])).contiguous()
+    x = pad_rows(x, front, total - front - x.shape[1])
     first = front + w.start
     return x[:, first:].as_strided(
         (x.shape[0], blocks, w.width, x.shape[2]), (x.stride(0), w.block * x.stride(1), x.stride(1), 1)
