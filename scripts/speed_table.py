@@ -5,7 +5,8 @@
 One table per causality: per mechanism, the forward+backward speed-up over dense SDPA at each N
 (median of interleaved pairs; in brackets the density bound 1/density where the pattern fixes
 it), the forward speed-up at the largest N, and the crossover N (smallest N from which it stays
-ahead of SDPA, forward+backward).
+ahead of SDPA, forward+backward). A † marks a default config sized for that N (``sized_for``:
+the default is not defined there, e.g. ``axial``'s 32 x 32 grid).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def _cell(row: dict | None) -> str:
         return "unchecked" if row.get("correct") is None else "—"
     bound = row.get("density_bound")
     text = f"{ratio:.2f}×" + (f" ({bound:.0f})" if bound else "")
-    return f"**{text}**" if ratio >= 1 else text
+    text = f"**{text}**" if ratio >= 1 else text
+    return text + "†" if row.get("sized_for") else text  # a default not defined at N, sized for it
 
 
 def tables(rows: list[dict]) -> str:

@@ -57,8 +57,8 @@ def test_run_reports_ratios_checks_and_errors():
     assert 0 < local["density"] < 0.1  # 17 keys of 256 per row, fewer at the edges
     assert local["density_bound"] == pytest.approx(1 / local["density"])
     assert local["forward_backward_s"] > 0 and local["blocks_ms"] >= 0
-    # block2d's default image (32 x 32) does not fit N = 256: reported, not raised.
-    assert "exactly h*w" in block2d["error"]
+    # block2d's default image (32 x 32) does not fit N = 256: sized for it, and the row says so.
+    assert "exactly h*w" in block2d["default_error"] and block2d["sized_for"] == 256 and block2d["correct"]
 
 
 def test_cli_writes_json_lines(tmp_path, capsys):
@@ -222,3 +222,15 @@ def test_decode_bench_sizes_a_default_that_does_not_reach_the_position_and_says_
     assert "window=" in sized["default_error"] and sized["sized_for"] == 40 + decode.STEPS + 1
     assert sized["config"]["window"] > 0 and sized["steps_per_s"] > 0
     assert "window=" in chosen["error"] and "sized_for" not in chosen  # a chosen config is not changed
+
+
+def test_speed_bench_sizes_a_default_defined_on_one_length_and_says_so():
+    # axial's default 32 x 32 grid is defined at N = 1024 only: at N = 64 the default is sized
+    # (an 8 x 8 grid, checked at N = 64 itself); a chosen grid is reported as it fails.
+    mechanisms = (("axial", {}), ("axial", {"h": 32, "w": 32}))
+    setting = speed.Setting(mechanisms=mechanisms, sizes=(64,), heads=2, dim=8, repeats=1)
+    rows = [r for r in speed.run(setting) if r.get("mechanism") == "axial"]
+    sized, chosen = rows[0], rows[1]
+    assert "h*w = 1024" in sized["default_error"] and sized["sized_for"] == 64
+    assert sized["config"] == {"h": 8, "w": 8} and sized["correct"] and sized["forward_s"] > 0
+    assert "h*w = 1024" in chosen["error"] and "sized_for" not in chosen  # a chosen config is not changed

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import attnzoo
-from attnzoo.bench.speed import machine
+from attnzoo.bench.speed import machine, summary
 
 
 def state_bytes(state: Any) -> int:
@@ -111,7 +111,7 @@ def run(
                 # the run reaches (and a Shape with that max_len), said so in the row.
                 n = position + STEPS + 1
                 sized = spec.config.length_values(n)
-                row |= {"config": _summary(sized), "sized_for": n, "default_error": str(error)}
+                row |= {"config": summary(sized), "sized_for": n, "default_error": str(error)}
                 try:
                     times, size = step_times(name, sized, position, heads=heads, dim=dim, max_len=n)
                 except (ValueError, RuntimeError, MemoryError) as again:
@@ -122,11 +122,6 @@ def run(
                 continue
             median = statistics.median(times)
             yield {**row, "step_s": median, "steps_per_s": 1 / median, "state_bytes": size}
-
-
-def _summary(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` for a result row: a long sequence (a sized graph's edge list) as its length."""
-    return {k: f"<{len(v)} items>" if isinstance(v, (tuple, list)) and len(v) > 16 else v for k, v in config.items()}
 
 
 def default_mechanisms() -> tuple[tuple[str, dict[str, Any]], ...]:

@@ -8,8 +8,10 @@ pattern's ``density`` (pairs attended / pairs SDPA computes) and the ``density_b
 and each fit line the ``crossover_n`` (smallest N from which the mechanism beats SDPA).
 
 Before timing, each mechanism is checked against its reference at the benchmark's N (up to
-1024; at 300 above that); a mechanism
-that fails the check is reported as failed and gets no speed-up figure.
+1024; at 300 above that, or at N for a mechanism defined on one length); a mechanism that fails
+the check is reported as failed and gets no speed-up figure. A default config that is not
+defined at N (``axial``'s 32 x 32 grid) is sized for N (``Config.length_values``), and the row
+says so (``sized_for``); a config given on the command line is never changed.
 """
 
 from __future__ import annotations
@@ -281,10 +283,13 @@ def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Se
     if attnzoo.describe(name).capabilities.kind == "mixer":
         return _run_mixer(row, name, config, n, setting, causal)
     module = _build(name, config, backend, setting.device).eval()
-    # Checked at the benchmark's own N up to CHECK_MAX_N (mechanisms defined on one length,
-    # e.g. a 32 x 32 grid, can only be checked there), else at CHECK_N.
-    check_n = n if n <= CHECK_MAX_N else CHECK_N
-    row["max_abs_error_vs_reference"], row["checked_by"] = check(name, config, backend, setting, causal, check_n)
+    # Checked at the benchmark's own N up to CHECK_MAX_N, else at CHECK_N; a mechanism defined on
+    # one length only (a 32 x 32 grid) refuses CHECK_N and is checked at its own.
+    try:
+        error = check(name, config, backend, setting, causal, n if n <= CHECK_MAX_N else CHECK_N)
+    except ValueError:
+        error = check(name, config, backend, setting, causal, n)
+    row["max_abs_error_vs_reference"], row["checked_by"] = error
     row["correct"] = row["max_abs_error_vs_reference"] < 1e-3
     q, k, v = _inputs(setting, n, False)
     forward = lambda: module(q, k, v, causal=causal)  # noqa: E731
@@ -386,20 +391,38 @@ def run(setting: Setting) -> Iterator[dict[str, Any]]:
                 if not causal and not attnzoo.describe(name).capabilities.bidirectional:
                     continue  # defined causally only (nsa): no non-causal row to measure
                 for backend in setting.backends:
-                    try:
-                        done.append(run_one(name, config, backend, n, setting, causal))
-                        yield done[-1]
-                    except (ValueError, TypeError, RuntimeError) as error:
-                        yield {
-                            "kind": "speed",
-                            "mechanism": name,
-                            "config": config,
-                            "backend": backend,
-                            "n": n,
-                            "causal": causal,
-                            "error": f"{type(error).__name__}: {error}",
-                        }
+                    row = _run_or_size(name, config, backend, n, setting, causal)
+                    if "error" not in row:
+                        done.append(row)
+                    yield row
     yield from fits(done)
+
+
+def _run_or_size(name: str, config: dict[str, Any], backend: str, n: int, setting: Setting, causal: bool) -> dict:
+    """``run_one``'s row, or one with an ``error``. A default config that is not defined at
+    ``n`` (``axial``'s 32 x 32 grid) is sized for ``n`` (``Config.length_values``) and the row
+    says so (``sized_for``, ``default_error``); a config the user chose is never changed."""
+    try:
+        return run_one(name, config, backend, n, setting, causal)
+    except (ValueError, TypeError, RuntimeError) as error:
+        failed = {"kind": "speed", "mechanism": name, "config": config, "backend": backend, "n": n, "causal": causal}
+        failed["error"] = f"{type(error).__name__}: {error}"
+        if config or not isinstance(error, ValueError):
+            return failed
+        sized = attnzoo.describe(name).config.length_values(n)
+        if not sized:
+            return failed
+        note = {"sized_for": n, "default_error": str(error)}
+        try:
+            row = run_one(name, sized, backend, n, setting, causal)
+        except (ValueError, TypeError, RuntimeError) as again:
+            return {**failed, "config": summary(sized), **note, "error": f"{type(again).__name__}: {again}"}
+        return {**row, "config": summary(sized), **note}
+
+
+def summary(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` for a result row: a long sequence (a sized graph's edge list) as its length."""
+    return {k: f"<{len(v)} items>" if isinstance(v, (tuple, list)) and len(v) > 16 else v for k, v in config.items()}
 
 
 def fitted_exponent(sizes: list[int], values: list[float]) -> float | None:
