@@ -125,13 +125,22 @@ class TopKConfig(Config):
 
     Args:
         topk: keys kept per query. Default 32.
-        chunk: queries scored at once by the fast path (memory O(N chunk)). Default 256.
+        chunk: queries scored at once by the fast path (memory O(N chunk)). Default None:
+            ``auto_chunk(N)``, 128 rows below 16K keys and 64 from there (the selection ran 20%
+            faster at 4K with 128 than with 256, and 30% at 16K with 64: a chunk's scores stay
+            closer to the cache; equal at 1K).
         scale: score scale; default None means ``1 / sqrt(D)``.
     """
 
     topk: int = bounded(32, ge=1, for_length=quarter)
-    chunk: int = bounded(256, ge=1)
+    chunk: int | None = bounded(None, ge=1, none="128 query rows, 64 from 16K keys")
     scale: float | None = bounded(None, gt=0, none="for 1/sqrt(D)")
+
+
+def auto_chunk(n_kv: int) -> int:
+    """Query rows scored at once for ``n_kv`` keys (measured on a 2-core EPYC, forward: 4K keys
+    128 rows 20% faster than 256; 16K keys 64 rows 30% faster than 256 and 10% than 32)."""
+    return 128 if n_kv < 16384 else 64
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: AttendArgs) -> Tensor:
@@ -163,7 +172,8 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: Atten
 
     qc, kc, vc = (t.to(compute_dtype(q)) for t in (q, k, v))
     qc = qc * default_scale(cfg.scale, q.shape[-1])
-    idx, valid = select_in_chunks(qc, kc, keep, cfg.chunk, args.causal)
+    chunk = auto_chunk(n_kv) if cfg.chunk is None else cfg.chunk
+    idx, valid = select_in_chunks(qc, kc, keep, chunk, args.causal)
     out, _ = selected_softmax(qc, kc, vc, idx, valid)
     return out.to(q.dtype)
 
