@@ -22,14 +22,14 @@ from attnzoo.patterns import Band
 NEW_BAND = structured._band
 
 
-def old_band(band: Band, n: int) -> structured.Windows | None:
+def old_band(band: Band, n: int, train: bool = True) -> structured.Windows | None:
     """``structured._band`` as it was before the window could start at the band."""
     m = band.modulus
     lo = None if band.lo is None else -((-band.lo) // m)
     hi = None if band.hi is None else band.hi // m
     sub = -(-n // m)
     if m > n or lo is None or hi is None or lo > hi or hi - lo + 1 >= sub:
-        return NEW_BAND(band, n)  # the cases this rule did not touch
+        return NEW_BAND(band, n, train)  # the cases this rule did not touch
     keys = hi - lo + 1
     block = 32 if keys <= 48 else 64 if keys <= 384 else 128
     start = (lo // block) * block
@@ -45,11 +45,11 @@ def main() -> None:
     plans: dict[tuple, structured.Structure | None] = {}
     rule = ["new"]
 
-    def swapped(pattern, n_q, n_kv, heads):  # plan._structure, by rule
-        key = (rule[0], pattern, n_q, n_kv, heads)
+    def swapped(pattern, n_q, n_kv, heads, train):  # plan._structure, by rule
+        key = (rule[0], pattern, n_q, n_kv, heads, train)
         if key not in plans:
             structured._band = NEW_BAND if rule[0] == "new" else old_band
-            plans[key] = structured.structure(pattern, n_q, n_kv, heads)
+            plans[key] = structured.structure(pattern, n_q, n_kv, heads, train=train)
         return plans[key]
 
     plan._structure = swapped

@@ -154,3 +154,25 @@ def test_structured_path_allocates_nothing_n_by_n(causal):
     assert last_choice().path == "structured"
     # Windows hold N * width scores per head: far below one N x N matrix.
     assert probe.numel < n * n // 8, probe.numel
+
+
+@pytest.mark.parametrize("pattern", [P.sliding_window(64, 64), P.longformer(64, (0, 150))], ids=["window", "union"])
+def test_a_forward_without_backward_runs_smaller_blocks_with_the_same_result(pattern):
+    # 129 keys per row: 64-row blocks where a backward follows, 32-row ones for a forward alone
+    # (structured.choose_block); both equal the dense reference, padded, causal and not.
+    from attnzoo.backends import structured
+
+    train = structured.structure(pattern, 300, 300, 4, train=True).parts[0][1]
+    alone = structured.structure(pattern, 300, 300, 4, train=False).parts[0][1]
+    blocks = [getattr(p, "windows", p).block for p in (train, alone)]
+    assert blocks == [64, 32]
+    q, k, v = _inputs(300)
+    padding = _padding(300)
+    for causal in (False, True):
+        want = attend(q, k, v, pattern=pattern, causal=causal, key_mask=padding, backend="reference")
+        with torch.no_grad():
+            alone_out = attend(q, k, v, pattern=pattern, causal=causal, key_mask=padding, backend="blocked")
+        train_out = attend(q, k, v, pattern=pattern, causal=causal, key_mask=padding, backend="blocked")
+        assert last_choice().path == "structured"
+        torch.testing.assert_close(alone_out, want.detach(), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(train_out, want, rtol=1e-10, atol=1e-10)

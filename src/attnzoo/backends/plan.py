@@ -117,14 +117,17 @@ def structure_for(call: Call) -> structured.Structure | None:
         return None
     if call.dropout is not None:
         return None
-    return _structure(call.pattern, *call.sizes())
+    # A forward that no backward will follow runs on the blocks that suit the forward.
+    train = torch.is_grad_enabled() and any(x.requires_grad for x in (q, call.k, v))
+    return _structure(call.pattern, *call.sizes(), train)
 
 
 @torch.compiler.assume_constant_result
-def _structure(pattern: Pattern, n_q: int, n_kv: int, heads: int) -> structured.Structure | None:
+def _structure(pattern: Pattern, n_q: int, n_kv: int, heads: int, train: bool) -> structured.Structure | None:
     # A constant under torch.compile: dynamo calls it once while tracing and bakes the plan in
     # (its tensors become constants of the graph), so plan building never enters the graph.
-    return STRUCTURES.get((pattern, n_q, n_kv, heads), lambda: structured.structure(pattern, n_q, n_kv, heads))
+    key = (pattern, n_q, n_kv, heads, train)
+    return STRUCTURES.get(key, lambda: structured.structure(pattern, n_q, n_kv, heads, train=train))
 
 
 def plan_for(call: Call) -> Plan:

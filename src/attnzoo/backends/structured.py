@@ -90,26 +90,28 @@ class Structure:
     parts: tuple[tuple[Tensor | None, Windows | WithGlobals | Merged], ...]
 
 
-def structure(pattern: Pattern, n_q: int, n_kv: int, heads: int) -> Structure | None:
+def structure(pattern: Pattern, n_q: int, n_kv: int, heads: int, *, train: bool = True) -> Structure | None:
     """The structured plan of ``pattern`` for self-attention of length ``n_q == n_kv``, or None
-    when the pattern has no contiguous-run structure this path knows."""
+    when the pattern has no contiguous-run structure this path knows. ``train``: the plan will
+    run backward too (band windows then take the blocks that suit the kernel's backward; a
+    forward alone runs faster on smaller ones, ``choose_block``)."""
     if n_q != n_kv:
         return None
     if isinstance(pattern, PerHead):
         groups = pattern.resolve_heads(heads).head_groups()
         parts = []
         for index, part in enumerate(pattern.patterns):
-            plan = _part(part, n_q)
+            plan = _part(part, n_q, train)
             if plan is None:
                 return None
             parts.append(((groups == index).nonzero().flatten(), plan))
         return Structure(n_q, tuple(parts))
-    plan = _part(pattern, n_q)
+    plan = _part(pattern, n_q, train)
     return None if plan is None else Structure(n_q, ((None, plan),))
 
 
-def _part(pattern: Pattern, n: int) -> Windows | WithGlobals | Merged | None:
-    return _windows(pattern, n) or _with_globals(pattern, n) or _axial(pattern, n)
+def _part(pattern: Pattern, n: int, train: bool) -> Windows | WithGlobals | Merged | None:
+    return _windows(pattern, n, train) or _with_globals(pattern, n, train) or _axial(pattern, n, train)
 
 
 def _causal_part(pattern: Pattern) -> tuple[Pattern, bool]:
@@ -121,20 +123,20 @@ def _causal_part(pattern: Pattern) -> tuple[Pattern, bool]:
     return pattern, False
 
 
-def _axial(pattern: Pattern, n: int) -> Merged | None:
+def _axial(pattern: Pattern, n: int, train: bool) -> Merged | None:
     """``axial(h, w)``: its row (``block_local(w)``) and its column (positions ``w`` apart:
     de-interleaved by ``w`` into dense sub-sequences of length ``h``, self removed)."""
     grid, causal = _causal_part(pattern)
     if not isinstance(grid, Axial) or grid.h * grid.w != n:
         return None
-    row = _windows(BlockLocal(grid.w) & Band(None, 0, 1) if causal else BlockLocal(grid.w), n)
+    row = _windows(BlockLocal(grid.w) & Band(None, 0, 1) if causal else BlockLocal(grid.w), n, train)
     own = torch.ones(grid.h, grid.h, dtype=torch.bool)
     own = own.tril(-1) if causal else own.fill_diagonal_(False)
     column = Windows(grid.w, allowed=torch.zeros(grid.h, grid.h).masked_fill_(~own, float("-inf")), causal=causal)
     return None if row is None else Merged((row, column))
 
 
-def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
+def _with_globals(pattern: Pattern, n: int, train: bool) -> WithGlobals | None:
     """``window | global tokens`` (optionally ``& causal()``), with at most one window part."""
     pattern, causal = _causal_part(pattern)
     if isinstance(pattern, Intersection):
@@ -146,7 +148,7 @@ def _with_globals(pattern: Pattern, n: int) -> WithGlobals | None:
         return None
     window = None
     if others:
-        window = _windows(others[0] & Band(None, 0, 1) if causal else others[0], n)
+        window = _windows(others[0] & Band(None, 0, 1) if causal else others[0], n, train)
         if window is None:
             return None
     indices = [_column_keys(p, n) for p in tokens]
@@ -175,9 +177,9 @@ def _column_keys(pattern: Pattern, n: int) -> Tensor:
     return pattern.indices
 
 
-def _windows(pattern: Pattern, n: int) -> Windows | None:
+def _windows(pattern: Pattern, n: int, train: bool) -> Windows | None:
     if isinstance(pattern, Band):
-        return _band(pattern, n)
+        return _band(pattern, n, train)
     block_local = _block_local(pattern)
     if block_local is not None:
         size, causal = block_local
@@ -192,7 +194,7 @@ def _block_local(pattern: Pattern) -> tuple[int, bool] | None:
     return (inner.size, causal) if isinstance(inner, BlockLocal) else None
 
 
-def _band(band: Band, n: int) -> Windows | None:
+def _band(band: Band, n: int, train: bool) -> Windows | None:
     m = band.modulus
     if m > n:
         return None
@@ -207,7 +209,7 @@ def _band(band: Band, n: int) -> Windows | None:
         return None
     if lo > hi or hi - lo + 1 >= sub:
         return None
-    block = choose_block(hi - lo + 1)
+    block = choose_block(hi - lo + 1, train)
     # A window may start anywhere at or before the band: where it starts at lo <= 0 the key
     # padding in front lines the windows up with the blocks (what the backward's overlap-add
     # needs), so only a band wholly to the right is aligned down to a block multiple.
@@ -216,12 +218,17 @@ def _band(band: Band, n: int) -> Windows | None:
     return _window_plan(Band(lo, hi, 1).mask_mod_for(sub, sub), sub, m, block, start, width)
 
 
-def choose_block(keys: int) -> int:
+def choose_block(keys: int, train: bool = True) -> int:
     """Query rows per window for a band of ``keys`` keys per row: small blocks waste fewer keys
     at the window's ends (a window holds ``block + keys - 1`` keys, rounded up to a multiple of
-    the block), large ones run the kernel at a better rate. Measured on a 2-core EPYC (fwd+bwd,
-    N = 4096, ``benchmarks/ab-band-block-cpu.txt``): 32 while its window fits in 128 keys (up to
-    97 keys: 65 keys ran 1.2x faster than with 64), 64 up to 384 keys, else 128."""
+    the block), large ones run the kernel at a better rate, its backward most of all. Measured
+    on a 2-core EPYC, one process, the blocks side by side: for training (fwd+bwd, N = 4096,
+    ``benchmarks/ab-band-block-cpu.txt``) 32 while its window fits in 128 keys (up to 97 keys: 65
+    keys ran 1.2x faster than with 64), 64 up to 384 keys, else 128; for a forward alone
+    (``benchmarks/ab-forward-blocks-cpu.txt``) 32 up to 384 keys, else 64 (129 keys: 32 rows 14%
+    faster than 64; 513 keys at 16K: 64 rows 13% faster than 128)."""
+    if not train:
+        return 32 if keys <= 384 else 64
     return 32 if keys + 31 <= 128 else 64 if keys <= 384 else 128
 
 
