@@ -234,3 +234,11 @@ def test_speed_bench_sizes_a_default_defined_on_one_length_and_says_so():
     assert "h*w = 1024" in sized["default_error"] and sized["sized_for"] == 64
     assert sized["config"] == {"h": 8, "w": 8} and sized["correct"] and sized["forward_s"] > 0
     assert "h*w = 1024" in chosen["error"] and "sized_for" not in chosen  # a chosen config is not changed
+
+
+def test_a_default_sized_per_n_fits_as_one_mechanism():
+    # axial's default 32 x 32 grid is defined at N = 1024 only: at 36 and 64 it is sized (6 x 6,
+    # 8 x 8), and the fit joins those sizes (one line, one crossover), as for any default config.
+    setting = speed.Setting(mechanisms=(("axial", {}),), sizes=(36, 64), heads=2, dim=8, repeats=1)
+    fits = [r for r in speed.run(setting) if r["kind"] == "fit"]
+    assert len(fits) == 1 and fits[0]["sizes"] == [36, 64] and fits[0]["config"] == {}

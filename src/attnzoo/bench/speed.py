@@ -436,10 +436,12 @@ def fitted_exponent(sizes: list[int], values: list[float]) -> float | None:
 
 
 def fits(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """One line per (mechanism, config, backend) measured at two or more sizes."""
+    """One line per (mechanism, config, backend) measured at two or more sizes. A default sized
+    for each N (``sized_for``) counts as the default: its sizes fit together."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        key = [row["mechanism"], row["config"], row["backend"], row.get("causal", False)]
+        config = {} if "sized_for" in row else row["config"]
+        key = [row["mechanism"], config, row["backend"], row.get("causal", False)]
         groups.setdefault(json.dumps(key, default=str), []).append(row)
     for group in groups.values():
         if len(group) < 2:
@@ -448,7 +450,7 @@ def fits(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         yield {
             "kind": "fit",
             "mechanism": group[0]["mechanism"],
-            "config": group[0]["config"],
+            "config": {} if "sized_for" in group[0] else group[0]["config"],
             "backend": group[0]["backend"],
             "causal": group[0].get("causal", False),
             "sizes": sizes,
