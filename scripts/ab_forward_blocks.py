@@ -10,12 +10,12 @@ the repeats). Usage: ``python scripts/ab_forward_blocks.py N CAUSAL(0|1) NAME[,N
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from ab_timing import interleaved
 
 import attnzoo
 from attnzoo.backends import plan, structured
@@ -48,19 +48,12 @@ def main() -> None:
             fn()
         return time.perf_counter() - start
 
-    times: dict[tuple[str, str], list[float]] = {(name, r): [] for name in names for r in ("old", "new")}
-    dense = []
-    for i in range(repeats + 1):
-        dense.append(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
-        for name, attn in mechanisms.items():
-            for r in ("old", "new") if i % 2 == 0 else ("new", "old"):
-                rule[0] = r
-                times[(name, r)].append(timed(lambda attn=attn: attn(q, k, v, causal=causal)))
-    sdpa = statistics.median(dense[1:])  # the first round warms up
-    print(f"N={n} causal={causal} forward SDPA {sdpa * 1e3:.1f} ms")
-    for (name, r), ts in times.items():
-        median = statistics.median(ts[1:])
-        print(f"{name:28s} {r}: {median * 1e3:7.2f} ms  {sdpa / median:5.2f}x SDPA")
+    def call(attn):
+        return lambda: attn(q, k, v, causal=causal)
+
+    calls = {name: call(attn) for name, attn in mechanisms.items()}
+    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    interleaved(calls, lambda r: rule.__setitem__(0, r), dense, timed, repeats, f"N={n} causal={causal} forward")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ Usage: ``python scripts/ab_pad_rows.py N CAUSAL(0|1) NAME[,NAME...] [REPEATS] [f
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from ab_timing import interleaved
 from einops import rearrange
 from torch import Tensor
 
@@ -61,19 +61,13 @@ def main() -> None:
                 out.backward(grad)
         return time.perf_counter() - start
 
-    times: dict[tuple[str, str], list[float]] = {(name, r): [] for name in names for r in ("old", "new")}
-    dense = []
-    for i in range(repeats + 1):
-        dense.append(timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
-        for name, attn in mechanisms.items():
-            for rule in ("old", "new") if i % 2 == 0 else ("new", "old"):
-                use(rule)
-                times[(name, rule)].append(timed(lambda attn=attn: attn(q, k, v, causal=causal)))
-    sdpa = statistics.median(dense[1:])  # the first round warms up
-    print(f"N={n} causal={causal} {'fwd+bwd' if backward else 'fwd'} SDPA {sdpa * 1e3:.1f} ms")
-    for (name, rule), ts in times.items():
-        median = statistics.median(ts[1:])
-        print(f"{name:28s} {rule}: {median * 1e3:7.2f} ms  {sdpa / median:5.2f}x SDPA")
+    def call(attn):
+        return lambda: attn(q, k, v, causal=causal)
+
+    calls = {name: call(attn) for name, attn in mechanisms.items()}
+    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    title = f"N={n} causal={causal} {'fwd+bwd' if backward else 'fwd'}"
+    interleaved(calls, use, dense, timed, repeats, title)
 
 
 if __name__ == "__main__":
