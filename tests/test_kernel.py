@@ -360,3 +360,42 @@ def test_gated_scan_equals_the_recurrence_written_out(rows):
     assert torch.autograd.gradcheck(gated_scan, some)
     one = gated_scan(sums[:, :, :1], gates[:, :, :1], s0)  # one chunk
     torch.testing.assert_close(one[1], gates[:, :, 0] * s0 + sums[:, :, 0])
+
+
+@pytest.mark.parametrize("groups", [1, 3], ids=["mha", "gqa"])
+def test_decayed_chunks_equal_the_recurrence_written_out(groups):
+    # kernel_chunks.decayed_chunks' hand-written forward and backward (the log decays' gradient
+    # included) against the token-by-token recurrence S_t = exp(a_t) S_{t-1} + k_t v_t^T,
+    # o_i = q_i S_i with autograd ops, a carried state, strong and weak decays; then float64
+    # gradcheck of the function itself (finite differences).
+    from attnzoo.mechanisms.kernel_chunks import decayed_chunks
+
+    g = torch.Generator().manual_seed(0)
+    b, h, c, size, m, e = 2, 2, 3, 4, 5, 3
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    q, k, v = leaf(b, h, c, groups * size, m), leaf(b, h, c, size, m), leaf(b, h, c, size, e)
+    log_decay = (-torch.rand(b, h, c, size, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    s0 = leaf(b, h, m, e)
+
+    def written_out(q, k, v, log_decay, s0):
+        keys, values, logs = (x.flatten(2, 3) for x in (k, v, log_decay))  # [B, H, C L, ...]
+        queries = q.unflatten(-2, (groups, size)).transpose(2, 3).flatten(3, 4)  # [B, H, G, C L, m]
+        s, outs = s0, []
+        for t in range(keys.shape[2]):
+            s = logs[:, :, t, None, None].exp() * s + keys[:, :, t, :, None] * values[:, :, t, None, :]
+            outs.append(queries[:, :, :, t] @ s)  # [B, H, G, E]
+        out = torch.stack(outs, dim=3).unflatten(3, (c, size)).transpose(2, 3).flatten(3, 4)
+        return out, s
+
+    results = []
+    for fn in (decayed_chunks, written_out):
+        out, final = fn(q, k, v, log_decay, s0)
+        grads = torch.autograd.grad(out.sin().sum() + final.cos().sum(), (q, k, v, log_decay, s0))
+        results.append((out, final, *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
+    small = (q[:, :1, :2], k[:, :1, :2], v[:, :1, :2], log_decay[:, :1, :2], s0[:, :1])
+    assert torch.autograd.gradcheck(decayed_chunks, small)

@@ -191,30 +191,40 @@ def gated_scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor | None) -> tuple[Te
 
 
 class GatedScan(torch.autograd.Function):
-    """``gated_scan``'s forward and backward. With ``L_c`` the gradient reaching state ``c``
-    (``L_C`` that of the final state): ``L_c = G_c + g_c L_{c+1}``, ``dU_c = L_{c+1}``,
-    ``dg_c = <L_{c+1}, S_c>`` summed over what ``g_c`` broadcasts across (after the loop, at once)."""
+    """``gated_scan``'s forward and backward: ``scan_states`` and ``scan_grads``."""
 
     @staticmethod
     def forward(ctx: Any, chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        states = torch.empty_like(chunk_sums)
-        states[:, :, 0] = s0
-        for c in range(chunk_sums.shape[2] - 1):
-            torch.addcmul(chunk_sums[:, :, c], gates[:, :, c], states[:, :, c], out=states[:, :, c + 1])
-        final = torch.addcmul(chunk_sums[:, :, -1], gates[:, :, -1], states[:, :, -1])
+        states, final = scan_states(chunk_sums, gates, s0)
         ctx.save_for_backward(gates, states)
         return states, final
 
     @staticmethod
     def backward(ctx: Any, grad_states: Tensor, grad_final: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
-        gates, states = ctx.saved_tensors
-        d_sums = torch.empty_like(states)  # dU_c = L_{c+1}
-        d_sums[:, :, -1] = grad_final
-        for c in range(states.shape[2] - 1, 0, -1):
-            torch.addcmul(grad_states[:, :, c], gates[:, :, c], d_sums[:, :, c], out=d_sums[:, :, c - 1])
-        d_s0 = torch.addcmul(grad_states[:, :, 0], gates[:, :, 0], d_sums[:, :, 0])
-        if gates.shape[-2] == 1:  # one gate per chunk: a batched dot product over the (m, E) state
-            d_gates = d_sums.flatten(-2)[..., None, :] @ states.flatten(-2)[..., None]  # [B, H, C, 1, 1]
-        else:  # one gate per state row
-            d_gates = (d_sums * states).sum(-1, keepdim=True)
-        return d_sums, d_gates, d_s0
+        return scan_grads(grad_states, grad_final, *ctx.saved_tensors)
+
+
+def scan_states(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """``gated_scan``'s forward loop, outside autograd (hand-written backwards call it too)."""
+    states = torch.empty_like(chunk_sums)
+    states[:, :, 0] = s0
+    for c in range(chunk_sums.shape[2] - 1):
+        torch.addcmul(chunk_sums[:, :, c], gates[:, :, c], states[:, :, c], out=states[:, :, c + 1])
+    return states, torch.addcmul(chunk_sums[:, :, -1], gates[:, :, -1], states[:, :, -1])
+
+
+def scan_grads(grad_states: Tensor, grad_final: Tensor, gates: Tensor, states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``gated_scan``'s backward: the gradients of the chunk sums, the gates and ``s0``. With
+    ``L_c`` the gradient reaching state ``c`` (``L_C`` that of the final state): ``L_c = G_c +
+    g_c L_{c+1}``, ``dU_c = L_{c+1}``, ``dg_c = <L_{c+1}, S_c>`` summed over what ``g_c``
+    broadcasts across (after the loop, at once)."""
+    d_sums = torch.empty_like(states)  # dU_c = L_{c+1}
+    d_sums[:, :, -1] = grad_final
+    for c in range(states.shape[2] - 1, 0, -1):
+        torch.addcmul(grad_states[:, :, c], gates[:, :, c], d_sums[:, :, c], out=d_sums[:, :, c - 1])
+    d_s0 = torch.addcmul(grad_states[:, :, 0], gates[:, :, 0], d_sums[:, :, 0])
+    if gates.shape[-2] == 1:  # one gate per chunk: a batched dot product over the (m, E) state
+        d_gates = d_sums.flatten(-2)[..., None, :] @ states.flatten(-2)[..., None]  # [B, H, C, 1, 1]
+    else:  # one gate per state row
+        d_gates = (d_sums * states).sum(-1, keepdim=True)
+    return d_sums, d_gates, d_s0

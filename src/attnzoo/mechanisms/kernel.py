@@ -32,8 +32,8 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo.backends.grouped import fold_rows, unfold_rows
-from attnzoo.mechanisms._ops import gated_scan
 from attnzoo.mechanisms.base import AttendArgs
+from attnzoo.mechanisms.kernel_chunks import decayed_chunks
 
 #: ``"rows"``: ``num / (den + eps)`` (non-negative features); ``"signed"``: ``den`` kept at
 #: ``|den| >= eps`` with its sign (RFA); ``"keys"``: each feature's key weights sum to 1
@@ -239,7 +239,8 @@ def _causal_sums(
     pairs: PairWeights | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Chunkwise ``sum_{j <= i} decay(j, i) (q_i . k_j) v_j`` and the final ``sum_j k_j v_j^T``.
-    ``pairs``: the products ``q_i . k_j`` inside a chunk computed another way (``PairWeights``).
+    ``pairs``: the products ``q_i . k_j`` inside a chunk computed another way (``PairWeights``;
+    without a decay). With a decay the chunks run on ``kernel_chunks.decayed_chunks``.
 
     Inside a chunk the pairs are a masked ``(L, L)`` product; the sums over earlier chunks come
     from the state at each chunk's start (a cumulative sum, or with a decay a scan over chunks).
@@ -261,27 +262,17 @@ def _causal_sums(
         return rearrange(x, "b (h g) (c l) e -> b h c (g l) e", h=h, l=size)
 
     q, k, v = query_chunks(q), chunks(k), chunks(v)
-    tril = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
-    if pairs is None:
-        scores = q @ k.transpose(-1, -2)  # [B, H_kv, C, G L, L]
+    if log_decay is not None:  # by hand, forward and backward (``kernel_chunks``); padding decays by 0
+        if pairs is not None:
+            raise ValueError("_causal_sums: pair weights with a decay are not implemented (no mechanism has both)")
+        log_decay = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size)
+        out, final = decayed_chunks(q, k, v, log_decay, k.new_zeros(b, h, m, v.shape[-1]) if s0 is None else s0)
     else:
-        scores = pairs.fn(query_chunks(pairs.q), chunks(pairs.k))
-    if log_decay is None:
-        chunk_sums = k.transpose(-1, -2) @ v  # [B, H_kv, C, m, E]
-        starts, final = _prefix_sums(chunk_sums, s0)
+        tril = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+        # [B, H_kv, C, G L, L]
+        scores = q @ k.transpose(-1, -2) if pairs is None else pairs.fn(query_chunks(pairs.q), chunks(pairs.k))
+        starts, final = _prefix_sums(k.transpose(-1, -2) @ v, s0)  # sums [B, H_kv, C, m, E]
         out = scores.masked_fill(~tril.repeat(groups, 1), 0.0) @ v + q @ starts
-    else:
-        # float64 sums: a difference of two sums near -1000 keeps its digits (float32 loses 1e-4)
-        cum = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size).double().cumsum(-1)
-        pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~tril, -math.inf).to(q.dtype).exp()
-        to_end = (cum[..., -1:] - cum).to(q.dtype).exp()  # decay from key j to the end of its chunk
-        # Per-position factors scale the E-wide values and outputs, not the m-wide features.
-        chunk_sums = k.transpose(-1, -2) @ (v * to_end[..., None])
-        starts, final = gated_scan(chunk_sums, cum[..., -1].to(q.dtype).exp()[..., None, None], s0)
-        # The per-K/V-head decays broadcast over the group axis (G, L): nothing repeated.
-        within = (scores.unflatten(-2, (groups, size)) * pair_decay[:, :, :, None]).flatten(-3, -2)
-        across = (q @ starts).unflatten(-2, (groups, size)) * cum.to(q.dtype).exp()[:, :, :, None, :, None]
-        out = within @ v + across.flatten(-3, -2)
     return rearrange(out, "b h c (g l) e -> b (h g) (c l) e", g=groups)[:, :, :n], final
 
 

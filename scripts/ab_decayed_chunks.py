@@ -1,0 +1,65 @@
+"""A/B of the decayed causal chunks, in one process (issue 12).
+
+``kernel._causal_sums`` with a decay (``rfa``'s gates, ``performer``'s causal stabiliser,
+``retnet``'s decay) now runs ``kernel_chunks.decayed_chunks``, forward and backward written by
+hand; before, the same sums were a chain of autograd operations (``autograd_chunks`` below, the
+code it replaced). Both are swapped in per call; each pair is timed forward+backward, causal,
+interleaved with dense SDPA's causal forward+backward (B=1, H=8, D=64, median of the repeats).
+Usage: ``python scripts/ab_decayed_chunks.py N NAME[,NAME...] [REPEATS]``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from ab_timing import interleaved
+from torch import Tensor
+
+import attnzoo
+from attnzoo.mechanisms import kernel, kernel_chunks
+from attnzoo.mechanisms._ops import gated_scan
+
+
+def autograd_chunks(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """``decayed_chunks`` as autograd operations (the code before; same shapes)."""
+    size, groups = k.shape[-2], q.shape[-2] // k.shape[-2]
+    tril = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+    scores = q @ k.transpose(-1, -2)
+    cum = log_decay.double().cumsum(-1)
+    pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~tril, -math.inf).to(q.dtype).exp()
+    to_end = (cum[..., -1:] - cum).to(q.dtype).exp()
+    chunk_sums = k.transpose(-1, -2) @ (v * to_end[..., None])
+    starts, final = gated_scan(chunk_sums, cum[..., -1].to(q.dtype).exp()[..., None, None], s0)
+    within = (scores.unflatten(-2, (groups, size)) * pair_decay[:, :, :, None]).flatten(-3, -2)
+    across = (q @ starts).unflatten(-2, (groups, size)) * cum.to(q.dtype).exp()[:, :, :, None, :, None]
+    return within @ v + across.flatten(-3, -2), final
+
+
+def main() -> None:
+    n, names = int(sys.argv[1]), sys.argv[2].split(",")
+    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 7
+    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 8, n, 64)
+    mechanisms = {name: attnzoo.build(name) for name in names}
+    rules = {"old": autograd_chunks, "new": kernel_chunks.decayed_chunks}
+
+    def use(rule: str) -> None:
+        kernel.decayed_chunks = rules[rule]
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn().backward(grad)
+        q.grad = k.grad = v.grad = None
+        return time.perf_counter() - start
+
+    calls = {name: (lambda attn=attn: attn(q, k, v, causal=True)) for name, attn in mechanisms.items()}
+    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    interleaved(calls, use, dense, timed, repeats, f"N={n} causal fwd+bwd")
+
+
+if __name__ == "__main__":
+    main()
