@@ -36,8 +36,10 @@ def build(name: str, **config):
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
-    # several non-causal blocks of 5 positions (B * H = 6 rows each) at these sizes
+    # several non-causal blocks of 5 positions (B * H = 6 rows each) at these sizes, and the
+    # causal path one head at a time (``CAUSAL_BLOCK_BYTES``; whole at these sizes by default)
     monkeypatch.setattr(kernel, "BLOCK_ROWS", 30)
+    monkeypatch.setattr(kernel, "CAUSAL_BLOCK_BYTES", 1)
 
 
 def _cases():
@@ -399,3 +401,25 @@ def test_decayed_chunks_equal_the_recurrence_written_out(groups):
         torch.testing.assert_close(got, want)
     small = (q[:, :1, :2], k[:, :1, :2], v[:, :1, :2], log_decay[:, :1, :2], s0[:, :1])
     assert torch.autograd.gradcheck(decayed_chunks, small)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_causal_blocks_of_heads_equal_one_call(name, monkeypatch):
+    # The causal path in blocks of K/V heads (uneven: 2 + 1 of 3, or of grouped K/V heads) against
+    # all heads at once: outputs and the gradients of the inputs and of every parameter (RFA's
+    # per-head gate rows), under key padding.
+    attn = build(name).double()
+    grouped = attn.spec.capabilities.gqa and name != "rfa"  # rfa repeats K/V per query head
+    q, k, v = make_qkv(B, 6 if grouped else H, N, N, d=D, d_v=5)
+    if grouped:
+        k, v = (x[:, :H].detach().requires_grad_() for x in (k, v))  # 3 K/V heads, 2 query heads each
+    mask = mask_of()
+    attn(q, k, v, causal=True, key_mask=mask)  # makes lazy buffers / parameters
+    inputs = (q, k, v, *attn.parameters())
+    results = []
+    for block_bytes in (2**40, 2 * 2 * N * attn.num_features(D) * 8):  # all heads; 2 K/V heads a block
+        monkeypatch.setattr(kernel, "CAUSAL_BLOCK_BYTES", block_bytes)
+        out = attn(q, k, v, causal=True, key_mask=mask)
+        results.append((out, *grads(out, inputs)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)

@@ -112,11 +112,16 @@ class _TaylorFeatures:
     def query_features(self, q: Tensor) -> Tensor:
         return taylor_features(q)
 
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+    def key_features(
+        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None, heads: slice | None = None
+    ) -> KeyFeatures:
         return KeyFeatures(taylor_features(k))
 
     def pair_weights(self, q: Tensor, k: Tensor) -> Tensor:
         return taylor_pair_weights(q, k)
+
+    def num_features(self, head_dim: int) -> int:
+        return taylor_size(head_dim)
 
 
 @dataclass(frozen=True)

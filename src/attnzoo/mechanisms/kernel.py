@@ -43,6 +43,11 @@ Normalizer = Literal["rows", "signed", "keys"]
 #: Non-causal blocks hold about this many (batch x head x position) rows, so feature tensors
 #: stay a few MB (cache-sized, and reused by the allocator instead of page-faulted afresh).
 BLOCK_ROWS = 8192
+#: The causal path runs blocks of K/V heads whose key features ``(B, h, N, m)`` take at most this
+#: many bytes (one head at least): such tensors come from glibc's heap and are reused block after
+#: block, where whole-width ones (32 MiB for ``rfa`` at N = 4096, H = 8) are fresh mappings,
+#: page-faulted on every call (``benchmarks/page-faults-rfa-cpu.txt``, ``ab-causal-heads-cpu.txt``).
+CAUSAL_BLOCK_BYTES = 4 * 2**20
 #: Causal prefix sums (no decay) over up to this many chunks run as one matmul (see ``_prefix_sums``).
 SCAN_MATMUL_CHUNKS = 128
 
@@ -88,7 +93,11 @@ class FeatureMaps(Protocol):
     for real keys but cheaper (Based's Taylor features: a polynomial of ``q . k``, a D-wide
     product where the features are ``1 + D + D (D + 1) / 2`` wide); the causal chunks use it for
     the pairs inside a chunk. Padded keys need no care there: their values and their count column
-    are zero."""
+    are zero.
+
+    ``num_features(D)`` is m for keys of size D; the causal path sizes its blocks of heads by it
+    (``CAUSAL_BLOCK_BYTES``) and hands ``key_features`` the slice of the mechanism's heads that
+    ``k`` holds (``heads``; None: all of them), for maps with a parameter per head (RFA's gate)."""
 
     normalizer: Normalizer
     chunk: int
@@ -97,8 +106,10 @@ class FeatureMaps(Protocol):
     def query_features(self, q: Tensor) -> Tensor: ...
 
     def key_features(
-        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None
+        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None, heads: slice | None = None
     ) -> KeyFeatures: ...
+
+    def num_features(self, head_dim: int) -> int: ...
 
 
 def normalise(num: Tensor, den: Tensor, normalizer: Normalizer, eps: float) -> Tensor:
@@ -136,8 +147,10 @@ def kernel_attention(
 
     Notes:
         Non-causal: ``phi(Q) (phi(K)^T [V, 1])`` over blocks of rows; O(N m E) time, O(block m +
-        m E) live memory. Causal: O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory.
-        Never N x N. ``z`` rides along ``S`` as an extra all-ones value column.
+        m E) live memory. Causal: O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory,
+        run on blocks of K/V heads (``CAUSAL_BLOCK_BYTES``) concatenated, so that each block's
+        tensors come from the heap. Never N x N. ``z`` rides along ``S`` as an extra all-ones
+        value column.
     """
     real = None if args.key_mask is None else args.key_mask[:, None]  # [B, 1, N_kv]
     if real is not None:  # 0 * (inf or NaN in a padded value) would leak
@@ -146,8 +159,31 @@ def kernel_attention(
         if state is not None:
             raise ValueError("a decode state needs causal=True")
         return _blocked(q, k, v, real, maps)
+    head_bytes = k.shape[0] * k.shape[2] * maps.num_features(k.shape[3]) * k.element_size()  # one head's phi(K)
+    per = max(1, CAUSAL_BLOCK_BYTES // max(1, head_bytes))
+    if per >= k.shape[1]:
+        return _causal(q, k, v, real, maps, state, None)
+    groups, parts = q.shape[1] // k.shape[1], []
+    for h in range(0, k.shape[1], per):
+        kv, rows = slice(h, h + per), slice(h * groups, (h + per) * groups)  # a K/V head's query heads
+        block = None if state is None else state.heads(kv)
+        parts.append(_causal(q[:, rows], k[:, kv], v[:, kv], real, maps, block, kv))
+    return torch.cat([out for out, _ in parts], dim=1), KernelState.joined([s for _, s in parts])
+
+
+def _causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    real: Tensor | None,
+    maps: FeatureMaps,
+    state: KernelState | None,
+    heads: slice | None,
+) -> tuple[Tensor, KernelState]:
+    """``kernel_attention``'s causal path on the K/V heads ``heads`` of the mechanism (None: all;
+    q holds their query heads, k, v and ``state`` those heads)."""
     c0 = None if state is None else state.c
-    f = maps.key_features(k, real, causal=True, c0=c0)
+    f = maps.key_features(k, real, causal=True, c0=c0, heads=heads)
     phi_k, log_decay = f.phi, f.log_decay
     if real is not None:
         phi_k = torch.where(real[..., None], phi_k, 0.0)
@@ -354,3 +390,13 @@ class KernelState:
     s: Tensor
     z: Tensor
     c: Tensor | None = None
+
+    def heads(self, index: slice) -> KernelState:
+        """The sums of the K/V heads ``index`` (views)."""
+        return KernelState(self.s[:, index], self.z[:, index], None if self.c is None else self.c[:, index])
+
+    @staticmethod
+    def joined(states: list[KernelState]) -> KernelState:
+        """``heads``' inverse: states of consecutive blocks of heads, concatenated."""
+        c = None if states[0].c is None else torch.cat([s.c for s in states], dim=1)  # type: ignore[misc]
+        return KernelState(torch.cat([s.s for s in states], dim=1), torch.cat([s.z for s in states], dim=1), c)

@@ -279,6 +279,7 @@ class RFAAttention(RandomFeatureAttention):
     ) -> tuple[Tensor, KernelState]:
         if args.causal:  # the gate weights are per query head: each keeps its own gated sums
             k, v = self._kv_heads(q, k, v, native=False)
+            self.prepare(k.shape[1], k.shape[3], k.device, k.dtype)  # the core may run blocks of heads
         return super()._run(q, k, v, args, state)
 
     def _init_state(self, spec: StateSpec) -> KernelState:
@@ -287,11 +288,16 @@ class RFAAttention(RandomFeatureAttention):
     def query_features(self, q: Tensor) -> Tensor:
         return fourier_features(q, self.projection_for(q), self.config.sigma)
 
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+    def key_features(
+        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None, heads: slice | None = None
+    ) -> KeyFeatures:
         if not causal:
             return KeyFeatures(fourier_features(k, self.projection_for(k), self.config.sigma))
-        self.prepare(k.shape[1], k.shape[3], k.device, k.dtype)
-        logit = torch.einsum("bhnd,hd->bhn", k, self.gate_weight.to(k.dtype)) + self.gate_bias.to(k.dtype)[:, None]
+        if heads is None:  # all heads (a block of them comes after ``_run`` has prepared all)
+            self.prepare(k.shape[1], k.shape[3], k.device, k.dtype)
+        rows = slice(None) if heads is None else heads
+        weight, bias = self.gate_weight[rows].to(k.dtype), self.gate_bias[rows].to(k.dtype)
+        logit = torch.einsum("bhnd,hd->bhn", k, weight) + bias[:, None]
         # (1 - g_t) phi(k_t) as phi(k_t) and the weight 1 - g_t on the key's value row (E + 1
         # wide, not 2m); log g_t. Both through logsigmoid (stable for large logits).
         phi = fourier_features(k, self.projection_for(k), self.config.sigma)

@@ -52,7 +52,9 @@ class KernelAttention(Attention):
         """``(B, H, N, D) -> (B, H, N, m)``."""
         raise NotImplementedError
 
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+    def key_features(
+        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None, heads: slice | None = None
+    ) -> KeyFeatures:
         """``k (B, H, N, D)``, ``real`` bool ``(B, 1, N)`` or None -> ``KeyFeatures``."""
         raise NotImplementedError
 
@@ -188,7 +190,9 @@ class LinearAttention(KernelAttention):
     def query_features(self, q: Tensor) -> Tensor:
         return F.elu(q) + 1 if self.config.feature_map == "elu" else F.relu(q)
 
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+    def key_features(
+        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None, heads: slice | None = None
+    ) -> KeyFeatures:
         return KeyFeatures(self.query_features(k))
 
     def num_features(self, head_dim: int) -> int:
@@ -233,7 +237,9 @@ class EfficientAttention(KernelAttention):
     def query_features(self, q: Tensor) -> Tensor:
         return q.softmax(dim=-1)
 
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+    def key_features(
+        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None, heads: slice | None = None
+    ) -> KeyFeatures:
         logits = k if real is None else k.masked_fill(~real[..., None], -math.inf)
         c = logits.detach().amax(2)  # [B, H, D]: per-feature max over the real keys
         return KeyFeatures((logits - torch.where(torch.isfinite(c), c, 0.0)[:, :, None]).exp(), None, c)

@@ -188,7 +188,9 @@ class PerformerAttention(RandomFeatureAttention):
         # w D^-1/4 applies the D^-1/4 scaling of q (favor_query never needs |q|^2)
         return favor_query(q, self.projection_for(q) * q.shape[-1] ** -0.25)
 
-    def key_features(self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
+    def key_features(
+        self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None, heads: slice | None = None
+    ) -> KeyFeatures:
         return favor_keys(k * k.shape[-1] ** -0.25, self.projection_for(k), real, causal=causal, c0=c0)
 
     def num_features(self, head_dim: int) -> int:
