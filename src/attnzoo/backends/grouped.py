@@ -105,3 +105,29 @@ def grouped_outer(x: Tensor, y: Tensor, kv_heads: int) -> Tensor:
     ``(B, H_kv, A, X)``, the gradient of a K/V head that G query heads share."""
     x, y = (rearrange(t, "b (h g) m a -> b h (g m) a", h=kv_heads) for t in (x, y))
     return x.transpose(-1, -2) @ y
+
+
+def grouped_matmul_add_(out: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """``out += grouped_matmul(x, y)`` in place: the product accumulates into ``out (B, H, M, X)``
+    (one ``baddbmm_``, no ``(B, H, M, X)`` temporary) where its rows allow that view, else
+    through a temporary."""
+    kv = y.shape[1]
+    try:
+        rows = out.view(out.shape[0] * kv, -1, out.shape[-1])  # [B H_kv, G M, X]: a group's rows
+    except RuntimeError:  # rows not evenly strided (a padded layout's slice)
+        return out.add_(grouped_matmul(x, y))
+    rows.baddbmm_(rearrange(x, "b (h g) m a -> (b h) (g m) a", h=kv), y.flatten(0, 1))
+    return out
+
+
+def grouped_outer_add_(out: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """``out += grouped_outer(x, y, H_kv)`` in place (``out (B, H_kv, A, X)``), as
+    ``grouped_matmul_add_``."""
+    kv = out.shape[1]
+    try:
+        rows = out.view(-1, *out.shape[2:])
+    except RuntimeError:
+        return out.add_(grouped_outer(x, y, kv))
+    x, y = (rearrange(t, "b (h g) m a -> (b h) (g m) a", h=kv) for t in (x, y))
+    rows.baddbmm_(x.transpose(-1, -2), y)
+    return out

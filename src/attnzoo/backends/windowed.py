@@ -15,7 +15,13 @@ from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Call, compute_dtype
-from attnzoo.backends.grouped import grouped_matmul, grouped_outer, part_kv_heads
+from attnzoo.backends.grouped import (
+    grouped_matmul,
+    grouped_matmul_add_,
+    grouped_outer,
+    grouped_outer_add_,
+    part_kv_heads,
+)
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
 from attnzoo.backends.window_parts import Options, Saved, finite, part_backward, part_forward, part_lse
 
@@ -48,12 +54,11 @@ def _column_allowed(part: WithGlobals, opts: Options, device: torch.device) -> T
     return allowed
 
 
-def _column_scores(part: WithGlobals, q: Tensor, k: Tensor, opts: Options) -> Tensor:
-    """Scores of every row against the global keys ``(B, H, N, g)``, ``-inf`` where not allowed."""
-    allowed = _column_allowed(part, opts, q.device)
-    cd = compute_dtype(q)
-    scores = grouped_matmul(q.to(cd), k[:, :, part.tokens.to(q.device)].to(cd).transpose(-1, -2)) * opts.scale
-    return scores.masked_fill(~allowed, float("-inf"))
+def _column_scores(part: WithGlobals, q: Tensor, kg: Tensor, opts: Options) -> Tensor:
+    """Scores of every row against the global keys ``kg (B, H_kv, g, D)`` (compute dtype):
+    ``(B, H, N, g)``, ``-inf`` where not allowed."""
+    scores = grouped_matmul(q.to(kg.dtype), kg.transpose(-1, -2)) * opts.scale
+    return scores.masked_fill(~_column_allowed(part, opts, q.device), float("-inf"))
 
 
 def _save(ctx: Any, saved: Saved | None, *tensors: Tensor) -> None:
@@ -72,45 +77,85 @@ def _load(ctx: Any, windows: Windows | None, count: int) -> tuple[tuple[Tensor, 
 
 
 class _UnionAttention(torch.autograd.Function):
-    """Window part + global columns, merged by log-sum-exp; backward gives both parts the
-    union's output and log-sum-exp (see ``part_backward``)."""
+    """Window part + global columns, merged by log-sum-exp, and the global tokens' own rows (where
+    ``part.rows``) written over theirs, in one function: the output is one buffer that the
+    columns' product accumulates into and the rows are copied into, and backward adds every
+    term's gradient into the window part's own (no ``(N, D)`` temporaries per term, which also
+    kept the heap growing and page-faulting on every call). Backward gives the window part and
+    the columns the union's output and log-sum-exp (see ``part_backward``), and the rows' gradient
+    only to the rows."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, part: WithGlobals, opts: Options) -> Tensor:  # type: ignore[override]
-        scores = _column_scores(part, q, k, opts)
+        index, cd = part.tokens.to(q.device), compute_dtype(q)
+        kg, vg = k[:, :, index].to(cd), v[:, :, index].to(cd)  # [B, H_kv, g, D]
+        scores = _column_scores(part, q, kg, opts)
         lse = torch.logsumexp(scores, dim=-1)
-        saved, out_w = None, None
+        saved = None
         if part.windows is not None:
-            out_w, saved = part_forward(part.windows, q, k, v, opts)
+            out, saved = part_forward(part.windows, q, k, v, opts)
             lse_w = part_lse(part.windows, saved, q.shape[2], q.shape[1]).to(lse.dtype)
-            lse = torch.logaddexp(lse, lse_w)
+            union = torch.logaddexp(lse, lse_w)
+            out = out.to(cd) * torch.exp(lse_w - finite(union, 0.0))[..., None]  # [B, H, N, Dv], own
+            lse = union
+        else:
+            out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=cd, device=q.device)
         probs = torch.exp(scores - finite(lse, 0.0)[..., None])
-        out = grouped_matmul(probs, v[:, :, part.tokens.to(q.device)].to(probs.dtype))
-        if out_w is not None:
-            out = out + out_w.to(out.dtype) * torch.exp(lse_w - finite(lse, 0.0))[..., None]
+        grouped_matmul_add_(out, probs, vg)
+        weights = _row_weights(part, q, k, opts) if part.rows else probs.new_empty(0)
+        if part.rows:
+            out.index_copy_(2, index, grouped_matmul(weights, v.to(cd)))
         out = out.to(q.dtype)
-        _save(ctx, saved, q, k, v, out, lse, probs)
+        _save(ctx, saved, q, k, v, out, lse, probs, weights)
         ctx.part, ctx.scale = part, opts.scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         part, scale = ctx.part, ctx.scale
-        (q, k, v, out, lse, probs), saved = _load(ctx, part.windows, 6)
+        (q, k, v, out, lse, probs, weights), saved = _load(ctx, part.windows, 7)
+        index, cd = part.tokens.to(q.device), probs.dtype
+        g_rows = grad[:, :, index].to(cd) if part.rows else None
+        if part.rows:  # the rows' output came from the rows alone: no gradient to the other terms there
+            grad = grad.index_fill(2, index, 0.0)
         if saved is not None:
             lse_k = finite(lse, float("inf")).to(saved.lse.dtype)  # rows that see nothing: p = 0
-            dq, dk, dv = (x.to(probs.dtype) for x in part_backward(part.windows, saved, grad, scale, out, lse_k))
+            grads = part_backward(part.windows, saved, grad, scale, out, lse_k)
+            dq, dk, dv = (x.to(cd) for x in grads)
         else:
-            dq, dk, dv = (torch.zeros(x.shape, dtype=probs.dtype, device=x.device) for x in (q, k, v))
-        index = part.tokens.to(q.device)
-        g = grad.to(probs.dtype)
-        delta = (g * out.to(probs.dtype)).sum(-1, keepdim=True)
-        d_scores = probs * (grouped_matmul(g, v[:, :, index].to(probs.dtype).transpose(-1, -2)) - delta) * scale
-        # In place: dq, dk, dv are this backward's own (fresh from the kernel's backward, or zeros).
-        dq.add_(grouped_matmul(d_scores, k[:, :, index].to(probs.dtype)))
-        dk.index_add_(2, index, grouped_outer(d_scores, q.to(probs.dtype), k.shape[1]))
+            dq, dk, dv = (torch.zeros(x.shape, dtype=cd, device=x.device) for x in (q, k, v))
+        g = grad.to(cd)
+        kg, vg = k[:, :, index].to(cd), v[:, :, index].to(cd)
+        delta = (g * out.to(cd)).sum(-1, keepdim=True)
+        d_scores = probs * (grouped_matmul(g, vg.transpose(-1, -2)) - delta) * scale
+        grouped_matmul_add_(dq, d_scores, kg)
+        dk.index_add_(2, index, grouped_outer(d_scores, q.to(cd), k.shape[1]))
         dv.index_add_(2, index, grouped_outer(probs, g, k.shape[1]))
+        if g_rows is not None:
+            _rows_backward(g_rows, weights, q, k, v, index, scale, (dq, dk, dv))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _rows_backward(
+    g_rows: Tensor,
+    weights: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    scale: float,
+    into: tuple[Tensor, ...],
+) -> None:
+    """The global tokens' rows' gradients, added into ``into = (dq, dk, dv)``: a softmax over
+    every key per row, ``weights (B, H, g, N)`` (0 where a row may not look, and for a row that
+    sees nothing)."""
+    dq, dk, dv = into
+    cd = weights.dtype
+    d_weights = grouped_matmul(g_rows, v.to(cd).transpose(-1, -2))  # [B, H, g, N]
+    d_scores = weights * (d_weights - (d_weights * weights).sum(-1, keepdim=True)) * scale
+    dq.index_add_(2, index, grouped_matmul(d_scores, k.to(cd)))
+    grouped_outer_add_(dk, d_scores, q[:, :, index].to(cd))
+    grouped_outer_add_(dv, weights, g_rows)
 
 
 class _KernelUnionAttention(torch.autograd.Function):
@@ -158,9 +203,10 @@ class _KernelUnionAttention(torch.autograd.Function):
         return dq, dk.index_add_(2, index, dkg), dv.index_add_(2, index, dvg), None, None
 
 
-def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> Tensor:
-    """The global tokens' rows: each attends every (real, and with ``causal`` earlier) key.
-    ``(B, H, g, Dv)``; O(g N) memory; differentiable by autograd."""
+def _row_weights(part: WithGlobals, q: Tensor, k: Tensor, opts: Options) -> Tensor:
+    """The global tokens' rows' softmax weights ``(B, H, g, N)``: each row attends every (real,
+    and with ``causal`` earlier) key; a row with no key gets zeros (finite scores times 0), a NaN
+    query's row stays NaN. O(g N) memory."""
     index = part.tokens.to(q.device)
     cd = compute_dtype(q)
     scores = grouped_matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
@@ -169,11 +215,16 @@ def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: Optio
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
     key_valid = opts.key_valid
     allowed = allowed[None, None] if key_valid is None else allowed[None, None] & key_valid[:, None, None, :]
-    # A row with no key gets zeros (finite scores times 0); a NaN query's row stays NaN.
     has_key = allowed.any(-1, keepdim=True)
     scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
-    weights = torch.softmax(scores, dim=-1) * has_key
-    return grouped_matmul(weights, v.to(cd)).to(q.dtype)
+    return torch.softmax(scores, dim=-1) * has_key
+
+
+def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> Tensor:
+    """The global tokens' rows ``(B, H, g, Dv)`` (``_row_weights``), differentiable by autograd
+    (``_KernelUnionAttention``'s; ``_UnionAttention`` runs its rows itself)."""
+    weights = _row_weights(part, q, k, opts)
+    return grouped_matmul(weights, v.to(weights.dtype)).to(q.dtype)
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -214,10 +265,9 @@ def _run_part(part: Windows | WithGlobals | Merged, q: Tensor, k: Tensor, v: Ten
         return _PartAttention.apply(q, k, v, part, opts)
     if isinstance(part, Merged):
         return _MergedAttention.apply(q, k, v, part, opts)
-    if part.tokens.numel() >= KERNEL_COLUMNS and q.shape[1] == k.shape[1]:
-        out = _KernelUnionAttention.apply(q, k, v, part, opts)
-    else:
-        out = _UnionAttention.apply(q, k, v, part, opts)
+    if part.tokens.numel() < KERNEL_COLUMNS or q.shape[1] != k.shape[1]:
+        return _UnionAttention.apply(q, k, v, part, opts)  # with the rows
+    out = _KernelUnionAttention.apply(q, k, v, part, opts)
     if not part.rows:
         return out
     return out.index_copy(2, part.tokens.to(q.device), _global_rows(part, q, k, v, opts))
