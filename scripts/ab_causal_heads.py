@@ -11,36 +11,21 @@ scripts/ab_causal_heads.py N NAME[,NAME...] [REPEATS]``.
 from __future__ import annotations
 
 import sys
-import time
 
-import torch
-import torch.nn.functional as F
-from ab_timing import interleaved
+from ab_timing import fwd_bwd_ab
 
-import attnzoo
 from attnzoo.mechanisms import kernel
 
 
 def main() -> None:
     n, names = int(sys.argv[1]), sys.argv[2].split(",")
     repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 7
-    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, 8, n, 64)
-    mechanisms = {name: attnzoo.build(name) for name in names}
     rules = {"old": 2**62, "new": kernel.CAUSAL_BLOCK_BYTES}
 
     def use(rule: str) -> None:
         kernel.CAUSAL_BLOCK_BYTES = rules[rule]
 
-    def timed(fn) -> float:
-        start = time.perf_counter()
-        fn().backward(grad)
-        q.grad = k.grad = v.grad = None
-        return time.perf_counter() - start
-
-    calls = {name: (lambda attn=attn: attn(q, k, v, causal=True)) for name, attn in mechanisms.items()}
-    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    interleaved(calls, use, dense, timed, repeats, f"N={n} causal fwd+bwd")
+    fwd_bwd_ab(n, True, names, repeats, use)
 
 
 if __name__ == "__main__":

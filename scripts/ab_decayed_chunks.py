@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
-from ab_timing import interleaved
+from ab_timing import fwd_bwd_ab
 from torch import Tensor
 
-import attnzoo
 from attnzoo.mechanisms import kernel, kernel_chunks
 from attnzoo.mechanisms._ops import gated_scan
 
@@ -42,23 +39,12 @@ def autograd_chunks(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tens
 def main() -> None:
     n, names = int(sys.argv[1]), sys.argv[2].split(",")
     repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 7
-    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, 8, n, 64)
-    mechanisms = {name: attnzoo.build(name) for name in names}
     rules = {"old": autograd_chunks, "new": kernel_chunks.decayed_chunks}
 
     def use(rule: str) -> None:
         kernel.decayed_chunks = rules[rule]
 
-    def timed(fn) -> float:
-        start = time.perf_counter()
-        fn().backward(grad)
-        q.grad = k.grad = v.grad = None
-        return time.perf_counter() - start
-
-    calls = {name: (lambda attn=attn: attn(q, k, v, causal=True)) for name, attn in mechanisms.items()}
-    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    interleaved(calls, use, dense, timed, repeats, f"N={n} causal fwd+bwd")
+    fwd_bwd_ab(n, True, names, repeats, use)
 
 
 if __name__ == "__main__":

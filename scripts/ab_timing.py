@@ -1,4 +1,4 @@
-"""The timing loop of the one-process A/B scripts (``ab_pad_rows.py``, ``ab_forward_blocks.py``):
+"""The timing loop of the one-process A/B scripts (``ab_pad_rows.py``, ``ab_forward_blocks.py``, ...):
 dense SDPA, then each mechanism under the old and the new rule, round after round, the rules'
 order alternating per round; medians after the first round (a warm-up), and each median as a
 ratio to SDPA's."""
@@ -6,8 +6,14 @@ ratio to SDPA's."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import attnzoo
 
 
 def interleaved(
@@ -33,3 +39,22 @@ def interleaved(
     for (name, rule), ts in times.items():
         median = statistics.median(ts[1:])
         print(f"{name:28s} {rule}: {median * 1e3:7.2f} ms  {sdpa / median:5.2f}x SDPA")
+
+
+def fwd_bwd_ab(n: int, causal: bool, names: list[str], repeats: int, use: Callable[[str], None]) -> None:
+    """``interleaved`` for forward+backward of the registered ``names`` at their defaults on
+    ``(1, 8, n, 64)`` inputs, against dense SDPA's (causal or not), with ``use(rule)`` switching
+    between the old and the new code."""
+    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 8, n, 64)
+
+    def timed(fn: Callable[[], torch.Tensor]) -> float:
+        start = time.perf_counter()
+        fn().backward(grad)
+        q.grad = k.grad = v.grad = None
+        return time.perf_counter() - start
+
+    mechanisms = {name: attnzoo.build(name) for name in names}
+    calls = {name: (lambda attn=attn: attn(q, k, v, causal=causal)) for name, attn in mechanisms.items()}
+    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")

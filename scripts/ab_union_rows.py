@@ -13,15 +13,12 @@ repeats). Usage: ``python scripts/ab_union_rows.py N CAUSAL(0|1) NAME[,NAME...] 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from ab_timing import interleaved
+from ab_timing import fwd_bwd_ab
 from torch import Tensor
 
-import attnzoo
 from attnzoo.backends import windowed as W
 from attnzoo.backends.grouped import grouped_matmul, grouped_outer
 from attnzoo.backends.window_parts import finite, part_backward, part_forward, part_lse
@@ -84,23 +81,12 @@ NEW_RUN_PART = W._run_part
 def main() -> None:
     n, causal, names = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3].split(",")
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 7
-    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, 8, n, 64)
-    mechanisms = {name: attnzoo.build(name) for name in names}
     rules = {"old": old_run_part, "new": NEW_RUN_PART}
 
     def use(rule: str) -> None:
         W._run_part = rules[rule]
 
-    def timed(fn) -> float:
-        start = time.perf_counter()
-        fn().backward(grad)
-        q.grad = k.grad = v.grad = None
-        return time.perf_counter() - start
-
-    calls = {name: (lambda attn=attn: attn(q, k, v, causal=causal)) for name, attn in mechanisms.items()}
-    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-    interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
+    fwd_bwd_ab(n, causal, names, repeats, use)
 
 
 if __name__ == "__main__":
