@@ -53,8 +53,11 @@ _flash = flash_attention_cpu
 _flash_backward = flash_attention_cpu_backward
 
 #: Elements of one piece's score matrix (batch x heads x rows x keys) above which its query
-#: blocks are split further. 4M measured fastest on a 2-core EPYC (cache-sized chunks).
-SCORE_BUDGET = 1 << 22
+#: blocks are split further. 1M (4 MiB in float32): a chunk's gathered tiles then come from the
+#: heap and are reused chunk after chunk; at 4M, ``bigbird`` at 4K page-faulted 28 000 times per
+#: fwd+bwd, and 1M is 6-22% faster at 2K and 4K in one process (``benchmarks/ab-score-budget-cpu.txt``;
+#: no change at 1K, where pieces are smaller than either).
+SCORE_BUDGET = 1 << 20
 
 
 @dataclass(frozen=True)
