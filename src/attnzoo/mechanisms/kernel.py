@@ -46,7 +46,8 @@ BLOCK_ROWS = 8192
 #: The causal path runs blocks of K/V heads whose key features ``(B, h, N, m)`` take at most this
 #: many bytes (one head at least): such tensors come from glibc's heap and are reused block after
 #: block, where whole-width ones (32 MiB for ``rfa`` at N = 4096, H = 8) are fresh mappings,
-#: page-faulted on every call (``benchmarks/page-faults-rfa-cpu.txt``, ``ab-causal-heads-cpu.txt``).
+#: page-faulted on every call (``benchmarks/page-faults-rfa-cpu.txt``, ``ab-causal-heads-cpu.txt``,
+#: ``ab-causal-heads-split-cpu.txt``).
 CAUSAL_BLOCK_BYTES = 4 * 2**20
 #: Causal prefix sums (no decay) over up to this many chunks run as one matmul (see ``_prefix_sums``).
 SCAN_MATMUL_CHUNKS = 128
@@ -164,10 +165,12 @@ def kernel_attention(
     if per >= k.shape[1]:
         return _causal(q, k, v, real, maps, state, None)
     groups, parts = q.shape[1] // k.shape[1], []
-    for h in range(0, k.shape[1], per):
-        kv, rows = slice(h, h + per), slice(h * groups, (h + per) * groups)  # a K/V head's query heads
-        block = None if state is None else state.heads(kv)
-        parts.append(_causal(q[:, rows], k[:, kv], v[:, kv], real, maps, block, kv))
+    # split, not slices: its backward is one concatenation, where each slice's would zero-fill a
+    # gradient of the whole input and add it (24 passes over (B, H, N, D) for 8 blocks)
+    blocks = zip(q.split(per * groups, dim=1), k.split(per, dim=1), v.split(per, dim=1))  # a K/V head's query heads
+    for i, (qb, kb, vb) in enumerate(blocks):
+        kv = slice(i * per, i * per + kb.shape[1])
+        parts.append(_causal(qb, kb, vb, real, maps, None if state is None else state.heads(kv), kv))
     return torch.cat([out for out, _ in parts], dim=1), KernelState.joined([s for _, s in parts])
 
 
