@@ -237,16 +237,17 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: Feature
     q = fold_rows(q, groups)  # [B, H_kv, G N_q, D]: feature maps are row-wise
     rows = max(1, BLOCK_ROWS // (q.shape[0] * q.shape[1]))
     s1 = c = None
-    for i in range(0, k.shape[2], rows):
-        part = None if real is None else real[..., i : i + rows]
-        f = maps.key_features(k[:, :, i : i + rows], part, causal=False, c0=None)
+    # split, not slices: its backward is one concatenation, where each slice's zero-fills a
+    # gradient of the whole input and adds it
+    parts = [None] * -(-k.shape[2] // rows) if real is None else real.split(rows, dim=-1)
+    for part, kb, vb in zip(parts, k.split(rows, dim=2), v.split(rows, dim=2)):
+        f = maps.key_features(kb, part, causal=False, c0=None)
         phi = f.phi if part is None else torch.where(part[..., None], f.phi, 0.0)
-        vb = v[:, :, i : i + rows]
         s1, c = _merge(s1, c, phi.transpose(-1, -2) @ torch.cat([vb, torch.ones_like(vb[..., :1])], -1), f.c)
     if maps.normalizer == "keys":  # each feature's weights over the keys sum to 1 (0 if it has none)
         z = s1[..., -1:]
         s1 = torch.cat([s1[..., :-1] / torch.where(z > 0, z, 1.0), z], dim=-1)
-    outs = [maps.query_features(q[:, :, i : i + rows]) @ s1 for i in range(0, q.shape[2], rows)]
+    outs = [maps.query_features(qb) @ s1 for qb in q.split(rows, dim=2)]
     out1 = unfold_rows(torch.cat(outs, dim=2), groups)  # [B, H, N_q, E + 1]
     state = KernelState(s1[..., :-1], s1[..., -1], c)
     return normalise(out1[..., :-1], out1[..., -1], maps.normalizer, maps.eps), state
