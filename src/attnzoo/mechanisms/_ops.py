@@ -208,9 +208,11 @@ def scan_states(chunk_sums: Tensor, gates: Tensor, s0: Tensor) -> tuple[Tensor, 
     """``gated_scan``'s forward loop, outside autograd (hand-written backwards call it too)."""
     states = torch.empty_like(chunk_sums)
     states[:, :, 0] = s0
-    for c in range(chunk_sums.shape[2] - 1):
-        torch.addcmul(chunk_sums[:, :, c], gates[:, :, c], states[:, :, c], out=states[:, :, c + 1])
-    return states, torch.addcmul(chunk_sums[:, :, -1], gates[:, :, -1], states[:, :, -1])
+    # unbind once: the loop then indexes Python lists, not three tensors per chunk
+    sums, gate, state = chunk_sums.unbind(2), gates.unbind(2), states.unbind(2)
+    for c in range(len(sums) - 1):
+        torch.addcmul(sums[c], gate[c], state[c], out=state[c + 1])
+    return states, torch.addcmul(sums[-1], gate[-1], state[-1])
 
 
 def scan_grads(grad_states: Tensor, grad_final: Tensor, gates: Tensor, states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -220,9 +222,10 @@ def scan_grads(grad_states: Tensor, grad_final: Tensor, gates: Tensor, states: T
     broadcasts across (after the loop, at once)."""
     d_sums = torch.empty_like(states)  # dU_c = L_{c+1}
     d_sums[:, :, -1] = grad_final
-    for c in range(states.shape[2] - 1, 0, -1):
-        torch.addcmul(grad_states[:, :, c], gates[:, :, c], d_sums[:, :, c], out=d_sums[:, :, c - 1])
-    d_s0 = torch.addcmul(grad_states[:, :, 0], gates[:, :, 0], d_sums[:, :, 0])
+    grads, gate, d = grad_states.unbind(2), gates.unbind(2), d_sums.unbind(2)
+    for c in range(len(d) - 1, 0, -1):
+        torch.addcmul(grads[c], gate[c], d[c], out=d[c - 1])
+    d_s0 = torch.addcmul(grads[0], gate[0], d[0])
     if gates.shape[-2] == 1:  # one gate per chunk: a batched dot product over the (m, E) state
         d_gates = d_sums.flatten(-2)[..., None, :] @ states.flatten(-2)[..., None]  # [B, H, C, 1, 1]
     else:  # one gate per state row
