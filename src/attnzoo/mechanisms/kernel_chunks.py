@@ -53,8 +53,15 @@ def _factors(log_decay: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Ten
 
 
 def _flat(x: Tensor) -> Tensor:
-    """A view with the leading dimensions as one batch dimension, for ``bmm`` and ``baddbmm_``."""
+    """The leading dimensions as one batch dimension, for ``baddbmm_``'s operands (a view
+    where the layout allows, transposed last dimensions included)."""
     return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def _into(x: Tensor) -> Tensor:
+    """``_flat`` of a ``baddbmm_`` target: a view or an error, never a copy that the product
+    would land in instead of ``x``."""
+    return x.view(-1, x.shape[-2], x.shape[-1])
 
 
 def _by_group(x: Tensor, size: int) -> Tensor:
@@ -72,7 +79,7 @@ class _DecayedChunks(torch.autograd.Function):
         states, final = scan_states(k.mT @ v_end, gates, s0)  # [B, H, C, m, E]
         across = q @ states  # [B, H, C, G L, E]
         out = (_by_group(across, size) * rise[:, :, :, None, :, None]).flatten(-3, -2)
-        _flat(out).baddbmm_(_flat(weights), _flat(v))
+        _into(out).baddbmm_(_flat(weights), _flat(v))
         ctx.save_for_backward(q, k, v, v_end, pair, to_end, rise, gates, weights, states, across)
         return out, final
 
@@ -86,13 +93,13 @@ class _DecayedChunks(torch.autograd.Function):
         d_rise = (_by_group(grad, size) * _by_group(across, size)).sum((-1, 3))
         d_across = (_by_group(grad, size) * rise[:, :, :, None, :, None]).flatten(-3, -2)
         dq = d_across @ states.mT
-        _flat(dq).baddbmm_(_flat(d_scores), _flat(k))
+        _into(dq).baddbmm_(_flat(d_scores), _flat(k))
         d_sums, d_gates, d_s0 = scan_grads(q.mT @ d_across, grad_final, gates, states)
         dk = v_end @ d_sums.mT
-        _flat(dk).baddbmm_(_flat(d_scores.mT), _flat(q))
+        _into(dk).baddbmm_(_flat(d_scores.mT), _flat(q))
         d_v_end = k @ d_sums  # [B, H, C, L, E]
         dv = d_v_end * to_end[..., None]
-        _flat(dv).baddbmm_(_flat(weights.mT), _flat(grad))
+        _into(dv).baddbmm_(_flat(weights.mT), _flat(grad))
         d_log = _log_decay_grad(d_pair, (d_v_end * v_end).sum(-1), d_rise * rise, d_gates * gates)
         return dq, dk, dv, d_log, d_s0
 
