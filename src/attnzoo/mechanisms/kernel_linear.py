@@ -55,7 +55,10 @@ class KernelAttention(Attention):
     def key_features(
         self, k: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None, heads: slice | None = None
     ) -> KeyFeatures:
-        """``k (B, H, N, D)``, ``real`` bool ``(B, 1, N)`` or None -> ``KeyFeatures``."""
+        """``k (B, H, N, D)``, ``real`` bool ``(B, 1, N)`` or None -> ``KeyFeatures``. ``heads``:
+        which of the module's heads ``k`` holds (None: all of them); the causal core runs
+        blocks of heads (``kernel.CAUSAL_BLOCK_BYTES``), and a map with a parameter per head
+        takes those rows."""
         raise NotImplementedError
 
     def num_features(self, head_dim: int) -> int:
