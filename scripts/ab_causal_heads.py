@@ -10,22 +10,13 @@ scripts/ab_causal_heads.py N NAME[,NAME...] [REPEATS]``.
 
 from __future__ import annotations
 
-import sys
-
-from ab_timing import fwd_bwd_ab
+from ab_timing import swap_main
 
 from attnzoo.mechanisms import kernel
 
 
 def main() -> None:
-    n, names = int(sys.argv[1]), sys.argv[2].split(",")
-    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 7
-    rules = {"old": 2**62, "new": kernel.CAUSAL_BLOCK_BYTES}
-
-    def use(rule: str) -> None:
-        kernel.CAUSAL_BLOCK_BYTES = rules[rule]
-
-    fwd_bwd_ab(n, True, names, repeats, use)
+    swap_main(kernel, "CAUSAL_BLOCK_BYTES", 2**62, causal=True)
 
 
 if __name__ == "__main__":

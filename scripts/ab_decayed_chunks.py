@@ -11,13 +11,12 @@ Usage: ``python scripts/ab_decayed_chunks.py N NAME[,NAME...] [REPEATS]``.
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
-from ab_timing import fwd_bwd_ab
+from ab_timing import swap_main
 from torch import Tensor
 
-from attnzoo.mechanisms import kernel, kernel_chunks
+from attnzoo.mechanisms import kernel
 from attnzoo.mechanisms._ops import gated_scan
 
 
@@ -37,14 +36,7 @@ def autograd_chunks(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tens
 
 
 def main() -> None:
-    n, names = int(sys.argv[1]), sys.argv[2].split(",")
-    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 7
-    rules = {"old": autograd_chunks, "new": kernel_chunks.decayed_chunks}
-
-    def use(rule: str) -> None:
-        kernel.decayed_chunks = rules[rule]
-
-    fwd_bwd_ab(n, True, names, repeats, use)
+    swap_main(kernel, "decayed_chunks", autograd_chunks, causal=True)
 
 
 if __name__ == "__main__":

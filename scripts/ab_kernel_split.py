@@ -9,10 +9,8 @@ of the repeats). Usage: ``python scripts/ab_kernel_split.py N NAME[,NAME...] [RE
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from ab_timing import fwd_bwd_ab
+from ab_timing import swap_main
 from torch import Tensor
 
 from attnzoo.backends.grouped import fold_rows, unfold_rows
@@ -41,14 +39,7 @@ def sliced_blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: k
 
 
 def main() -> None:
-    n, names = int(sys.argv[1]), sys.argv[2].split(",")
-    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 7
-    rules = {"old": sliced_blocked, "new": kernel._blocked}
-
-    def use(rule: str) -> None:
-        kernel._blocked = rules[rule]
-
-    fwd_bwd_ab(n, False, names, repeats, use)
+    swap_main(kernel, "_blocked", sliced_blocked, causal=False)
 
 
 if __name__ == "__main__":

@@ -9,22 +9,13 @@ CAUSAL(0|1) NAME[,NAME...] [REPEATS]``.
 
 from __future__ import annotations
 
-import sys
-
-from ab_timing import fwd_bwd_ab
+from ab_timing import swap_main
 
 from attnzoo.backends import blocked
 
 
 def main() -> None:
-    n, causal, names = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3].split(",")
-    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 7
-    rules = {"old": 1 << 22, "new": blocked.SCORE_BUDGET}
-
-    def use(rule: str) -> None:
-        blocked.SCORE_BUDGET = rules[rule]
-
-    fwd_bwd_ab(n, causal, names, repeats, use)
+    swap_main(blocked, "SCORE_BUDGET", 1 << 22)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ ratio to SDPA's."""
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,3 +59,17 @@ def fwd_bwd_ab(n: int, causal: bool, names: list[str], repeats: int, use: Callab
     calls = {name: (lambda attn=attn: attn(q, k, v, causal=causal)) for name, attn in mechanisms.items()}
     dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
+
+
+def swap_main(module: Any, attr: str, old: Any, *, causal: bool | None = None) -> None:
+    """The ``main`` of an A/B script that swaps ``module.attr`` between ``old`` and the value it
+    has now: ``N [CAUSAL(0|1)] NAME[,NAME...] [REPEATS]`` from the command line (CAUSAL where
+    ``causal`` is None), timed forward+backward by ``fwd_bwd_ab``."""
+    args = sys.argv[1:]
+    n = int(args.pop(0))
+    if causal is None:
+        causal = args.pop(0) == "1"
+    names = args.pop(0).split(",")
+    repeats = int(args[0]) if args else 7
+    rules = {"old": old, "new": getattr(module, attr)}
+    fwd_bwd_ab(n, causal, names, repeats, lambda rule: setattr(module, attr, rules[rule]))

@@ -12,11 +12,10 @@ repeats). Usage: ``python scripts/ab_union_rows.py N CAUSAL(0|1) NAME[,NAME...] 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
-from ab_timing import fwd_bwd_ab
+from ab_timing import swap_main
 from torch import Tensor
 
 from attnzoo.backends import windowed as W
@@ -79,14 +78,7 @@ NEW_RUN_PART = W._run_part
 
 
 def main() -> None:
-    n, causal, names = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3].split(",")
-    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 7
-    rules = {"old": old_run_part, "new": NEW_RUN_PART}
-
-    def use(rule: str) -> None:
-        W._run_part = rules[rule]
-
-    fwd_bwd_ab(n, causal, names, repeats, use)
+    swap_main(W, "_run_part", old_run_part)
 
 
 if __name__ == "__main__":
