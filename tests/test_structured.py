@@ -176,3 +176,26 @@ def test_a_forward_without_backward_runs_smaller_blocks_with_the_same_result(pat
         assert last_choice().path == "structured"
         torch.testing.assert_close(alone_out, want.detach(), rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(train_out, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_grouped_products_accumulate_in_place(layout):
+    # grouped_matmul_add_ / grouped_outer_add_ (the union's in-place accumulations) against
+    # out + grouped_matmul / grouped_outer, grouped-query (2 query heads per K/V head), on a
+    # contiguous out (one baddbmm_ into its view) and on one whose rows allow no such view (the
+    # temporary path): in place either way.
+    from attnzoo.backends.grouped import grouped_matmul, grouped_matmul_add_, grouped_outer, grouped_outer_add_
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 4, 5, 3, generator=g), torch.randn(2, 2, 3, 6, generator=g)
+    gx, gy = torch.randn(2, 4, 5, 7, generator=g), torch.randn(2, 4, 5, 6, generator=g)
+    cases = (
+        (grouped_matmul_add_, (2, 4, 5, 6), (x, y), grouped_matmul(x, y)),
+        (grouped_outer_add_, (2, 2, 7, 6), (gx, gy), grouped_outer(gx, gy, 2)),
+    )
+    for add_, shape, (a, b), product in cases:
+        base = torch.randn(shape[1], shape[0], *shape[2:], generator=g)  # heads first in memory
+        out = base.transpose(0, 1) if layout == "strided" else base.transpose(0, 1).contiguous()
+        want = out + product
+        assert add_(out, a, b) is out
+        torch.testing.assert_close(out, want)

@@ -12,6 +12,8 @@ the one the path had before (views).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from einops import rearrange
 from torch import Tensor
@@ -109,25 +111,30 @@ def grouped_outer(x: Tensor, y: Tensor, kv_heads: int) -> Tensor:
 
 def grouped_matmul_add_(out: Tensor, x: Tensor, y: Tensor) -> Tensor:
     """``out += grouped_matmul(x, y)`` in place: the product accumulates into ``out (B, H, M, X)``
-    (one ``baddbmm_``, no ``(B, H, M, X)`` temporary) where its rows allow that view, else
-    through a temporary."""
+    (one ``baddbmm_``, no ``(B, H, M, X)`` temporary; see ``_add_product``)."""
     kv = y.shape[1]
-    try:
-        rows = out.view(out.shape[0] * kv, -1, out.shape[-1])  # [B H_kv, G M, X]: a group's rows
-    except RuntimeError:  # rows not evenly strided (a padded layout's slice)
-        return out.add_(grouped_matmul(x, y))
-    rows.baddbmm_(rearrange(x, "b (h g) m a -> (b h) (g m) a", h=kv), y.flatten(0, 1))
-    return out
+    rows = (out.shape[0] * kv, -1, out.shape[-1])  # [B H_kv, G M, X]: a group's rows
+    return _add_product(out, rows, _group_rows(x, kv), y.flatten(0, 1), lambda: grouped_matmul(x, y))
 
 
 def grouped_outer_add_(out: Tensor, x: Tensor, y: Tensor) -> Tensor:
-    """``out += grouped_outer(x, y, H_kv)`` in place (``out (B, H_kv, A, X)``), as
-    ``grouped_matmul_add_``."""
+    """``out += grouped_outer(x, y, H_kv)`` in place (``out (B, H_kv, A, X)``; see ``_add_product``)."""
     kv = out.shape[1]
+    a = _group_rows(x, kv).transpose(-1, -2)
+    return _add_product(out, (-1, *out.shape[2:]), a, _group_rows(y, kv), lambda: grouped_outer(x, y, kv))
+
+
+def _group_rows(x: Tensor, kv_heads: int) -> Tensor:
+    """``(B, H, M, A) -> (B H_kv, G M, A)``: a K/V head's query heads as its rows."""
+    return rearrange(x, "b (h g) m a -> (b h) (g m) a", h=kv_heads)
+
+
+def _add_product(out: Tensor, shape: tuple[int, ...], a: Tensor, b: Tensor, product: Callable[[], Tensor]) -> Tensor:
+    """``out += a @ b`` through the view ``out.view(shape)``, or ``out += product()`` (a temporary)
+    where ``out``'s rows do not allow that view (a padded layout's slice)."""
     try:
-        rows = out.view(-1, *out.shape[2:])
+        rows = out.view(shape)
     except RuntimeError:
-        return out.add_(grouped_outer(x, y, kv))
-    x, y = (rearrange(t, "b (h g) m a -> (b h) (g m) a", h=kv) for t in (x, y))
-    rows.baddbmm_(x.transpose(-1, -2), y)
+        return out.add_(product())
+    rows.baddbmm_(a, b)
     return out
