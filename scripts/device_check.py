@@ -76,6 +76,7 @@ def check(name: str, causal: bool, n: int, device: str, tol: float) -> dict:
         "status": "ok" if max(errors) <= tol else "mismatch",
         "relative_error": {"out": errors[0], "grads": errors[1:]},
         "backend_ran": None if choice is None else " ".join(filter(None, (choice.backend, choice.path))),
+        "backends_skipped": None if choice is None else choice.skipped,
         "seconds": time.perf_counter() - start,
     }
 

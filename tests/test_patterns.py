@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import oracles as O
 from attnzoo import describe
@@ -146,6 +147,45 @@ def test_grid_and_graph_patterns(name):
         check_blocks(pattern, n, n, block, dense, exact_full=name.startswith("graph"))
     with pytest.raises(ValueError, match="exactly"):
         pattern.dense(n + 1)
+
+
+class _Devices(TorchDispatchMode):
+    """Records the device of every tensor an op reads or writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for x in torch.utils._pytree.tree_leaves((args, kwargs, out)):
+            if isinstance(x, torch.Tensor):
+                self.seen.add(x.device.type)
+        return out
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [*(CASES[name][0]() for name in CASES), *(GRID_CASES[name][0]() for name in GRID_CASES)]
+    + [P.sparse_transformer_fixed(8, 2).resolve_heads(4), P.per_head([P.local(1), P.strided(3)]).resolve_heads(2)],
+    ids=[*CASES, *GRID_CASES, "sparse_transformer_fixed", "per_head"],
+)
+def test_mask_mods_keep_their_tables_on_the_given_device(pattern):
+    # A compiled FlexAttention mask may not copy between devices (inductor refuses buffers in the
+    # mask's pointwise code on CUDA): every lookup table must already sit where the indices are.
+    # The meta device stands in for a GPU; an op that touches a CPU tensor shows up here.
+    n = {GRID_CASES[k][0]().name: GRID_CASES[k][2] for k in GRID_CASES}.get(pattern.name, 100)
+    mask_mod = pattern.mask_mod_for(n, n, "meta")
+    index = {"device": "meta", "dtype": torch.long}
+    with _Devices() as mode:
+        got = mask_mod(
+            torch.zeros((), **index),
+            torch.arange(getattr(pattern, "heads", None) or 1, **index).view(-1, 1, 1),
+            torch.arange(n, **index).view(1, -1, 1),
+            torch.arange(n, **index).view(1, 1, -1),
+        )
+    assert got.dtype == torch.bool and got.shape[-2:] == (n, n)
+    assert mode.seen == {"meta"}
 
 
 @pytest.mark.parametrize("n", [1, 5, 64, 100, 257])

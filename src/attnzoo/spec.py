@@ -16,11 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 #: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``: True where the pair is computed.
 #: Arguments are broadcastable integer tensors (FlexAttention's signature, vectorised).
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+#: Where a ``mask_mod``'s lookup tables live (``None``: the CPU). A compiled FlexAttention mask
+#: must not move tensors between devices, so ``Pattern.mask_mod_for`` places them up front.
+Device = torch.device | str | None
 
 #: ``score_mod(score, b, h, q_idx, kv_idx) -> score``: edits the scaled score of each pair
 #: (e.g. adds an ALiBi or relative-position bias). Same broadcasting as ``MaskMod``.

@@ -58,7 +58,7 @@ class Call:
 
     def mask_mod(self) -> MaskMod:
         """The pattern's pair predicate at this call's lengths (queries end-aligned)."""
-        return self.pattern.mask_mod_for(self.q.shape[2], self.k.shape[2])
+        return self.pattern.mask_mod_for(self.q.shape[2], self.k.shape[2], self.q.device)
 
 
 def head_groups(pattern: Pattern, heads: int) -> Tensor:

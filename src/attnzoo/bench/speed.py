@@ -299,6 +299,8 @@ def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Se
         row["peak_forward_bytes"] = peak_memory(forward, setting.device)
     choice = attnzoo.last_choice() if hasattr(module, "pattern") else None
     row["backend_ran"] = name if choice is None else choice.backend + (f" ({choice.path})" if choice.path else "")
+    if choice is not None and choice.skipped:  # why auto passed over the backends before it
+        row["backends_skipped"] = choice.skipped
     pairs = useful_pairs(module, n, causal)
     row["density"] = density(pairs, n, causal)
     if row["density"]:

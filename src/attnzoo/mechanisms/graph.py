@@ -139,7 +139,7 @@ def reference_graph_attention(
         from_query, from_key = gat_terms(qc, kc, args.attention_vector)
         scores = F.leaky_relu(from_query[..., :, None] + from_key[..., None, :], NEGATIVE_SLOPE)  # [B, H, N, N]
     batch, heads, n, _ = q.shape
-    mask_mod = graph.mask_mod_for(graph.n, graph.n)
+    mask_mod = graph.mask_mod_for(graph.n, graph.n, q.device)
     visible = visible_pairs(batch, heads, n, n, causal=args.causal, key_mask=mask, mask_mod=mask_mod, device=q.device)
     weights = normalize_scores(scores, visible, "softmax")
     out = torch.einsum("bhij,bhjd->bhid", weights, v.to(compute)).to(q.dtype)

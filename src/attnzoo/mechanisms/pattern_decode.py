@@ -200,5 +200,5 @@ def _visible(attn: PatternAttention, heads: int, rows: Tensor, keys: Tensor) -> 
     zero = torch.zeros((), dtype=torch.long, device=rows.device)
     h = torch.arange(heads, device=rows.device)[:, None, None] if pattern.per_head else zero
     n = int(rows.max()) + 1
-    mask = (keys <= rows) & pattern.mask_mod_for(n, n)(zero, h, rows, keys)
+    mask = (keys <= rows) & pattern.mask_mod_for(n, n, rows.device)(zero, h, rows, keys)
     return torch.broadcast_to(mask, (heads if pattern.per_head else 1, rows.shape[0], keys.shape[1]))

@@ -3,8 +3,10 @@
 
 A ``Pattern`` answers two questions about one set of (query, key) pairs:
 
-- ``mask_mod_for(n_q, n_kv)`` -> ``mask_mod(b, h, q_idx, kv_idx)``: is this pair computed?
-  (FlexAttention's signature, vectorised; ``q_idx`` is end-aligned, see ``attnzoo.spec``).
+- ``mask_mod_for(n_q, n_kv, device)`` -> ``mask_mod(b, h, q_idx, kv_idx)``: is this pair
+  computed? (FlexAttention's signature, vectorised; ``q_idx`` is end-aligned, see
+  ``attnzoo.spec``.) Lookup tables (global tokens, random keys, head groups) are placed on
+  ``device`` here, never inside the mask: a compiled mask on CUDA may not copy between devices.
 - ``blocks(n_q, n_kv, block)`` -> ``BlockList``: for each query block, the key blocks holding
   any pair, each flagged full (every pair in it is computed) or partial. It is derived from the
   pattern's own structure in time proportional to the blocks it lists, never by evaluating all
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._checks import check_positive_int
-from attnzoo.spec import MaskMod
+from attnzoo.spec import Device, MaskMod
 
 
 class TileGrid:
@@ -168,12 +170,12 @@ class Pattern(metaclass=_Immutable):
     #: True when the pattern differs per head (``per_head``); see ``resolve_heads``.
     per_head: bool = False
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         raise NotImplementedError
 
     def mask_mod(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         """The pair predicate, for patterns that do not depend on the sequence length."""
-        return self.mask_mod_for(None, None)(b, h, q_idx, kv_idx)
+        return self.mask_mod_for(None, None, q_idx.device)(b, h, q_idx, kv_idx)
 
     def blocks(self, n_q: int, n_kv: int | None = None, block: int = 128) -> BlockList:
         """Tiles of the ``block x block`` grid holding pairs (see module docstring)."""
@@ -281,8 +283,8 @@ class Union(Pattern):
     def _value(self) -> tuple:
         return self.parts
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
-        mods = [p.mask_mod_for(n_q, n_kv) for p in self.parts]
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
+        mods = [p.mask_mod_for(n_q, n_kv, device) for p in self.parts]
 
         def union(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             out = mods[0](b, h, q_idx, kv_idx)
@@ -307,8 +309,8 @@ class Intersection(Pattern):
     def _value(self) -> tuple:
         return self.parts
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
-        mods = [p.mask_mod_for(n_q, n_kv) for p in self.parts]
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
+        mods = [p.mask_mod_for(n_q, n_kv, device) for p in self.parts]
 
         def intersection(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             out = mods[0](b, h, q_idx, kv_idx)
@@ -372,13 +374,13 @@ class PerHead(Pattern):
             raise ValueError(f"{self.name} needs the number of heads: call .resolve_heads(H) first")
         return torch.arange(self.heads) // (self.heads // self.n_groups)
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
-        mods = [p.mask_mod_for(n_q, n_kv) for p in self.patterns]
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
+        mods = [p.mask_mod_for(n_q, n_kv, device) for p in self.patterns]
         # ``h`` indexes heads once resolved, else pattern groups (for dense() / pictures).
-        groups = self.head_groups() if self.heads is not None else torch.arange(self.n_groups)
+        groups = (self.head_groups() if self.heads is not None else torch.arange(self.n_groups)).to(device)
 
         def per_head(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            g = groups.to(h.device)[h]
+            g = groups[h]
             out = (g == 0) & mods[0](b, h, q_idx, kv_idx)
             for index, mod in enumerate(mods[1:], start=1):
                 out = out | ((g == index) & mod(b, h, q_idx, kv_idx))

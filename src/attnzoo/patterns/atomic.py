@@ -21,7 +21,7 @@ from torch import Tensor
 
 from attnzoo._checks import check_positive_int
 from attnzoo.patterns.algebra import BlockList, Pattern, lcm
-from attnzoo.spec import MaskMod
+from attnzoo.spec import Device, MaskMod
 
 
 def _q_ranges(n_q: int, n_kv: int, block: int) -> tuple[Tensor, Tensor]:
@@ -52,7 +52,7 @@ class Band(Pattern):
     def _value(self) -> tuple:
         return self.lo, self.hi, self.modulus
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         lo, hi, mod = self.lo, self.hi, self.modulus
 
         def band(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -152,14 +152,14 @@ def _positions(indices: Sequence[int], what: str) -> tuple[Tensor, str]:
     return index, str(index.tolist()) if index.numel() <= 8 else f"{index.numel()} positions"
 
 
-def _member_of(indices: Tensor) -> Callable[[Tensor], Tensor]:
-    """``x -> x in indices`` elementwise, by a lookup table (``torch.isin`` does not compile
-    with inductor inside a FlexAttention mask)."""
+def _member_of(indices: Tensor, device: Device) -> Callable[[Tensor], Tensor]:
+    """``x -> x in indices`` elementwise, by a lookup table on ``device`` (``torch.isin`` does
+    not compile with inductor inside a FlexAttention mask, nor does a copy between devices)."""
     top = int(indices.max())
-    table = _index_table(indices, top + 1)
+    table = _index_table(indices, top + 1).to(device)
 
     def member(x: Tensor) -> Tensor:
-        return (x >= 0) & (x <= top) & table.to(x.device)[x.clamp(0, top)]
+        return (x >= 0) & (x <= top) & table[x.clamp(0, top)]
 
     return member
 
@@ -174,8 +174,8 @@ class GlobalTokens(Pattern):
     def _value(self) -> tuple:
         return tuple(self.indices.tolist())
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
-        is_global = _member_of(self.indices)
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
+        is_global = _member_of(self.indices, device)
 
         def global_tokens(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return is_global(q_idx) | is_global(kv_idx)
@@ -217,7 +217,7 @@ class PeriodicColumns(Pattern):
     def _value(self) -> tuple:
         return self.period, self.first, self.last
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         def columns(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             r = kv_idx % self.period
             # "| (q_idx < q_idx)" adds nothing but broadcasts the result over the query axis.
@@ -250,8 +250,8 @@ class KeyColumns(Pattern):
         """The column keys below ``n_kv``, ascending."""
         return self.indices[self.indices < n_kv]
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
-        is_column = _member_of(self.indices)
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
+        is_column = _member_of(self.indices, device)
 
         def key_columns(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             # "| (q_idx < q_idx)" adds nothing but broadcasts the result over the query axis.
@@ -323,13 +323,13 @@ class Random(Pattern):
         """``(N_q, min(r, N_kv))``: the keys of each query row."""
         return sample_without_replacement(self.seed, n_q, n_kv, self.r)
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         if n_q is None or n_kv is None:
             raise ValueError(f"{self.name} depends on the sequence length: use mask_mod_for(n_q, n_kv)")
-        table, offset = self.table(n_q, n_kv), n_kv - n_q
+        table, offset = self.table(n_q, n_kv).to(device), n_kv - n_q
 
         def random(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return row_contains(table.to(q_idx.device), (q_idx - offset).clamp(0, n_q - 1), kv_idx)
+            return row_contains(table, (q_idx - offset).clamp(0, n_q - 1), kv_idx)
 
         return random
 
@@ -380,7 +380,7 @@ class BlockLocal(Pattern):
     def _value(self) -> tuple:
         return (self.size,)
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         def block_local(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return torch.div(q_idx, self.size, rounding_mode="floor") == torch.div(
                 kv_idx, self.size, rounding_mode="floor"
@@ -418,14 +418,14 @@ class RandomBlocks(Pattern):
         n_blocks = -(-n_kv // self.block)
         return sample_without_replacement(self.seed, n_blocks, n_blocks, self.r)
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         if n_kv is None:
             raise ValueError(f"{self.name} depends on the sequence length: use mask_mod_for(n_q, n_kv)")
-        table, size = self.table(n_kv), self.block
+        table, size = self.table(n_kv).to(device), self.block
 
         def random_blocks(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             qb = torch.div(q_idx, size, rounding_mode="floor").clamp(0, table.shape[0] - 1)
-            hit = row_contains(table.to(q_idx.device), qb, torch.div(kv_idx, size, rounding_mode="floor"))
+            hit = row_contains(table, qb, torch.div(kv_idx, size, rounding_mode="floor"))
             return hit & (q_idx >= 0)
 
         return random_blocks
@@ -483,13 +483,13 @@ class Graph(Pattern):
         table[rows, position] = self.edge_keys % self.n
         return table
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         if n_q not in (None, self.n) or n_kv not in (None, self.n):
             raise ValueError(f"{self.name} is defined on exactly {self.n} positions, got N_q={n_q}, N_kv={n_kv}")
-        table = self.neighbours()
+        table = self.neighbours().to(device)
 
         def graph(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return row_contains(table.to(q_idx.device), q_idx.clamp(0, self.n - 1), kv_idx)
+            return row_contains(table, q_idx.clamp(0, self.n - 1), kv_idx)
 
         return graph
 

@@ -26,7 +26,7 @@ from attnzoo.patterns.atomic import (
     sliding_window,
     strided,
 )
-from attnzoo.spec import MaskMod
+from attnzoo.spec import Device, MaskMod
 
 
 def longformer(window: int, global_indices: Sequence[int] = (0,), dilation: int | Sequence[int] = 1) -> Pattern:
@@ -76,7 +76,7 @@ class BlockBand(Pattern):
     def _value(self) -> tuple:
         return self.size, self.reach
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         def block_band(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             qb = torch.div(q_idx, self.size, rounding_mode="floor")
             return (qb - torch.div(kv_idx, self.size, rounding_mode="floor")).abs() <= self.reach
@@ -109,10 +109,10 @@ class GlobalBlocks(Pattern):
         chosen = set(range(min(self.first, n_blocks))) | set(range(max(n_blocks - self.last, 0), n_blocks))
         return GlobalTokens([i for b in sorted(chosen) for i in range(b * self.size, min((b + 1) * self.size, n_kv))])
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         if n_kv is None:
             raise ValueError(f"{self.name} depends on the sequence length: use mask_mod_for(n_q, n_kv)")
-        return self._tokens(n_kv).mask_mod_for(n_q, n_kv)
+        return self._tokens(n_kv).mask_mod_for(n_q, n_kv, device)
 
     def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
         return self._tokens(n_kv)._blocks(n_q, n_kv, block)
@@ -190,7 +190,7 @@ class Block2D(GridPattern):
     def _value(self) -> tuple:
         return self.h, self.w, self.query_block, self.margin
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         self._check(n_q, n_kv)
         (qh, qw), (mh, mw), w = self.query_block, self.margin, self.w
 
@@ -245,9 +245,9 @@ class Axial(GridPattern):
     def _value(self) -> tuple:
         return self.h, self.w
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None) -> MaskMod:
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         self._check(n_q, n_kv)
-        return self.inner.mask_mod_for(n_q, n_kv)
+        return self.inner.mask_mod_for(n_q, n_kv, device)
 
     def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
         self._check(n_q, n_kv)
