@@ -141,6 +141,15 @@ def test_plan_cache_hits_for_a_pattern_rebuilt_per_call_with_causal(build, cache
     assert info.misses == 1 and info.hits >= 2, info
 
 
+def test_flex_tiles_on_cuda_are_multiples_of_the_kernel_tile():
+    # The Triton kernel's tiles must divide the BlockMask's (bigbird's tiles follow its 64-key
+    # blocks, and an H100 refused to compile them); the CPU kernel takes any tile. Coarser tiles
+    # hold the same pairs: blocks() is exact at every tile size (test_patterns).
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [flex.kernel_block(b, cuda) for b in (25, 64, 128, 256, 200)] == [128, 128, 128, 256, 128]
+    assert [flex.kernel_block(b, cpu) for b in (25, 64)] == [25, 64]
+
+
 def test_flex_block_masks_are_cached_by_value_never_by_the_mask_object():
     flex.MASKS.clear()
     q, k, v = _qkv()

@@ -11,15 +11,18 @@ On CPU, FlexAttention has no backward: inputs that require grad are refused.
 Compilation never degrades silently. Dynamo compiles one variant per pattern ``mask_mod`` and
 shape and, past its recompile limit (8 by default), would run FlexAttention eagerly: the
 unfused path that materializes the N x N scores. Calls here allow ``RECOMPILE_LIMIT`` variants
-per process and raise past it. A ``mask_mod`` that does not compile on a device (bigbird's on
-an H100 with torch 2.11: an inductor lowering error) raises ``BackendUnavailable``, and the
-pattern is refused on that device from then on, so ``backend="auto"`` runs the next backend and
-``last_choice()`` says why.
+per process and raise past it. A ``mask_mod`` that does not compile on a device raises
+``BackendUnavailable``, and the pattern is refused on that device from then on, so
+``backend="auto"`` runs the next backend and ``last_choice()`` says why. Two such failures seen
+on an H100 (torch 2.11) are fixed at their source: masks that copied a lookup table to the GPU
+inside the mask (``Pattern.mask_mod_for`` now takes the device), and tiles that the Triton
+kernel's own tiles do not divide (``kernel_block``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,6 +40,8 @@ CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 RECOMPILE_LIMIT = 64
 #: (pattern, device type) -> why its mask_mod does not compile there; refused from then on.
 FAILED: dict[tuple[Any, str], str] = {}
+#: The tile a CUDA ``BlockMask`` is built on unless the call's own block is a multiple of it.
+CUDA_BLOCK = 128
 
 
 def _flex_module() -> Any:
@@ -53,10 +58,19 @@ def _compiled() -> Callable[..., Tensor]:
     return _COMPILED["flex"]
 
 
+def kernel_block(block: int, device: torch.device) -> int:
+    """The ``BlockMask`` tile for a call whose plan asks for ``block``. On CUDA the Triton kernel's
+    own tiles (64 or 128 rows) must divide the mask's, so a block that 128 does not divide
+    (``bigbird``'s tiles follow its 64-key blocks; sized configs use any width) becomes 128 there:
+    the mask is the same, only coarser. On the CPU any block runs."""
+    return block if device.type != "cuda" or block % CUDA_BLOCK == 0 else CUDA_BLOCK
+
+
 def block_mask_for(call: Call) -> Any:
     """A ``BlockMask`` from ``Pattern.blocks()``: full tiles skip the mask, partial tiles run
     ``mask_mod``. Tiles of ``masked_key_blocks`` (padded keys, the ragged last block) count as
     partial."""
+    call = replace(call, block=kernel_block(call.block, call.q.device))
     key = (*plan_key(call), str(call.q.device), call.key_mask is None)
     if call.key_mask is None:
         return MASKS.get(key, lambda: _block_mask(call, _kv_blocks(call)))
