@@ -207,7 +207,11 @@ def test_a_non_finite_query_touches_only_its_own_row(name):
             # landmarks are means of queries, routing's clusters take w queries each).
             assert not torch.isinf(out[others]).any(), what
         else:
-            _same(out[others], clean[others], f"{what}: the other rows")
+            # Equal up to float64 rounding, not bit for bit: a mechanism that batches queries by
+            # what they selected (moba) regroups the other rows when this one selects differently.
+            torch.testing.assert_close(
+                out[others], clean[others], rtol=1e-12, atol=1e-12, msg=f"{what}: the other rows"
+            )
 
 
 # --- padding is inert whatever it holds --------------------------------------------------------
