@@ -227,7 +227,8 @@ def scan_grads(grad_states: Tensor, grad_final: Tensor, gates: Tensor, states: T
         torch.addcmul(grads[c], gate[c], d[c], out=d[c - 1])
     d_s0 = torch.addcmul(grads[0], gate[0], d[0])
     if gates.shape[-2] == 1:  # one gate per chunk: a batched dot product over the (m, E) state
-        d_gates = d_sums.flatten(-2)[..., None, :] @ states.flatten(-2)[..., None]  # [B, H, C, 1, 1]
+        # einsum, not a (1, mE) @ (mE, 1) bmm: that degenerate product ran 8x slower on CPU
+        d_gates = torch.einsum("...ij,...ij->...", d_sums, states)[..., None, None]  # [B, H, C, 1, 1]
     else:  # one gate per state row
         d_gates = (d_sums * states).sum(-1, keepdim=True)
     return d_sums, d_gates, d_s0
