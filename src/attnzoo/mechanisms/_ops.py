@@ -226,9 +226,12 @@ def scan_grads(grad_states: Tensor, grad_final: Tensor, gates: Tensor, states: T
     for c in range(len(d) - 1, 0, -1):
         torch.addcmul(grads[c], gate[c], d[c], out=d[c - 1])
     d_s0 = torch.addcmul(grads[0], gate[0], d[0])
-    if gates.shape[-2] == 1:  # one gate per chunk: a batched dot product over the (m, E) state
-        # einsum, not a (1, mE) @ (mE, 1) bmm: that degenerate product ran 8x slower on CPU
-        d_gates = torch.einsum("...ij,...ij->...", d_sums, states)[..., None, None]  # [B, H, C, 1, 1]
-    else:  # one gate per state row
-        d_gates = (d_sums * states).sum(-1, keepdim=True)
-    return d_sums, d_gates, d_s0
+    return d_sums, gate_grads(d_sums, states, per_chunk=gates.shape[-2] == 1), d_s0
+
+
+def gate_grads(d_sums: Tensor, states: Tensor, per_chunk: bool) -> Tensor:
+    """``dg_c = <L_{c+1}, S_c>`` summed over what the gate broadcasts across: the whole ``(m, E)``
+    state for one gate per chunk, ``(B, H, C, 1, 1)``; each row for one gate per state row."""
+    if per_chunk:  # einsum, not a (1, mE) @ (mE, 1) bmm per chunk: that ran 8x slower on CPU
+        return torch.einsum("...ij,...ij->...", d_sums, states)[..., None, None]
+    return (d_sums * states).sum(-1, keepdim=True)
