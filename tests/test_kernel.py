@@ -423,3 +423,17 @@ def test_causal_blocks_of_heads_equal_one_call(name, monkeypatch):
         results.append((out, *grads(out, inputs)))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want)
+
+
+def test_causal_blocks_of_heads_run_on_the_cpu_only(monkeypatch):
+    # The blocks keep feature tensors on glibc's heap; off the CPU (the meta device stands in for
+    # a GPU here) every head runs in one call, where more blocks would only repeat the launches.
+    calls = []
+    causal = kernel._causal
+    monkeypatch.setattr(kernel, "_causal", lambda *a: calls.append(a[0].shape[1]) or causal(*a))
+    attn = build("rfa", heads=H, head_dim=D)  # CAUSAL_BLOCK_BYTES = 1 (the autouse fixture): a head a block
+    for device, want in (("cpu", [1] * H), ("meta", [H])):
+        calls.clear()
+        q = torch.randn(B, H, N, D, device=device)
+        assert attn.to(device)(q, q, q, causal=True).device.type == device
+        assert calls == want, device

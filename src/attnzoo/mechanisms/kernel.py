@@ -43,10 +43,10 @@ Normalizer = Literal["rows", "signed", "keys"]
 #: Non-causal blocks hold about this many (batch x head x position) rows, so feature tensors
 #: stay a few MB (cache-sized, and reused by the allocator instead of page-faulted afresh).
 BLOCK_ROWS = 8192
-#: The causal path runs blocks of K/V heads whose key features ``(B, h, N, m)`` take at most this
-#: many bytes (one head at least): such tensors come from glibc's heap and are reused block after
-#: block, where whole-width ones (32 MiB for ``rfa`` at N = 4096, H = 8) are fresh mappings,
-#: page-faulted on every call (``benchmarks/page-faults-rfa-cpu.txt``, ``ab-causal-heads-cpu.txt``,
+#: On the CPU the causal path runs blocks of K/V heads whose key features ``(B, h, N, m)`` take
+#: at most this many bytes (one head at least): such tensors come from glibc's heap and are reused
+#: block after block, where whole-width ones (32 MiB for ``rfa`` at N = 4096, H = 8) are fresh
+#: mappings, page-faulted on every call (``benchmarks/page-faults-rfa-cpu.txt``, ``ab-causal-heads-cpu.txt``,
 #: ``ab-causal-heads-split-cpu.txt``).
 CAUSAL_BLOCK_BYTES = 4 * 2**20
 #: Causal prefix sums (no decay) over up to this many chunks run as one matmul (see ``_prefix_sums``).
@@ -149,7 +149,7 @@ def kernel_attention(
     Notes:
         Non-causal: ``phi(Q) (phi(K)^T [V, 1])`` over blocks of rows; O(N m E) time, O(block m +
         m E) live memory. Causal: O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory,
-        run on blocks of K/V heads (``CAUSAL_BLOCK_BYTES``) concatenated, so that each block's
+        run on the CPU in blocks of K/V heads (``CAUSAL_BLOCK_BYTES``) concatenated, so that each block's
         tensors come from the heap. Never N x N. ``z`` rides along ``S`` as an extra all-ones
         value column.
     """
@@ -162,7 +162,9 @@ def kernel_attention(
         return _blocked(q, k, v, real, maps)
     head_bytes = k.shape[0] * k.shape[2] * maps.num_features(k.shape[3]) * k.element_size()  # one head's phi(K)
     per = max(1, CAUSAL_BLOCK_BYTES // max(1, head_bytes))
-    if per >= k.shape[1]:
+    # The blocks answer glibc's page faults; off the CPU a caching allocator has none to avoid,
+    # and each block would only repeat the chunk loop's kernel launches (launch-bound on an H100).
+    if per >= k.shape[1] or k.device.type != "cpu":
         return _causal(q, k, v, real, maps, state, None)
     groups, parts = q.shape[1] // k.shape[1], []
     # split, not slices: its backward is one concatenation, where each slice's would zero-fill a
