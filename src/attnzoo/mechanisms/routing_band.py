@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from attnzoo.mechanisms._ops import argmax_over
 from attnzoo.mechanisms.group_windows import counts
 
 #: Queries per tile, and ranks per block of a tile's key span (at most w); (query, key) pairs per
@@ -37,7 +38,7 @@ def causal_attention(
     (sim_q, sim_k), n = sims, q.shape[2]
     n_clusters = sim_q.shape[2]
     position = torch.arange(n, device=q.device)
-    a_q, a_k = sim_q.argmax(2), torch.where(real, sim_k.argmax(2), n_clusters)  # [B, H, N]; padded: none
+    a_q, a_k = argmax_over(sim_q, 2), torch.where(real, argmax_over(sim_k, 2), n_clusters)  # [B, H, N]; padded: none
     a_sorted, key_order = torch.sort(a_k, dim=-1, stable=True)  # keys by (cluster, position)
     n_keys = counts(a_k, n_clusters + 1)
     first_key = n_keys.cumsum(-1) - n_keys

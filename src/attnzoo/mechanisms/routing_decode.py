@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import default_scale, real_tokens
+from attnzoo.mechanisms._ops import argmax_over, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, StateSpec
 from attnzoo.mechanisms.group_windows import GroupWindows, attend_gathered, state_dtype
 from attnzoo.mechanisms.routing_tiles import attention_inputs, similarities
@@ -108,7 +108,7 @@ def _routed(
     qc, kc, scale = attention_inputs(qc, kc, cfg)
     real = real_tokens(mask, b, t, q.device)
     sim_q, sim_k = similarities(qc, kc, attn.centroids, real)
-    a_q, a_k = sim_q.argmax(2), torch.where(real[:, None, :], sim_k.argmax(2), cfg.n_clusters)
+    a_q, a_k = argmax_over(sim_q, 2), torch.where(real[:, None, :], argmax_over(sim_k, 2), cfg.n_clusters)
     new = windows.append(a_k, (kc, vc))
     return _Routed(qc, kc, vc, default_scale(scale, dim), real, a_q, a_k, windows.ranks(a_k), new)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import gather_rows
+from attnzoo.mechanisms._ops import argmax_over, gather_rows
 from attnzoo.mechanisms.group_windows import attend_gathered, counts
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def balanced_attention(q: Tensor, k: Tensor, v: Tensor, sims: Pair, w: int, real
     per_query = rearrange(per_cluster, "b h c w e -> b h (c w) e")
     out = v.new_zeros(v.shape).scatter_add(2, flat[..., None].expand(-1, -1, -1, v.shape[-1]), per_query)
     picks = torch.zeros_like(real, dtype=v.dtype).scatter_add(-1, flat, torch.ones_like(flat, dtype=v.dtype))
-    group = torch.where((picks == 0) & real, sim_q.argmax(2), -1)  # unpicked: nearest centroid
+    group = torch.where((picks == 0) & real, argmax_over(sim_q, 2), -1)  # unpicked: nearest centroid
 
     def keys_of(tile_group: Tensor) -> Tensor:
         keys = pick_k.gather(2, tile_group.clamp(min=0)[..., None].expand(-1, -1, -1, w))  # [B, H, S, w]
