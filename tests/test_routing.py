@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
+from attnzoo.mechanisms._ops import argmax_over
 from attnzoo.mechanisms.routing import reference_routing
 from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_close_to_golden, assert_same
@@ -362,3 +363,12 @@ def test_step_refuses_an_unknown_window_and_training_mode():
         attn.init_state(1, H, D, D)
     with pytest.raises(ValueError, match="eval mode only"):
         attn.step(state, *make_qkv(1, H, 1, 1, d=D, requires_grad=False))
+
+
+def test_nearest_centroids_by_max_equal_argmax_with_ties_and_nan():
+    # _ops.argmax_over replaces argmax over the cluster dimension (not the last one, where CPU's
+    # argmax is slow): the same first index on ties, and NaN counted as the largest.
+    sims = torch.randint(0, 3, (2, 4, 16, 300)).float()  # many exact ties
+    sims[1, 2, 7, 11] = float("nan")
+    for dim in (1, 2, 3):
+        assert torch.equal(argmax_over(sims, dim), sims.argmax(dim))
