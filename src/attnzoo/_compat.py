@@ -12,3 +12,6 @@ import torch
 flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 #: Its backward: ``(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask, scale)``.
 flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+#: Softmax's backward from its output: ``(grad, output, dim, input_dtype)`` -> the input's
+#: gradient, ``output * (grad - (grad * output).sum(dim))`` in one fused pass (differentiable).
+softmax_backward = torch.ops.aten._softmax_backward_data

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, mean_keys, real_tokens
+from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, masked_softmax, mean_keys, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.span_tree import SpanTree, left_nodes, level_sums
 from attnzoo.registry import Config, bounded, register
@@ -186,7 +186,7 @@ def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalCon
     qb = qb.view(b, h, blocks, BLOCK, d)  # scaled here: no pass over the score tile
     scores = qb @ gathered(k_nodes).transpose(-1, -2)  # (B, H, blocks, BLOCK, W)
     visible = (member[None] & (counts > 0)[:, cols][:, :, None, :])[:, None]  # (B, 1, blocks, BLOCK, W)
-    weights = normalize_scores(scores, visible, "softmax")
+    weights = masked_softmax(scores, visible)
     out = (weights @ gathered(v_nodes)).view(b, h, blocks * BLOCK, -1)[:, :, :n]
     return out.to(q.dtype)
 

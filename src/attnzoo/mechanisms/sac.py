@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, gather_rows, mean_keys
+from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, gather_rows, masked_softmax, mean_keys
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import kept_indices, register_selective, sparse_softmax, topk_mask
@@ -159,7 +159,7 @@ def sac_attention(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, cfg: SACConfi
     # rides on the query as qw - qw.detach() (zero in value): one GEMM gives the logits, q and k
     # their plain gradients and W the edges' gradient, with no extra pass over the score tile.
     logits = (qb + (qw - qw.detach())) @ kg.transpose(-1, -2)
-    out = normalize_scores(logits, keep, "softmax") @ vg
+    out = masked_softmax(logits, keep) @ vg
     return out.view(b, h, blocks * BLOCK, -1)[:, :, :n].to(q.dtype)
 
 
