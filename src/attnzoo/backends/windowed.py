@@ -22,6 +22,7 @@ from attnzoo.backends.grouped import (
     grouped_outer_add_,
     part_kv_heads,
 )
+from attnzoo.backends.reference import normalize_scores
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
 from attnzoo.backends.window_parts import Options, Saved, finite, part_backward, part_forward, part_lse
 
@@ -215,9 +216,7 @@ def _row_weights(part: WithGlobals, q: Tensor, k: Tensor, opts: Options) -> Tens
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
     key_valid = opts.key_valid
     allowed = allowed[None, None] if key_valid is None else allowed[None, None] & key_valid[:, None, None, :]
-    has_key = allowed.any(-1, keepdim=True)
-    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
-    return torch.softmax(scores, dim=-1) * has_key
+    return normalize_scores(scores, allowed, "softmax")
 
 
 def _global_rows(part: WithGlobals, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> Tensor:
