@@ -57,7 +57,8 @@ def test_fast_path_equals_reference_float64(causal, padded, window):
 def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
     # Groups of unpicked queries are cut into tiles of TILE queries, causal ones into tiles of
     # BAND over key blocks of min(BAND, w) ranks, attended PAIRS pairs at a time; make tiles of 3
-    # (a group spans several, window 9: a tile's span several blocks), one tile per pass.
+    # (a group spans several, window 9: a tile's span several blocks), one tile per pass. SPARE = 0
+    # sends every non-causal unpicked query to the tiles (by default they join their cluster's call).
     import attnzoo.mechanisms.routing_band as band
     import attnzoo.mechanisms.routing_tiles as module
 
@@ -67,6 +68,7 @@ def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
     wide = attn(q, k, v, causal=causal, key_mask=mask)
     monkeypatch.setattr(module, "TILE", 3)
     monkeypatch.setattr(module, "PAIRS", 1)
+    monkeypatch.setattr(module, "SPARE", 0.0)
     monkeypatch.setattr(band, "BAND", 3)
     monkeypatch.setattr(band, "PAIRS", 1)
     narrow = attn(q, k, v, causal=causal, key_mask=mask)
@@ -75,6 +77,24 @@ def test_narrow_tiles_and_one_tile_per_pass_change_nothing(causal, monkeypatch):
     assert_same(wide, ref)
     for got, want in zip(grads(narrow, (q, k, v)), grads(ref, (q, k, v))):
         assert_same(got, want)
+
+
+def test_unpicked_queries_become_rows_of_their_clusters_calls():
+    from attnzoo.mechanisms.routing_tiles import _unpicked_rows
+
+    # B=1, H=2, N=7, 3 clusters; -1: picked by some cluster (or padding), else the nearest centroid.
+    group = torch.tensor([[[2, -1, 0, 2, -1, 2, 0], [-1, -1, -1, 1, -1, -1, -1]]])
+    rows, slot = _unpicked_rows(group, 3, w=4)
+    assert rows.shape == (1, 2, 3, 3)  # the largest group: 3 queries of cluster 2 in head 0
+    assert rows[0, 0].tolist() == [[2, 6, 7], [7, 7, 7], [0, 3, 5]]  # position order; 7 = N: no query
+    assert rows[0, 1].tolist() == [[7, 7, 7], [3, 7, 7], [7, 7, 7]]
+    flat = rows.flatten(2)
+    for h in range(2):
+        for i in range(7):  # a query's slot holds it; a picked query's slot is past the rows
+            assert flat[0, h, slot[0, h, i]] == i if group[0, h, i] >= 0 else slot[0, h, i] == 9
+    assert _unpicked_rows(group, 3, w=2)[0] is None  # 3 > SPARE * w: tiles
+    none, _ = _unpicked_rows(torch.full((1, 1, 5), -1), 3, w=2)
+    assert none.shape == (1, 1, 3, 0)
 
 
 @pytest.mark.parametrize("window", [None, 20, 70])

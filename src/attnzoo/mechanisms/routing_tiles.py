@@ -16,7 +16,7 @@ from einops import einsum, rearrange
 from torch import Tensor
 
 from attnzoo.mechanisms._ops import argmax_over, gather_rows
-from attnzoo.mechanisms.group_windows import attend_gathered, counts
+from attnzoo.mechanisms.group_windows import attend_gathered, counts, earlier_of_same_group
 
 if TYPE_CHECKING:
     from attnzoo.mechanisms.routing import RoutingConfig
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 Pair = tuple[Tensor, Tensor]
 #: ``grouped_attention``: queries per tile, and (query, key) pairs per pass (bounds working memory).
 TILE, PAIRS = 128, 2**24
+#: ``balanced_attention`` runs the unpicked queries as extra rows of their cluster's call while the
+#: largest group of them is at most ``SPARE * w`` (then the padded rows cost at most what the picked
+#: ones do), in tiles otherwise. On random inputs at 4K the largest group is 430 of w = 1024.
+SPARE = 1.0
 
 
 def attention_inputs(q: Tensor, k: Tensor, config: RoutingConfig) -> tuple[Tensor, Tensor, float | None]:
@@ -134,25 +138,47 @@ def balanced_attention(q: Tensor, k: Tensor, v: Tensor, sims: Pair, w: int, real
     Notes:
         Top-w ties go to the lower position. Outputs are summed over the clusters that picked a
         query and divided by their count; a real query no cluster picked attends to the picked
-        keys of its nearest centroid (``grouped_attention``). Padded rows are 0.
+        keys of its nearest centroid. Those queries join their cluster's call as extra rows
+        (``_unpicked_rows``) while the largest such group holds at most ``SPARE * w`` of them,
+        else they run in tiles (``grouped_attention``). Padded rows are 0.
     """
     (sim_q, sim_k), n_clusters = sims, sims[0].shape[2]
     pick_q, pick_k = top_w(sim_q, w), top_w(sim_k, w)  # [B, H, C, w]
-    q_c, k_c, v_c = (
-        gather_rows(q, pick_q, zero_row=True),
-        gather_rows(k, pick_k, zero_row=True),
-        gather_rows(v, pick_k, zero_row=True),
-    )  # [B, H, C, w, D]
-    per_cluster = attend_gathered(q_c, k_c, v_c, _take(real, pick_k)[..., None, :], scale)  # [B, H, C, w, Dv]
     flat = rearrange(pick_q, "b h c w -> b h (c w)")
-    per_query = rearrange(per_cluster, "b h c w e -> b h (c w) e")
-    out = v.new_zeros(v.shape).scatter_add(2, flat[..., None].expand(-1, -1, -1, v.shape[-1]), per_query)
     picks = torch.zeros_like(real, dtype=v.dtype).scatter_add(-1, flat, torch.ones_like(flat, dtype=v.dtype))
     group = torch.where((picks == 0) & real, argmax_over(sim_q, 2), -1)  # unpicked: nearest centroid
+    extra, slot = _unpicked_rows(group, n_clusters, w)
+    rows = pick_q if extra is None else torch.cat([pick_q, extra], -1)  # [B, H, C, w + M]
+    k_c, v_c = gather_rows(k, pick_k, zero_row=True), gather_rows(v, pick_k, zero_row=True)  # [B, H, C, w, D]
+    q_c = gather_rows(q, rows, zero_row=True)  # [B, H, C, w + M, D]
+    per_cluster = attend_gathered(q_c, k_c, v_c, _take(real, pick_k)[..., None, :], scale)
+    per_query = rearrange(per_cluster[..., :w, :], "b h c w e -> b h (c w) e")
+    out = v.new_zeros(v.shape).scatter_add(2, flat[..., None].expand(-1, -1, -1, v.shape[-1]), per_query)
+    out = out / picks.clamp(min=1)[..., None] * real[..., None]
+    if extra is not None:  # each unpicked query's row of its cluster's extra rows (slot C M: none)
+        return out + gather_rows(rearrange(per_cluster[..., w:, :], "b h c m e -> b h (c m) e"), slot, zero_row=True)
 
     def keys_of(tile_group: Tensor) -> Tensor:
         keys = pick_k.gather(2, tile_group.clamp(min=0)[..., None].expand(-1, -1, -1, w))  # [B, H, S, w]
         return torch.where(tile_group[..., None] >= 0, keys, -1)
 
-    fallback = grouped_attention(q, k, v, group, n_clusters, keys_of, min(w, TILE), scale, lambda i, j: _take(real, j))
-    return out / picks.clamp(min=1)[..., None] * real[..., None] + fallback
+    tiles = grouped_attention(q, k, v, group, n_clusters, keys_of, min(w, TILE), scale, lambda i, j: _take(real, j))
+    return out + tiles
+
+
+def _unpicked_rows(group: Tensor, n_clusters: int, w: int) -> tuple[Tensor | None, Tensor]:
+    """The unpicked queries as extra rows of their clusters' calls: ``(rows (B, H, C, M), slot
+    (B, H, N))``, M the largest group (rows past a group's size read position N, a zero row; a
+    query's slot is ``c M + rank``, C M where it is in no group). ``rows`` is None (and the
+    queries go to ``grouped_attention``) when M exceeds ``SPARE * w``: a skewed routing would
+    pad every cluster to its largest group. With no unpicked query M is 0 (``rows`` (B, H, C, 0))."""
+    groups = torch.where(group < 0, n_clusters, group)
+    size = counts(groups, n_clusters + 1)[..., :n_clusters]
+    most = int(size.max()) if size.numel() else 0
+    if most > SPARE * w:
+        return None, group
+    b, h, n = group.shape
+    slot = torch.where(group < 0, n_clusters * most, groups * most + earlier_of_same_group(groups, n_clusters))
+    positions = torch.arange(n, device=group.device).expand(b, h, n)
+    rows = torch.full((b, h, n_clusters * most + 1), n, device=group.device).scatter_(-1, slot, positions)
+    return rows[..., :-1].view(b, h, n_clusters, most), slot
