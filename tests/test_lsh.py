@@ -27,7 +27,7 @@ def reference(lsh, q, v, **kwargs):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n_hashes", [1, 3])  # one round takes its own path: no merge, the kernel's out and lse
+@pytest.mark.parametrize("n_hashes", [1, 2, 3])  # one round: its own path (no merge); two: shared pairs weigh ln 2
 def test_fast_path_equals_reference_float64_with_value_width_unlike_the_keys(causal, n_hashes):
     q, k, v = make_qkv(2, 3, 45, 45, d=8, d_v=6)  # D_v != D: the kernel pads v's head
     mask = padding_mask(2, 45)

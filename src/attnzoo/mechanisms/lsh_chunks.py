@@ -11,6 +11,7 @@ flash kernel's backward per round with the union's output and log-sum-exp. O(N c
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,7 +138,7 @@ def round_mask(
     key_term = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device)
     mask = key_term.masked_fill_(~key_ok[:, :, None], inf) + fixed
     if dedupe and others:
-        mask -= torch.log1p(shared_rounds(others, position, chunk).to(dtype))
+        discount(mask, shared_rounds(others, position, chunk), len(others))
     # A row sees something when it is filled and some key of its window passes: counted on the
     # (BH, chunks, 2c) key pieces instead of a pass over the float mask. Own chunk: the keys
     # before the query (causal) or all but itself.
@@ -145,6 +146,16 @@ def round_mask(
     seen = ko.cumsum(-1) if causal else ko.sum(-1, keepdim=True)
     sees = key_ok[..., :chunk].any(-1, keepdim=True) | (seen - ko > 0)
     return dataclasses.replace(r, mask=mask, empty=~(sees & filled.view(bh, chunks, chunk)))
+
+
+def discount(mask: Tensor, shared: Tensor, others: int) -> None:
+    """``mask -= log N_ij`` in place, from ``shared = N_ij - 1`` (uint8, at most ``others``). With
+    two rounds ``shared`` is 0 or 1 and ``log N_ij`` is ln 2 times it: one pass, where a float copy
+    and ``log1p`` took two (lsh 1K fwd+bwd: ab-lsh-discount-cpu.txt)."""
+    if others == 1:
+        mask.sub_(shared, alpha=math.log(2.0))
+    else:
+        mask -= torch.log1p(shared.to(mask.dtype))
 
 
 def shared_rounds(others: list[Round], position: Tensor, chunk: int) -> Tensor:
