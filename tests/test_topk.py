@@ -149,6 +149,22 @@ def test_sac_candidates_are_bounded_distinct_causal_and_independent_of_the_lengt
     assert bool(valid.all()) and bool(((cand - rows).abs() <= 6).all())
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sac_ties_go_to_the_lower_key_index_in_the_fast_path(causal):
+    # Small integers and a scale of 1/2: every score is exact whatever the summation order, so
+    # nodes' candidate edges tie often and exactly, between window keys and random ones too; the
+    # fast path must keep the lower positions, as the reference does.
+    module = _build("sac", scale=0.5).double()
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randint(-1, 2, (B, H, N, D), generator=gen).double().requires_grad_() for _ in range(2))
+    v = torch.randn(B, H, N, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    fast = module(q, k, v, causal=causal)
+    ref = module.reference(q, k, v, causal=causal)
+    assert_same(fast, ref)
+    for a, r, name in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
+        assert_same(a, r, what=f"grad {name}")
+
+
 def test_sac_steps_of_several_tokens_equal_the_causal_forward():
     # The contract decodes one token at a time after a prefill; here every step draws several
     # rows of random candidates from the carried generator.
