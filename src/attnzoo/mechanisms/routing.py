@@ -271,8 +271,6 @@ class RoutingAttention(Attention):
         w = min(math.ceil(n / self.config.n_clusters) if self.config.window is None else self.config.window, n)
         scale = default_scale(scale, d)
         out = (causal_attention if args.causal else balanced_attention)(qc, kc, vc, sims, w, real, scale)
-        # A non-finite query is routed last; its row is NaN (a causal one alone would read its own value).
-        out = out.masked_fill(~torch.isfinite(qc).all(-1, keepdim=True), math.nan)
         if self.training:
             # A non-finite token moves no centroid (its unit vector is NaN): the buffer stays finite.
             units = tuple(F.normalize(x.detach(), dim=-1).nan_to_num(0.0) for x in (qc, kc))
