@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
+from attnzoo.bench.monitor import release_mmap_threshold
 
 
 def interleaved(
@@ -45,7 +46,10 @@ def interleaved(
 def fwd_bwd_ab(n: int, causal: bool, names: list[str], repeats: int, use: Callable[[str], None]) -> None:
     """``interleaved`` for forward+backward of the registered ``names`` at their defaults on
     ``(1, 8, n, 64)`` inputs, against dense SDPA's (causal or not), with ``use(rule)`` switching
-    between the old and the new code."""
+    between the old and the new code. Under the malloc thresholds ``attnzoo bench speed`` sets
+    (``monitor.release_mmap_threshold``), so temporaries of up to 32 MiB reuse resident memory
+    there as here (the A/B files written before this line ran under glibc's initial ones)."""
+    release_mmap_threshold()
     q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
     grad = torch.randn(1, 8, n, 64)
 
