@@ -112,7 +112,7 @@ def _attend_candidates(
 #: Nodes per block of the forward's fast path (``_ops.block_union``): neighbours share most of
 #: their window candidates but none of their random ones, so a block of b nodes attends about
 #: ``candidates + b`` window keys plus ``b n_random`` random ones. 16 against 32 at the defaults:
-#: fwd+bwd 1K 37.7 -> 35.8 ms, 4K 222 -> 182 (causal 4K 212 -> 183; 8 at 1K 45 ms:
+#: fwd+bwd 1K 33.4 -> 30.1 ms, 4K 201 -> 188, causal 4K 184 -> 158 (8 at 1K: 45 ms;
 #: ab-sac-block-cpu.txt).
 BLOCK = 16
 
