@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import attnzoo
 from attnzoo.bench.monitor import release_mmap_threshold
+from attnzoo.bench.speed import parse_mechanism
 
 
 def interleaved(
@@ -44,7 +45,8 @@ def interleaved(
 
 
 def fwd_bwd_ab(n: int, causal: bool, names: list[str], repeats: int, use: Callable[[str], None]) -> None:
-    """``interleaved`` for forward+backward of the registered ``names`` at their defaults on
+    """``interleaved`` for forward+backward of the registered ``names`` (``local`` or with
+    config values, ``local:left=256,right=256``, as ``bench speed`` reads them) on
     ``(1, 8, n, 64)`` inputs, against dense SDPA's (causal or not), with ``use(rule)`` switching
     between the old and the new code. Under the malloc thresholds ``attnzoo bench speed`` sets
     (``monitor.release_mmap_threshold``), so temporaries of up to 32 MiB reuse resident memory
@@ -59,10 +61,22 @@ def fwd_bwd_ab(n: int, causal: bool, names: list[str], repeats: int, use: Callab
         q.grad = k.grad = v.grad = None
         return time.perf_counter() - start
 
-    mechanisms = {name: attnzoo.build(name) for name in names}
+    mechanisms = {text: attnzoo.build(name, **config) for text in names for name, config in [parse_mechanism(text)]}
     calls = {name: (lambda attn=attn: attn(q, k, v, causal=causal)) for name, attn in mechanisms.items()}
     dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
+
+
+def split_names(text: str) -> list[str]:
+    """``"local:left=256,right=256,dilated"`` -> ``["local:left=256,right=256", "dilated"]``: a
+    piece with ``=`` and no ``:`` continues the config of the name before it."""
+    names: list[str] = []
+    for piece in text.split(","):
+        if "=" in piece and ":" not in piece and names:
+            names[-1] += "," + piece
+        else:
+            names.append(piece)
+    return names
 
 
 def swap_main(module: Any, attr: str, old: Any, *, causal: bool | None = None) -> None:
@@ -73,7 +87,7 @@ def swap_main(module: Any, attr: str, old: Any, *, causal: bool | None = None) -
     n = int(args.pop(0))
     if causal is None:
         causal = args.pop(0) == "1"
-    names = args.pop(0).split(",")
+    names = split_names(args.pop(0))
     repeats = int(args[0]) if args else 7
     rules = {"old": old, "new": getattr(module, attr)}
     fwd_bwd_ab(n, causal, names, repeats, lambda rule: setattr(module, attr, rules[rule]))

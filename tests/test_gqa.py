@@ -114,6 +114,16 @@ def test_native_grouped_kv_equal_repeated_forward_and_gradients(name, kv_heads, 
                 assert_same(grad, want, what=f"{what}: d{of}, grouped vs repeated")
 
 
+@pytest.mark.parametrize("name", ["local", "longformer"])
+def test_grouped_window_backward_in_chunks_of_one_query_block(name, monkeypatch):
+    # The window parts' backward in chunks of query blocks (window_parts.BACKWARD_BYTES), with a
+    # group's query heads stacked as each block's rows: one block per chunk here.
+    from attnzoo.backends import window_parts
+
+    monkeypatch.setattr(window_parts, "BACKWARD_BYTES", 1)
+    test_native_grouped_kv_equal_repeated_forward_and_gradients(name, 2, monkeypatch)
+
+
 @pytest.mark.parametrize("kv_heads", [2, 1])
 @pytest.mark.parametrize("name", DECODE)
 def test_native_grouped_decode_equals_forward(name, kv_heads, monkeypatch):

@@ -108,6 +108,18 @@ def test_union_columns_on_the_flash_kernel_equal_the_dense_reference(name, monke
     _assert_blocked_equals_reference(CASES[name][0], 100)
 
 
+@pytest.mark.parametrize("name", ["window", "causal_window", "dilated", "longformer", "axial"])
+@pytest.mark.parametrize("budget", [1, 20_000])  # one query block per backward call; one or two
+def test_window_backward_in_chunks_of_query_blocks_equals_the_dense_reference(name, budget, monkeypatch):
+    # A window part's backward runs its query blocks in chunks (window_parts.BACKWARD_BYTES) and
+    # adds each chunk's overlapping key gradients into the keys' at once; by default a test's
+    # window part is one chunk.
+    from attnzoo.backends import window_parts
+
+    monkeypatch.setattr(window_parts, "BACKWARD_BYTES", budget)
+    _assert_blocked_equals_reference(CASES[name][0], GRID.get(name, 100))
+
+
 def test_fully_padded_rows_give_zeros_and_zero_gradients_in_float32_and_bfloat16():
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = _inputs(100, dtype=dtype)

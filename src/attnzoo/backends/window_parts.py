@@ -1,7 +1,7 @@
 """One window part of a ``structured.Structure`` through PyTorch's CPU flash kernel, forward and
 backward, for ``windowed.py`` to run and unite: de-interleaving into sub-sequences (``_split``),
 zero-copy K/V windows (``_key_windows``), the pattern and padding masks, and the backward that
-adds overlapping windows' key gradients back block by block (``_overlap_add``). ``part_backward``
+adds overlapping windows' key gradients back block by block (``_OverlapSum``). ``part_backward``
 takes the output and log-sum-exp of a union the part belongs to, so every term of a union gets
 its gradient from the union's softmax."""
 
@@ -172,17 +172,57 @@ def part_backward(
     g = _to_kernel(grad, w, saved).contiguous()
     kernel_out = saved.out if out is None else _to_kernel(out, w, saved).contiguous()
     kernel_lse = saved.lse if lse is None else _to_kernel(lse[..., None], w, saved)[..., 0].contiguous()
-    dq, dk, dv = flash_attention_cpu_backward(
-        g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0, saved.is_causal, attn_mask=saved.mask, scale=scale
-    )
     if w.width == 0:  # dense
+        dq, dk, dv = flash_attention_cpu_backward(
+            g,
+            saved.q,
+            saved.k,
+            saved.v,
+            kernel_out,
+            kernel_lse,
+            0.0,
+            saved.is_causal,
+            attn_mask=saved.mask,
+            scale=scale,
+        )
         dq = unfold_rows(dq, saved.q.shape[2] // saved.k.shape[2])
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
     groups = saved.q.shape[2] // w.block
+    dq, dk, dv = _window_backward(w, saved, g, kernel_out, kernel_lse, scale, sub)
     bb = dq.shape[0] * groups // heads
     dq = blocks_to_rows(dq, heads, groups, sub)
-    dk, dv = (_overlap_add(x, w, sub).view(bb, heads // groups, sub, -1) for x in (dk, dv))
+    dk, dv = (x.view(bb, heads // groups, sub, -1) for x in (dk, dv))
     return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
+
+
+#: Bytes of one key window gradient (dK's, as dV's) per backward kernel call: a window part's
+#: backward runs its query blocks in chunks this size, each chunk's window gradients added into
+#: the keys' right away, while they are in the cache. One call over every block made window
+#: gradients of ``width / block`` times the keys' size (168 MiB per tensor at 16K for a (256,
+#: 256) window, a fresh mapping each call); 2 MiB (this machine's L2 per core) beat 0.5, 1, 8
+#: and 32 in one process (ab-backward-chunks-cpu.txt).
+BACKWARD_BYTES = 2 * 2**20
+
+
+def _window_backward(
+    w: Windows, saved: Saved, g: Tensor, o: Tensor, lse: Tensor, scale: float, sub: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A window part's kernel backward in chunks of query blocks (``BACKWARD_BYTES``): ``dq`` in
+    the kernel's query layout, ``dk``, ``dv`` ``(BH_kv, sub, E)`` with the windows added up."""
+    bh, blocks, width, _ = saved.k.shape
+    step = max(1, BACKWARD_BYTES // (bh * width * saved.k.shape[-1] * saved.k.element_size()))
+    dq = torch.empty_like(saved.q)
+    dk, dv = (_OverlapSum(x, w, blocks, sub) for x in (saved.k, saved.v))
+    for b0 in range(0, blocks, step):
+        part = slice(b0, b0 + step)
+        mask = None if saved.mask is None else saved.mask[:, part]
+        dq[:, part], dk_w, dv_w = flash_attention_cpu_backward(
+            g[:, part], saved.q[:, part], saved.k[:, part], saved.v[:, part], o[:, part], lse[:, part],
+            0.0, False, attn_mask=mask, scale=scale,
+        )  # fmt: skip
+        dk.add(dk_w, b0)
+        dv.add(dv_w, b0)
+    return dq, dk.result(), dv.result()
 
 
 def part_lse(w: Windows, saved: Saved, n: int, heads: int) -> Tensor:
@@ -197,22 +237,30 @@ def part_lse(w: Windows, saved: Saved, n: int, heads: int) -> Tensor:
     return _merge(blocks_to_rows(lse[..., None], heads, saved.q.shape[2] // w.block, sub), w.stride, n)[..., 0]
 
 
-def _overlap_add(windows: Tensor, w: Windows, n: int) -> Tensor:
-    """Key gradients ``(BH, blocks, width, D)`` of overlapping windows -> ``(BH, n, D)``."""
-    bh, blocks, width, dim = windows.shape
-    front, per = max(0, -w.start), width // w.block
-    first = (front + w.start) // w.block
-    total = max(first + blocks - 1 + per, -(-(front + n) // w.block))
-    out = windows.new_empty(bh, total, w.block, dim)
-    parts = windows.view(bh, blocks, per, w.block, dim)
-    # The first part copied in (zeros only where it does not reach), the others added: one
-    # pass fewer over the gradient than zero-filling it all first.
-    out[:, :first].zero_()
-    out[:, first + blocks :].zero_()
-    out[:, first : first + blocks] = parts[:, :, 0]
-    for s in range(1, per):
-        out[:, first + s : first + s + blocks] += parts[:, :, s]
-    return out.view(bh, total * w.block, dim)[:, front : front + n]
+class _OverlapSum:
+    """The keys' gradient ``(BH, n, E)`` from overlapping windows' gradients ``(BH, blocks,
+    width, E)`` (windows as ``_key_windows`` cuts them from ``like``'s keys), added chunk by
+    chunk of windows: window ``i``'s part ``s`` (its ``s``-th block of keys) is key block
+    ``first + i + s`` of the padded keys."""
+
+    def __init__(self, like: Tensor, w: Windows, blocks: int, n: int) -> None:
+        bh, _, width, dim = like.shape
+        self.w, self.n, self.per = w, n, width // w.block
+        self.front = max(0, -w.start)
+        self.first = (self.front + w.start) // w.block
+        total = max(self.first + blocks - 1 + self.per, -(-(self.front + n) // w.block))
+        self.out = like.new_zeros(bh, total, w.block, dim)
+
+    def add(self, windows: Tensor, b0: int) -> None:
+        bh, blocks, _, dim = windows.shape
+        parts = windows.view(bh, blocks, self.per, self.w.block, dim)
+        start = self.first + b0
+        for s in range(self.per):
+            self.out[:, start + s : start + s + blocks] += parts[:, :, s]
+
+    def result(self) -> Tensor:
+        bh, total, block, dim = self.out.shape
+        return self.out.view(bh, total * block, dim)[:, self.front : self.front + self.n]
 
 
 def finite(lse: Tensor, fill: float) -> Tensor:
