@@ -173,18 +173,8 @@ def part_backward(
     kernel_out = saved.out if out is None else _to_kernel(out, w, saved).contiguous()
     kernel_lse = saved.lse if lse is None else _to_kernel(lse[..., None], w, saved)[..., 0].contiguous()
     if w.width == 0:  # dense
-        dq, dk, dv = flash_attention_cpu_backward(
-            g,
-            saved.q,
-            saved.k,
-            saved.v,
-            kernel_out,
-            kernel_lse,
-            0.0,
-            saved.is_causal,
-            attn_mask=saved.mask,
-            scale=scale,
-        )
+        args = (g, saved.q, saved.k, saved.v, kernel_out, kernel_lse, 0.0, saved.is_causal)
+        dq, dk, dv = flash_attention_cpu_backward(*args, attn_mask=saved.mask, scale=scale)
         dq = unfold_rows(dq, saved.q.shape[2] // saved.k.shape[2])
         return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
     groups = saved.q.shape[2] // w.block
