@@ -10,7 +10,7 @@ import torch
 
 import attnzoo
 from attnzoo.mechanisms.sac import SACConfig, sac_candidates
-from attnzoo.mechanisms.topk import auto_chunk, topk_mask
+from attnzoo.mechanisms.topk import auto_chunk, topk_keep, topk_mask
 from conftest import LargestTensor as Largest
 from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_path_close_to_golden, assert_same
@@ -100,6 +100,23 @@ def test_topk_ties_go_to_the_lower_key_index():
     assert_same(out, v[:, :, 1:4].mean(2, keepdim=True).expand_as(out))
     keep = topk_mask(torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0]]), None, 2)
     assert keep.tolist() == [[False, True, True, False, False]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 40])
+def test_topk_keep_makes_the_rules_selection(k):
+    # Small integers tie often (across the cut too); some rows see fewer than k entries or none;
+    # NaN and -inf scores; k = 40 > 37 entries per row.
+    gen = torch.Generator().manual_seed(k)
+    scores = torch.randint(-3, 4, (2, 3, 50, 37), generator=gen).double()
+    scores[0, 0, 0, 5] = float("nan")
+    scores[0, 1, 1, :4] = float("-inf")
+    visible = torch.rand(2, 1, 50, 37, generator=gen) < 0.6
+    visible[:, :, :3, 2:] = False  # two visible entries at most
+    visible[1, :, 3] = False  # none
+    for vis in (visible, None):
+        assert torch.equal(topk_keep(scores, vis, k), topk_mask(scores, vis, k))
+    distinct = torch.randn(4, 37, generator=gen, dtype=torch.float64)  # no tie: no row takes the rule's path
+    assert torch.equal(topk_keep(distinct, None, k), topk_mask(distinct, None, k))
 
 
 def test_topk_never_allocates_more_than_one_chunk_of_scores():

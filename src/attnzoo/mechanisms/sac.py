@@ -21,7 +21,7 @@ from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, gather_rows, masked_softmax, mean_keys
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
-from attnzoo.mechanisms.topk import kept_indices, register_selective, sparse_softmax, topk_mask
+from attnzoo.mechanisms.topk import kept_indices, register_selective, sparse_softmax, topk_keep, topk_mask
 from attnzoo.registry import Config, bounded, eighth, quarter
 from attnzoo.spec import Complexity
 
@@ -157,7 +157,7 @@ def sac_attention(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, cfg: SACConfi
     kg, vg = gathered(kc), gathered(vc)
     qw = qb.detach() @ weight.to(qc.dtype)  # edges are qw . k: the predictor's query side
     with torch.no_grad():
-        keep = topk_mask(qw @ kg.transpose(-1, -2), visible[:, None], min(cfg.topk, cfg.candidates + cfg.n_random))
+        keep = topk_keep(qw @ kg.transpose(-1, -2), visible[:, None], min(cfg.topk, cfg.candidates + cfg.n_random))
     # The straight-through term e - e.detach() with e = qw . k_detached is linear in qw, so it
     # rides on the query as qw - qw.detach() (zero in value): one GEMM gives the logits, q and k
     # their plain gradients and W the edges' gradient, with no extra pass over the score tile.
