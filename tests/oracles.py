@@ -67,6 +67,7 @@ __all__ = [
     "etc_oracle",
     "sparse_transformer_strided_oracle",
     "sparse_transformer_fixed_oracle",
+    "logsparse_oracle",
     "sinks_oracle",
     "block2d_oracle",
     "axial_oracle",
@@ -654,6 +655,18 @@ def sinks_oracle(n_q: int, n_kv: int, n_sinks: int, left: int, right: int) -> Te
         p = _aligned(i, n_q, n_kv)
         for j in range(n_kv):
             M[i, j] = j < n_sinks or p - left <= j <= p + right
+    return M
+
+
+def logsparse_oracle(n_q: int, n_kv: int, levels: int) -> Tensor:
+    """LogSparse (Li et al., 2019): key j when |p - j| is 0 or one of 1, 2, 4, ...,
+    2**(levels - 1) (both directions; the paper's causal form is this & causal_oracle)."""
+    distances = {0} | {2**m for m in range(levels)}
+    M = _new_mask(n_q, n_kv)
+    for i in range(n_q):
+        p = _aligned(i, n_q, n_kv)
+        for j in range(n_kv):
+            M[i, j] = abs(p - j) in distances
     return M
 
 

@@ -196,6 +196,8 @@ def _imports(path: Path) -> set[str]:
         (37, 37, True, True, P.random(5, seed=1)),  # causal: early rows keep few keys (row 0 one at most)
         (20, 50, True, False, P.random(7, seed=2)),  # queries end-aligned to longer keys
         (50, 50, False, True, P.random(6) & P.sliding_window(8, 8)),  # another part filters the keys
+        (37, 37, False, True, P.logsparse(4)),  # row-keyed too: distances 0, 1, 2, 4, 8
+        (20, 50, True, False, P.logsparse(6)),
     ],
 )
 def test_gathered_path_equals_the_reference_forward_and_gradients(n_q, n_kv, causal, padded, pattern):

@@ -15,6 +15,7 @@ from oracles import (
     full_oracle,
     global_tokens_oracle,
     graph_oracle,
+    logsparse_oracle,
     longformer_oracle,
     per_head_oracle,
     random_blocks_oracle,
@@ -53,6 +54,13 @@ def test_dilated_and_strided():
     # strided is symmetric: negative p - j counts too; p = 1 with stride 3 -> keys 1, 4
     assert strided_oracle(6, 6, 3)[1].nonzero().flatten().tolist() == [1, 4]
     assert strided_oracle(2, 5, 2)[0].nonzero().flatten().tolist() == [1, 3]  # p = 3
+
+
+def test_logsparse():
+    # p = 9: itself and distances 1, 2, 4 (levels 3) on both sides; 8 is beyond 2^(levels - 1)
+    assert logsparse_oracle(16, 16, 3)[9].nonzero().flatten().tolist() == [5, 7, 8, 9, 10, 11, 13]
+    # end-aligned: n_q = 1, n_kv = 12 -> p = 11; levels 4 reaches distance 8
+    assert logsparse_oracle(1, 12, 4)[0].nonzero().flatten().tolist() == [3, 7, 9, 10, 11]
 
 
 def test_global_random_and_blocks():

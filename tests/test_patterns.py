@@ -74,6 +74,13 @@ CASES = {
         SIZES,
         True,
     ),
+    "logsparse": (lambda: P.logsparse(3), lambda a, b: O.logsparse_oracle(a, b, 3), SIZES, True),
+    "causal logsparse": (
+        lambda: P.logsparse(6) & P.causal(),
+        lambda a, b: O.logsparse_oracle(a, b, 6) & O.causal_oracle(a, b),
+        SIZES,
+        True,
+    ),
     "causal local": (lambda: P.local(5) & P.causal(), lambda a, b: O.sliding_window_oracle(a, b, 5, 0), SIZES, True),
 }
 

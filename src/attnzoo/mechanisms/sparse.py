@@ -52,6 +52,24 @@ class DilatedConfig(SparseConfig):
 
 
 @register_pattern(
+    "logsparse",
+    "LogSparse: each position and the positions at distances 1, 2, 4, ... (causal in the paper).",
+    "Li et al. 2019 (LogSparse Transformer), https://arxiv.org/abs/1907.00235",
+    notes=(CAUSAL_NOTE, "non-causal: the distances go both ways (the paper's setting is causal)"),
+)
+@dataclass(frozen=True, kw_only=True)
+class LogSparseConfig(SparseConfig):
+    """``logsparse(levels)``: ``|i - j|`` in ``{0, 1, 2, 4, ..., 2^(levels - 1)}``. Default 12:
+    distances up to 2048, the paper's pattern up to N = 4096."""
+
+    # for_length: every power of two below n, the paper's pattern at that length.
+    levels: int = bounded(12, ge=1, for_length=lambda n: max(1, (n - 1).bit_length()))
+
+    def make_pattern(self) -> P.Pattern:
+        return P.logsparse(self.levels)
+
+
+@register_pattern(
     "strided", "Every stride-th position.", "Child et al. 2019 (Sparse Transformer), https://arxiv.org/abs/1904.10509"
 )
 @dataclass(frozen=True, kw_only=True)

@@ -308,7 +308,23 @@ def sample_without_replacement(seed: int, rows: int, population: int, r: int) ->
     return picks
 
 
-class Random(Pattern):
+class RowKeyed(Pattern):
+    """A pattern that lists a few keys per query row (``random``, ``logsparse``): the blocked
+    backend's ``gathered`` path attends over each row's own keys as a sparse matrix, where
+    tiles would hold the whole matrix under a mask."""
+
+    def row_table(self, n_q: int, n_kv: int) -> tuple[Tensor, Tensor]:
+        """``(keys, valid)``, each ``(N_q, S)``: the keys of each (end-aligned) query row,
+        distinct where ``valid``; ``keys`` in range everywhere."""
+        raise NotImplementedError
+
+    def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
+        keys, valid = self.row_table(n_q, n_kv)
+        rows = torch.arange(n_q)[:, None].expand_as(keys)
+        return count_tiles(n_q, n_kv, block, rows[valid], keys[valid])
+
+
+class Random(RowKeyed):
     """Each query row gets ``r`` keys drawn without replacement, fixed by ``(seed, N_q, N_kv)``."""
 
     def __init__(self, r: int, seed: int = 0) -> None:
@@ -333,15 +349,50 @@ class Random(Pattern):
 
         return random
 
-    def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
+    def row_table(self, n_q: int, n_kv: int) -> tuple[Tensor, Tensor]:
         table = self.table(n_q, n_kv)
-        rows = torch.arange(n_q).repeat_interleave(table.shape[1])
-        return count_tiles(n_q, n_kv, block, rows, table.flatten())
+        return table, torch.ones(table.shape, dtype=torch.bool)
 
 
 def random(r: int, seed: int = 0) -> Random:
     """``r`` random keys per query row (without replacement, deterministic per seed and N)."""
     return Random(r, seed)
+
+
+class LogSparse(RowKeyed):
+    """LogSparse (Li et al. 2019, https://arxiv.org/abs/1907.00235): ``|j - p|`` is 0 or a power
+    of two up to ``2^(levels - 1)``: each position, and the positions at distance 1, 2, 4, ....
+    The paper's setting is causal (``& causal()`` keeps the earlier ones); without it the
+    distances go both ways. ``2^levels >= N`` gives the paper's pattern at N positions."""
+
+    def __init__(self, levels: int) -> None:
+        check_positive_int(levels, "levels")
+        self.levels = levels
+        self.name = f"logsparse({levels})"
+
+    def _value(self) -> tuple:
+        return (self.levels,)
+
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
+        top = 1 << (self.levels - 1)
+
+        def logsparse(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            d = (kv_idx - q_idx).abs()
+            return ((d & (d - 1)) == 0) & (d <= top)  # d & (d - 1) clears d's lowest set bit
+
+        return logsparse
+
+    def row_table(self, n_q: int, n_kv: int) -> tuple[Tensor, Tensor]:
+        steps = [1 << m for m in range(self.levels)]
+        offsets = torch.tensor([-s for s in reversed(steps)] + [0] + steps)  # ascending
+        keys = torch.arange(n_q)[:, None] + (n_kv - n_q) + offsets  # [N_q, 2 levels + 1]
+        valid = (keys >= 0) & (keys < n_kv)
+        return keys.clamp(0, max(n_kv - 1, 0)), valid
+
+
+def logsparse(levels: int) -> LogSparse:
+    """Each position and those at distances 1, 2, 4, ..., ``2^(levels - 1)`` (``LogSparse``)."""
+    return LogSparse(levels)
 
 
 def rectangles_to_tiles(n_q: int, n_kv: int, block: int, rects: Tensor) -> BlockList:
