@@ -212,8 +212,8 @@ class SACState:
     "Li et al. 2020, SAC: Accelerating and Structuring Self-Attention via Sparse Adaptive "
     "Connection, https://arxiv.org/abs/2003.09833",
     Complexity(
-        time="O(N W D): W = the union of a block of 32 nodes' candidates (about 2 x 32 window + 32 r random)",
-        memory="O(N W) scores, O(N W D / 32) gathered keys and values",
+        time="O(N W D): W = the union of a block of 16 nodes' candidates (about c + 16 window + 16 r random)",
+        memory="O(N W) scores, O(N W D / 16) gathered keys and values",
         subquadratic_memory=True,
     ),
     (
@@ -224,8 +224,8 @@ class SACState:
         "the top-k candidate edges of each node are kept (ties go to the lower key index)",
         "training: straight-through; kept logits get + e_ij - e_ij.detach() with e computed on "
         "detached q, k, so W gets the attention's logit gradient and q, k, v the plain one",
-        "fast path by blocks of 32 nodes: a block scores the union of its nodes' candidates with small GEMMs, "
-        "masked to each node's own (about 5x the c + r candidates per node at c = 32, r = 4), where gathering "
+        "fast path by blocks of 16 nodes: a block scores the union of its nodes' candidates with small GEMMs, "
+        "masked to each node's own (about 3x the c + r candidates per node at c = 32, r = 4), where gathering "
         "each node's candidates made (B, H, N, c + r, D) copies of K and V",
         "decode step: every key kept (a KV cache); causal row t's candidates (its window and row t of "
         "the seeded random numbers) do not depend on the final length, so the step scores them "
