@@ -236,3 +236,29 @@ def test_the_off_cpu_kernel_twin_gives_the_cpu_kernels_answer(monkeypatch, causa
         results.append((out, *torch.autograd.grad(out.square().sum(), (q, v))))
     for kernel, plain in zip(*results, strict=True):
         torch.testing.assert_close(plain, kernel)
+
+
+def test_shared_rounds_counts_pairs_whose_codes_differ_by_0_or_1_at_any_code_width():
+    # Codes that fit int16 are compared narrowed; larger ones (long sequences, many buckets) keep
+    # their width: here every other position's codes move by 2**16 in one round, which an int16
+    # difference would not see.
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from attnzoo.mechanisms import lsh_chunks
+
+    g = torch.Generator().manual_seed(0)
+    laid = [lsh_chunks.layout(torch.randint(0, 4, (2, 3, 70), generator=g), 4, 8) for _ in range(3)]
+    rounds = [r for r, *_ in laid]
+    moved = rounds[1].code + (torch.arange(70) % 2) * 2**16
+    for others in ([rounds[1], rounds[2]], [dataclasses.replace(rounds[1], code=moved), rounds[2]]):
+        position = laid[0][1]
+        bh, chunks = position.shape[0], position.shape[1] // 8
+        key_pos = lsh_chunks._windows(F.pad(position, (8, 0)), 8).flatten(1)
+        want = torch.zeros(bh, chunks, 8, 16, dtype=torch.uint8)
+        for o in others:  # the rule itself, in int64
+            code = o.code.flatten(0, 1)
+            d = code.gather(1, position).view(bh, chunks, 8, 1) - code.gather(1, key_pos).view(bh, chunks, 1, 16)
+            want += (d == 0) | (d == 1)
+        assert torch.equal(lsh_chunks.shared_rounds(others, position, 8), want) and int(want.max()) >= 1
