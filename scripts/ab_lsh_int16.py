@@ -12,24 +12,13 @@ CAUSAL(0|1) lsh [REPEATS]``.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from ab_lsh_rounds import counted
 from ab_timing import swap_main
-from torch import Tensor
 
 from attnzoo.mechanisms import lsh_chunks
 
-
-def old_shared_rounds(others: list, position: Tensor, chunk: int) -> Tensor:
-    bh, chunks = position.shape[0], position.shape[1] // chunk
-    found = torch.zeros(bh, chunks, chunk, 2 * chunk, dtype=torch.uint8, device=position.device)
-    key_pos = lsh_chunks._windows(F.pad(position, (chunk, 0)), chunk).flatten(1)
-    for o in others:
-        code = o.code.flatten(0, 1)
-        code_q = code.gather(1, position).view(bh, chunks, chunk, 1)
-        code_k = code.gather(1, key_pos).view(bh, chunks, 1, 2 * chunk)
-        found += (code_q == code_k) | (code_q == code_k + 1)
-    return found
+# the code before: two broadcast comparisons of the int64 codes
+old_shared_rounds = counted(lambda q, k: (q == k) | (q == k + 1))
 
 
 if __name__ == "__main__":
