@@ -10,7 +10,7 @@ import torch
 
 import attnzoo
 from attnzoo.mechanisms.sac import SACConfig, sac_candidates
-from attnzoo.mechanisms.topk import auto_chunk, topk_keep, topk_mask
+from attnzoo.mechanisms.topk import auto_chunk, kept_indices, largest, select_topk, topk_keep, topk_mask
 from conftest import LargestTensor as Largest
 from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_path_close_to_golden, assert_same
@@ -117,6 +117,34 @@ def test_topk_keep_makes_the_rules_selection(k):
         assert torch.equal(topk_keep(scores, vis, k), topk_mask(scores, vis, k))
     distinct = torch.randn(4, 37, generator=gen, dtype=torch.float64)  # no tie: no row takes the rule's path
     assert torch.equal(topk_keep(distinct, None, k), topk_mask(distinct, None, k))
+
+
+@pytest.mark.parametrize(("n", "k"), [(1000, 33), (300, 9), (161, 10), (129, 4), (64, 32), (40, 25)])
+def test_largest_returns_the_k_largest_values_in_order_ties_and_infinities_included(n, k):
+    # Rows of small integers (ties everywhere, across the cut too), distinct values, rows with
+    # fewer than k finite entries, an all -inf row and a NaN; n not a multiple of the group size.
+    gen = torch.Generator().manual_seed(n)
+    scores = torch.cat(
+        [torch.randint(-3, 4, (2, 3, n), generator=gen).double(), torch.randn(2, 2, n, generator=gen)], 1
+    )
+    scores[0, 0, 3:] = float("-inf")
+    scores[0, 1] = float("-inf")
+    scores[1, 2, 7] = float("nan")
+    values, idx = largest(scores, k)
+    assert torch.equal(values.nan_to_num(), scores.topk(k, dim=-1).values.nan_to_num())
+    assert torch.equal(scores.gather(-1, idx).nan_to_num(), values.nan_to_num())
+    assert torch.equal(idx.sort(-1).values.diff(dim=-1) > 0, torch.ones_like(idx[..., 1:], dtype=torch.bool))
+
+
+def test_select_topk_on_long_rows_makes_the_rules_selection():
+    # Long rows take largest's two stages; integer scores tie across the cut in most rows.
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(-20, 21, (2, 3, 40, 700), generator=gen).float()
+    visible = torch.rand(2, 1, 40, 700, generator=gen) < 0.9
+    idx, valid = select_topk(scores, visible, 32)
+    want_idx, want_valid = kept_indices(topk_mask(scores, visible, 32), 32)
+    assert torch.equal(valid, want_valid)
+    assert torch.equal(idx.masked_fill(~valid, 0).sort(-1).values, want_idx.sort(-1).values)
 
 
 def test_topk_never_allocates_more_than_one_chunk_of_scores():
