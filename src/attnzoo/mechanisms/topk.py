@@ -121,7 +121,7 @@ def kept_indices(keep: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def select_topk(scores: Tensor, visible: Tensor | None, k: int) -> tuple[Tensor, Tensor]:
-    """``kept_indices(topk_mask(scores, visible, k), k)``, fast: ``torch.topk`` picks the same set
+    """``kept_indices(topk_mask(scores, visible, k), k)``, fast: top-k (``largest``) picks the same set
     whenever a row's k-th score is not tied with an entry it left out; only rows with such a tie
     (rare, except rows with fewer than k visible keys) go through the exact rule."""
     s = scores if visible is None else scores.masked_fill(~visible, float("-inf"))
@@ -207,7 +207,7 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, cfg: TopKConfig, args: Atten
         visible ones (``select_topk``, the same rule as the reference's ``topk_mask``); then
         ``selected.selected_softmax`` attends over the kept pairs as a sparse CSR matrix, forward
         and backward O(N_q topk D). No ``N_q x N_kv`` tensor exists; the time is the selection's
-        GEMMs and ``torch.topk`` (every pair is scored by definition) plus the sparse attention.
+        GEMMs and top-k (``largest``; every pair is scored by definition) plus the sparse attention.
     """
     n_q, n_kv = q.shape[2], k.shape[2]
     kk = min(cfg.topk, n_kv)
@@ -281,7 +281,8 @@ def register_selective(
         "the k kept keys are chosen among visible keys (after causal and padding masks); ties go to "
         "the lower key index; a row with fewer than k visible keys keeps them all",
         "gradients flow through the kept scores; the selection itself is not differentiable",
-        "the selection costs one score GEMM per query chunk plus torch.topk (every pair is scored, O(N^2 D)); "
+        "the selection costs one score GEMM per query chunk plus a top-k in two stages (the k groups of columns "
+        "with the largest maxima, then their members: exact; every pair is scored, O(N^2 D)); "
         "the attention over the kept pairs is sparse (CSR: sampled scores, CSR @ v; backward the same, O(N k D)); "
         "nothing holds more than a chunk x N tile",
         "decode step: every key kept (a KV cache) and the new row's top k chosen over it, O(t) per token",
