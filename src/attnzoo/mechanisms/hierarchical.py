@@ -55,7 +55,15 @@ import torch
 from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, masked_softmax, mean_keys, real_tokens
+from attnzoo.mechanisms._ops import (
+    block_union,
+    compute_dtype,
+    default_scale,
+    masked_softmax,
+    mean_keys,
+    real_tokens,
+    rows_at,
+)
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.span_tree import SpanTree, left_nodes, level_sums
 from attnzoo.registry import Config, bounded, register
@@ -180,7 +188,7 @@ def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalCon
     blocks, width = cols.shape
 
     def gathered(nodes: Tensor) -> Tensor:  # (B, H, T, e) -> (B, H, blocks, W, e)
-        return nodes.index_select(2, cols.flatten()).view(b, h, blocks, width, -1)
+        return rows_at(nodes, cols.flatten()).view(b, h, blocks, width, -1)
 
     qb = torch.nn.functional.pad(qc * default_scale(cfg.scale, d), (0, 0, 0, blocks * BLOCK - n))
     qb = qb.view(b, h, blocks, BLOCK, d)  # scaled here: no pass over the score tile

@@ -18,7 +18,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, gather_rows, masked_softmax, mean_keys
+from attnzoo.mechanisms._ops import (
+    block_union,
+    compute_dtype,
+    default_scale,
+    gather_rows,
+    masked_softmax,
+    mean_keys,
+    rows_at,
+)
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import kept_indices, register_selective, sparse_softmax, topk_keep, topk_mask
@@ -151,7 +159,7 @@ def sac_attention(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, cfg: SACConfi
     qc, kc, vc = (t.to(compute_dtype(q)) for t in (q, k, v))
 
     def gathered(x: Tensor) -> Tensor:  # (B, H, N, e) -> (B, H, blocks, W, e): each block's union
-        return x.index_select(2, cols.flatten()).view(b, h, blocks, width, -1)
+        return rows_at(x, cols.flatten()).view(b, h, blocks, width, -1)
 
     qb = F.pad(qc * scale, (0, 0, 0, blocks * block - n)).view(b, h, blocks, block, d)
     kg, vg = gathered(kc), gathered(vc)
