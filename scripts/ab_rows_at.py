@@ -1,20 +1,25 @@
-"""A/B of ``sac``'s and ``hierarchical``'s gathers of each block's keys and values through
-``_ops.rows_at`` (one ``index_select`` over the flattened ``(B H M, D)`` rows) instead of
-``index_select`` along dim 2 of the ``(B, H, M, D)`` tensor, in one process (issue 12).
+"""A/B of ``sac``'s and ``hierarchical``'s gathers of each block's keys and values, and
+``graph_attention``'s of each node's neighbours, through ``_ops.rows_at`` (one ``index_select``
+over the flattened ``(B H M, D)`` rows) instead of ``index_select`` along dim 2 of the ``(B, H,
+M, D)`` tensor (``sac``, ``hierarchical``) or advanced indexing ``x[:, :, keys]``
+(``graph_attention``), in one process (issue 12).
 
-The old gather is swapped into both modules per call; each pair is timed forward+backward
+The old gathers are swapped into the modules per call; each pair is timed forward+backward
 interleaved with dense SDPA's (B=1, H=8, D=64, median of the repeats). Usage:
-``python scripts/ab_rows_at.py N CAUSAL(0|1) sac[,hierarchical] [REPEATS]``.
+``python scripts/ab_rows_at.py N CAUSAL(0|1) sac[,hierarchical,graph_attention] [REPEATS]``
+(``graph_attention`` on a graph of N nodes with 32 random neighbours each).
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
 from ab_timing import fwd_bwd_ab, split_names
 from torch import Tensor
 
-from attnzoo.mechanisms import hierarchical, sac
+import attnzoo
+from attnzoo.mechanisms import graph, hierarchical, sac
 
 
 def along_dim2(x: Tensor, positions: Tensor) -> Tensor:
@@ -22,11 +27,24 @@ def along_dim2(x: Tensor, positions: Tensor) -> Tensor:
     return x.index_select(2, positions)
 
 
+def indexed(x: Tensor, positions: Tensor) -> Tensor:
+    """``graph_attention``'s old gather: advanced indexing."""
+    return x[:, :, positions]
+
+
 if __name__ == "__main__":
-    rules = {"old": along_dim2, "new": sac.rows_at}
+    new = sac.rows_at
 
     def use(rule: str) -> None:
-        sac.rows_at = hierarchical.rows_at = rules[rule]
+        sac.rows_at = hierarchical.rows_at = along_dim2 if rule == "old" else new
+        graph.rows_at = indexed if rule == "old" else new
 
     args = sys.argv[1:]
-    fwd_bwd_ab(int(args[0]), args[1] == "1", split_names(args[2]), int(args[3]) if len(args) > 3 else 7, use)
+    n, names = int(args[0]), split_names(args[2])
+    built = {}
+    if "graph_attention" in names:  # on a graph of n nodes with 32 random neighbours each
+        names.remove("graph_attention")
+        g = torch.Generator().manual_seed(0)
+        edges = tuple((i, int(j)) for i in range(n) for j in torch.randperm(n, generator=g)[:32])
+        built["graph_attention (degree 32)"] = attnzoo.build("graph_attention", n=n, edges=edges)
+    fwd_bwd_ab(n, args[1] == "1", names, int(args[3]) if len(args) > 3 else 7, use, built)

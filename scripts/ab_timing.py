@@ -44,9 +44,17 @@ def interleaved(
         print(f"{name:28s} {rule}: {median * 1e3:7.2f} ms  {sdpa / median:5.2f}x SDPA")
 
 
-def fwd_bwd_ab(n: int, causal: bool, names: list[str], repeats: int, use: Callable[[str], None]) -> None:
+def fwd_bwd_ab(
+    n: int,
+    causal: bool,
+    names: list[str],
+    repeats: int,
+    use: Callable[[str], None],
+    built: dict[str, Any] | None = None,
+) -> None:
     """``interleaved`` for forward+backward of the registered ``names`` (``local`` or with
-    config values, ``local:left=256,right=256``, as ``bench speed`` reads them) on
+    config values, ``local:left=256,right=256``, as ``bench speed`` reads them), and of the
+    mechanisms in ``built`` (name -> module, for configs a name cannot spell), on
     ``(1, 8, n, 64)`` inputs, against dense SDPA's (causal or not), with ``use(rule)`` switching
     between the old and the new code. Under the malloc thresholds ``attnzoo bench speed`` sets
     (``monitor.release_mmap_threshold``), so temporaries of up to 32 MiB reuse resident memory
@@ -62,6 +70,7 @@ def fwd_bwd_ab(n: int, causal: bool, names: list[str], repeats: int, use: Callab
         return time.perf_counter() - start
 
     mechanisms = {text: attnzoo.build(name, **config) for text in names for name, config in [parse_mechanism(text)]}
+    mechanisms.update(built or {})
     calls = {name: (lambda attn=attn: attn(q, k, v, causal=causal)) for name, attn in mechanisms.items()}
     dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")

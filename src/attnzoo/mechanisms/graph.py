@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens, rows_at
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.sparse_shaped import EdgeList
@@ -109,9 +109,12 @@ def graph_attention(q: Tensor, k: Tensor, v: Tensor, args: GraphArgs) -> Tensor:
     for nodes, neighbours in degree_buckets(args.graph):
         nodes, neighbours = nodes.to(q.device), neighbours.to(q.device)
         keys = neighbours.clamp(min=0)
-        v_b = v[:, :, keys].to(compute)  # [B, H, Nb, d, Dv]
+        v_b = _neighbour_rows(v, keys).to(compute)  # [B, H, Nb, d, Dv]
         if a is None:
-            q_b, k_b = q[:, :, nodes].to(compute), k[:, :, keys].to(compute)  # [B, H, Nb, D], [B, H, Nb, d, D]
+            q_b, k_b = (
+                rows_at(q, nodes).to(compute),
+                _neighbour_rows(k, keys).to(compute),
+            )  # [B, H, Nb, D], [B, H, Nb, d, D]
             scores = torch.einsum("bhnd,bhnkd->bhnk", q_b, k_b) * scale
         else:
             scores = F.leaky_relu(from_query[:, :, nodes, None] + from_key[:, :, keys], NEGATIVE_SLOPE)  # [B, H, Nb, d]
@@ -123,6 +126,13 @@ def graph_attention(q: Tensor, k: Tensor, v: Tensor, args: GraphArgs) -> Tensor:
         weights = normalize_scores(scores, visible, "softmax")
         out = out.index_copy(2, nodes, torch.einsum("bhnk,bhnkd->bhnd", weights, v_b))
     return out.to(q.dtype)
+
+
+def _neighbour_rows(x: Tensor, keys: Tensor) -> Tensor:
+    """``x[:, :, keys]`` for ``x (B, H, N, e)`` and ``keys (Nb, d)`` -> ``(B, H, Nb, d, e)``, through
+    ``rows_at``: advanced indexing's backward (an accumulating ``index_put_``) took 91 ms fwd+bwd
+    for 262K rows of 64 where this takes 26."""
+    return rows_at(x, keys.flatten()).view(*x.shape[:2], *keys.shape, x.shape[-1])
 
 
 def reference_graph_attention(
