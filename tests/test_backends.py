@@ -189,6 +189,28 @@ def _imports(path: Path) -> set[str]:
     return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
 
 
+def _random_graph(n: int, degree: int) -> P.Graph:
+    """``degree`` random edges out of every node (repeats merge): degrees within a few of each other."""
+    g = torch.Generator().manual_seed(n)
+    return P.graph(
+        torch.stack([torch.arange(n).repeat_interleave(degree), torch.randint(0, n, (n * degree,), generator=g)]), n
+    )
+
+
+def test_a_graph_with_a_hub_runs_on_tiles_and_says_why():
+    n = 64
+    hub = torch.stack(
+        [torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(n)]), torch.cat([torch.arange(n), torch.arange(n)])]
+    )
+    q, k, v = _qkv(n=n)
+    attnzoo.attend(q, k, v, pattern=P.graph(hub, n))
+    assert attnzoo.last_choice().path == "tiles"  # its row table would be n wide for about 2 edges a node
+    reasons = gathered.not_gathered_reasons(Call(q, k, v, P.graph(hub, n), None, None, 1.0, 128))
+    assert any("hub" in r for r in reasons), reasons
+    attnzoo.attend(q, k, v, pattern=_random_graph(n, 4))
+    assert attnzoo.last_choice().path == "gathered"
+
+
 @pytest.mark.parametrize(
     "n_q, n_kv, causal, padded, pattern",
     [
@@ -198,6 +220,8 @@ def _imports(path: Path) -> set[str]:
         (50, 50, False, True, P.random(6) & P.sliding_window(8, 8)),  # another part filters the keys
         (37, 37, False, True, P.logsparse(4)),  # row-keyed too: distances 0, 1, 2, 4, 8
         (20, 50, True, False, P.logsparse(6)),
+        (37, 37, False, True, _random_graph(37, 5)),  # a graph of even degrees is row-keyed too
+        (37, 37, True, False, _random_graph(37, 5)),
     ],
 )
 def test_gathered_path_equals_the_reference_forward_and_gradients(n_q, n_kv, causal, padded, pattern):

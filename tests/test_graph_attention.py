@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnzoo
+from attnzoo.mechanisms import graph as graph_module
 from attnzoo.mechanisms.graph import GraphArgs, degree_buckets, reference_graph_attention
 from conftest import LargestTensor as Largest
 from conftest import grads, padding_mask
@@ -42,6 +43,32 @@ def test_gather_equals_dense_adjacency_attention(causal, padded):
         reference_graph_attention(qf, kf, vf, GraphArgs(module.graph, causal=causal)),
         reference_graph_attention(q, k, v, GraphArgs(module.graph, causal=causal)).detach(),
     )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dot_scores_on_even_degrees_run_as_sparse_rows_and_a_hub_in_degree_buckets(causal, monkeypatch):
+    # Degrees within a few of each other: CSR products over each node's neighbours (the blocked
+    # backend's gathered path), equal to the dense adjacency attention with padding, forward
+    # and gradients (causal: on a prefix of the nodes too). A hub keeps the degree buckets.
+    n = 41
+    g = torch.Generator().manual_seed(1)
+    edges = tuple((i, int(j)) for i in range(n) for j in torch.randint(0, n, (5,), generator=g))
+    m = 30 if causal else n
+    q, k, v = (torch.randn(2, 3, m, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = padding_mask(2, m)
+
+    def boom(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the other path ran")
+
+    for graph_edges, other in ((edges, "graph_attention"), (star_plus_ring(n), "gathered_attention")):
+        module = attnzoo.build("graph_attention", edges=graph_edges, n=n)
+        with monkeypatch.context() as patched:
+            patched.setattr(graph_module, other, boom)
+            out = module(q, k, v, causal=causal, key_mask=mask)
+        ref = module.reference(q, k, v, causal=causal, key_mask=mask)
+        assert_same(out, ref)
+        for got, want, name in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), "qkv"):
+            assert_same(got, want, what=f"d{name}")
 
 
 def test_degree_buckets_bound_the_padding():

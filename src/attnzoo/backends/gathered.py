@@ -1,5 +1,6 @@
 """The blocked backend's ``gathered`` path: patterns that name a few keys per query row
-(``patterns.RowKeyed``: ``random(r)``, ``logsparse(levels)``), alone or and-ed with ``causal()``
+(``patterns.RowKeyed``: ``random(r)``, ``logsparse(levels)``, a ``graph`` whose degrees are even
+enough), alone or and-ed with ``causal()``
 or other position rules. Tiles cannot serve them: r random keys per row land in nearly every
 key block, and logsparse's far keys in a tile each, so a query block's tiles are most of the
 matrix under a mask — slower than dense attention (``logsparse`` on tiles: 0.3x SDPA at 1K,
@@ -35,8 +36,9 @@ TABLES: PlanCache[tuple, Any] = PlanCache(maxsize=32)
 def _row_table(pattern: Pattern, n_q: int, n_kv: int) -> tuple[Tensor, Tensor] | None:
     """The keys of each query row and which of them the whole pattern keeps, or None when the
     pattern does not name its keys row by row. A ``RowKeyed`` pattern (``random(r)``,
-    ``logsparse(levels)``) names them; an intersection with one such part keeps those of its
-    keys the other parts allow (evaluated on its S keys per row only, so a part's cost is O(N S))."""
+    ``logsparse(levels)``, ``graph`` while its table pays) names them; an intersection with one
+    such part keeps those of its keys the other parts allow (evaluated on its S keys per row
+    only, so a part's cost is O(N S))."""
     if pattern.per_head:
         return None
     if isinstance(pattern, RowKeyed):
@@ -46,7 +48,10 @@ def _row_table(pattern: Pattern, n_q: int, n_kv: int) -> tuple[Tensor, Tensor] |
     keyed = [p for p in pattern.parts if isinstance(p, RowKeyed)]
     if len(keyed) != 1:
         return None
-    table, valid = keyed[0].row_table(n_q, n_kv)
+    table = keyed[0].row_table(n_q, n_kv)
+    if table is None:
+        return None
+    table, valid = table
     rows = (torch.arange(n_q) + (n_kv - n_q))[:, None]  # queries end-aligned to the keys
     zero = torch.zeros((), dtype=torch.long)
     for part in pattern.parts:
@@ -77,7 +82,10 @@ def not_gathered_reasons(call: Call) -> list[str]:
     if call.dropout is not None:
         reasons.append("attention dropout")
     if row_plan(call) is None:
-        reasons.append("the pattern does not name its keys row by row (a patterns.RowKeyed, or its intersections)")
+        reasons.append(
+            "the pattern does not name its keys row by row (a patterns.RowKeyed, or its intersections; a graph "
+            "with a hub: its degrees too uneven for a row table, patterns.atomic.GRAPH_TABLE_SLOTS_PER_EDGE)"
+        )
     return reasons
 
 

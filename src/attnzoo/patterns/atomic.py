@@ -309,17 +309,20 @@ def sample_without_replacement(seed: int, rows: int, population: int, r: int) ->
 
 
 class RowKeyed(Pattern):
-    """A pattern that lists a few keys per query row (``random``, ``logsparse``): the blocked
-    backend's ``gathered`` path attends over each row's own keys as a sparse matrix, where
-    tiles would hold the whole matrix under a mask."""
+    """A pattern that lists a few keys per query row (``random``, ``logsparse``, ``graph``): the
+    blocked backend's ``gathered`` path attends over each row's own keys as a sparse matrix,
+    where tiles would hold the whole matrix under a mask."""
 
-    def row_table(self, n_q: int, n_kv: int) -> tuple[Tensor, Tensor]:
+    def row_table(self, n_q: int, n_kv: int) -> tuple[Tensor, Tensor] | None:
         """``(keys, valid)``, each ``(N_q, S)``: the keys of each (end-aligned) query row,
-        distinct where ``valid``; ``keys`` in range everywhere."""
+        distinct where ``valid``; ``keys`` in range everywhere. None where a table would not pay
+        (``Graph``: degrees too uneven); the pattern then runs on tiles."""
         raise NotImplementedError
 
     def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
-        keys, valid = self.row_table(n_q, n_kv)
+        table = self.row_table(n_q, n_kv)
+        assert table is not None, "a RowKeyed pattern without a row table defines _blocks itself"
+        keys, valid = table
         rows = torch.arange(n_q)[:, None].expand_as(keys)
         return count_tiles(n_q, n_kv, block, rows[valid], keys[valid])
 
@@ -502,9 +505,18 @@ def random_blocks(r: int, block: int, seed: int = 0) -> RandomBlocks:
     return RandomBlocks(r, block, seed)
 
 
-class Graph(Pattern):
+#: ``Graph.row_table`` lists each node's keys in a table as wide as the largest degree, so the
+#: table holds ``n * max degree`` slots for the edges: up to this many times their number.
+#: Beyond it (a hub with most nodes as neighbours) the graph runs on tiles, as a star would.
+GRAPH_TABLE_SLOTS_PER_EDGE = 4
+
+
+class Graph(RowKeyed):
     """The pairs of an edge list: ``edge_index[0]`` are query indices, ``edge_index[1]`` the keys
-    they attend (plus ``(i, i)`` with ``self_loops``), on ``n`` nodes."""
+    they attend (plus ``(i, i)`` with ``self_loops``), on ``n`` nodes. Row-keyed (each node's
+    neighbours as a sparse row, O(E D)) while the degrees are even enough
+    (``GRAPH_TABLE_SLOTS_PER_EDGE``); else on tiles (a random graph's edges reach nearly every
+    tile there)."""
 
     def __init__(self, edge_index: Tensor, n: int, self_loops: bool = True) -> None:
         check_positive_int(n, "n")
@@ -533,6 +545,13 @@ class Graph(Pattern):
         position = torch.arange(rows.numel()) - (torch.cumsum(degree, 0) - degree)[rows]
         table[rows, position] = self.edge_keys % self.n
         return table
+
+    def row_table(self, n_q: int, n_kv: int) -> tuple[Tensor, Tensor] | None:
+        self.mask_mod_for(n_q, n_kv)  # checks the sizes
+        table = self.neighbours()
+        if table.numel() > GRAPH_TABLE_SLOTS_PER_EDGE * max(self.edge_keys.numel(), 1):
+            return None
+        return table.clamp(min=0), table >= 0
 
     def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
         if n_q not in (None, self.n) or n_kv not in (None, self.n):
