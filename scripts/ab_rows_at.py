@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-from ab_timing import fwd_bwd_ab, split_names
+from ab_timing import fwd_bwd_ab, random_edges, split_names
 from torch import Tensor
 
 import attnzoo
@@ -44,7 +43,5 @@ if __name__ == "__main__":
     built = {}
     if "graph_attention" in names:  # on a graph of n nodes with 32 random neighbours each
         names.remove("graph_attention")
-        g = torch.Generator().manual_seed(0)
-        edges = tuple((i, int(j)) for i in range(n) for j in torch.randperm(n, generator=g)[:32])
-        built["graph_attention (degree 32)"] = attnzoo.build("graph_attention", n=n, edges=edges)
+        built["graph_attention (degree 32)"] = attnzoo.build("graph_attention", n=n, edges=random_edges(n, 32))
     fwd_bwd_ab(n, args[1] == "1", names, int(args[3]) if len(args) > 3 else 7, use, built)

@@ -76,6 +76,13 @@ def fwd_bwd_ab(
     interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
 
 
+def random_edges(n: int, degree: int) -> tuple[tuple[int, int], ...]:
+    """A graph's edge list for the graph mechanisms' A/Bs: each of ``n`` nodes attends ``degree``
+    distinct random nodes (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    return tuple((i, int(j)) for i in range(n) for j in torch.randperm(n, generator=g)[:degree])
+
+
 def split_names(text: str) -> list[str]:
     """``"local:left=256,right=256,dilated"`` -> ``["local:left=256,right=256", "dilated"]``: a
     piece with ``=`` and no ``:`` continues the config of the name before it."""
