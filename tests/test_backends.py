@@ -197,6 +197,25 @@ def _random_graph(n: int, degree: int) -> P.Graph:
     )
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiles_of_per_head_patterns_equal_the_reference_forward_and_gradients(causal):
+    # Each head group's pieces gather and scatter the rows of its own heads only (B = 2, so a
+    # batch row's heads are not the first H rows), with padding and a row count that does not
+    # fill the last tile.
+    pattern = P.per_head([P.local(3) | P.global_tokens([5]), P.random(4, seed=2) | P.global_tokens([0, 30])])
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 37, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, -6:] = False
+    out = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, block=8)
+    assert attnzoo.last_choice().path == "tiles"
+    want = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, backend="reference")
+    torch.testing.assert_close(out, want)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+
+
 def test_a_graph_with_a_hub_runs_on_tiles_and_says_why():
     n = 64
     hub = torch.stack(

@@ -106,13 +106,24 @@ def _keep(piece: Piece, ctx: Context, qx: Tensor) -> Tensor:
     return dropout_keep_at(ctx.dropout.seed, flat, ctx.dropout.p)
 
 
+def _block_index(x: Tensor, piece: Piece, blocks: Tensor, block: int) -> Tensor:
+    """Where ``_take``'s blocks lie among the rows ``(B H Npad / block, block D)`` of ``x (B, H,
+    Npad, D)``: ``(Q' B Hg c,)`` in the order ``(Q', B*Hg, c)``."""
+    b, h, npad, _ = x.shape
+    heads = piece.heads.to(x.device)
+    bh = (torch.arange(b, device=x.device)[:, None] * h + heads[None, :]).flatten()  # [B*Hg]
+    blocks = (blocks if blocks.ndim == 2 else blocks[:, None]).to(x.device)  # [Q', c]
+    return (bh[None, :, None] * (npad // block) + blocks[:, None, :]).flatten()
+
+
 def _take(x: Tensor, piece: Piece, blocks: Tensor, block: int) -> Tensor:
-    """``(B, H, Npad, D)`` -> the rows of ``blocks`` for this piece's heads, as the view
-    ``(Q', B*Hg, rows, D)`` (rows = block, or c * block for a ``(Q', c)`` index)."""
-    x = x[:, piece.heads] if piece.heads.numel() != x.shape[1] else x
-    xb = x.view(x.shape[0], x.shape[1], -1, block, x.shape[-1])[:, :, blocks]  # [B, Hg, Q', (c,) block, D]
-    xb = xb.flatten(3, -2) if blocks.ndim == 2 else xb
-    return xb.permute(2, 0, 1, 3, 4).flatten(1, 2)
+    """``(B, H, Npad, D)`` -> the rows of ``blocks`` for this piece's heads, ``(Q', B*Hg, rows,
+    D)`` (rows = block, or c * block for a ``(Q', c)`` index), contiguous as the kernel reads
+    it: one ``index_select`` of whole blocks (``block * D`` values each). Advanced indexing of
+    the ``(B, H, blocks, block, D)`` view and a permuted copy took 34 of ``bigbird``'s 168 ms
+    fwd+bwd at 4K (``benchmarks/ab-block-rows-cpu.txt``)."""
+    rows = x.reshape(-1, block * x.shape[-1]).index_select(0, _block_index(x, piece, blocks, block))
+    return rows.view(blocks.shape[0], x.shape[0] * piece.heads.numel(), -1, x.shape[-1])
 
 
 def _gather(piece: Piece, q: Tensor, k: Tensor, v: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -288,7 +299,7 @@ class BlockedAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor, grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         data: Context = ctx.data
-        plan, batch = data.plan, q.shape[0]
+        plan = data.plan
         n_q_pad, n_kv_pad = _padded(plan)
         qp, kp, vp = _pad(q, n_q_pad), _pad(k, n_kv_pad), _pad(v, n_kv_pad)
         op, gp = _pad(out, n_q_pad), _pad(grad_out.contiguous(), n_q_pad)
@@ -314,9 +325,9 @@ class BlockedAttention(torch.autograd.Function):
                 _block_rows(delta, piece, plan.block),
                 flash_ok=not lse_grad,
             )
-            _scatter(dq, dqx, piece, piece.qb, plan.block, batch)
-            _scatter(dk, dkx, piece, piece.kb, plan.block, batch)
-            _scatter(dv, dvx, piece, piece.kb, plan.block, batch)
+            _scatter(dq, dqx, piece, piece.qb, plan.block)
+            _scatter(dk, dkx, piece, piece.kb, plan.block)
+            _scatter(dv, dvx, piece, piece.kb, plan.block)
         return (
             dq[:, :, : plan.n_q].to(q.dtype),
             dk[:, :, : plan.n_kv].to(k.dtype),
@@ -331,19 +342,12 @@ def _block_rows(x: Tensor, piece: Piece, block: int) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1, block).permute(2, 0, 1, 3).flatten(1, 2)
 
 
-def _scatter(target: Tensor, grad: Tensor, piece: Piece, blocks: Tensor, block: int, batch: int) -> None:
-    """Add ``(Q', B*Hg, rows, D)`` gradients into ``(B, H, Npad, D)`` at ``blocks``."""
-    hg, dim = piece.heads.numel(), grad.shape[-1]
-    grad = grad.reshape(grad.shape[0], batch, hg, -1, block, dim)  # [Q', B, Hg, c, block, D]
-    grad = grad.permute(1, 2, 0, 3, 4, 5).reshape(batch, hg, -1, block, dim)
-    view = target.view(batch, target.shape[1], -1, block, dim)
-    flat = blocks.flatten().to(target.device)
-    if hg == target.shape[1]:
-        view.index_add_(2, flat, grad.to(target.dtype))
-    else:
-        sub = torch.zeros(batch, hg, view.shape[2], block, dim, dtype=target.dtype, device=target.device)
-        sub.index_add_(2, flat, grad.to(target.dtype))
-        view[:, piece.heads] += sub
+def _scatter(target: Tensor, grad: Tensor, piece: Piece, blocks: Tensor, block: int) -> None:
+    """Add ``(Q', B*Hg, rows, D)`` gradients into ``(B, H, Npad, D)`` at ``blocks``: ``_take``
+    backwards, one ``index_add_`` of whole blocks into the rows (a block read by several
+    pieces or query blocks gets each one's share)."""
+    rows = grad.reshape(-1, block * grad.shape[-1]).to(target.dtype)
+    target.view(-1, block * target.shape[-1]).index_add_(0, _block_index(target, piece, blocks, block), rows)
 
 
 def blocked_attention(call: Call, plan: Plan, *, return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
