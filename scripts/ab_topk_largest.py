@@ -3,9 +3,10 @@ largest maxima, then the k largest of their members) instead of one ``torch.topk
 whole row, in one process (issue 12).
 
 ``largest`` serves ``select_topk`` (``topk``, ``dsa``, ``nsa``, ``moba``) and the k-th score of
-``topk_keep`` (``sac``) and ``topk_mask``. The old rule is swapped in per call; each pair is
-timed forward+backward interleaved with dense SDPA's (B=1, H=8, D=64, median of the repeats).
-Usage: ``python scripts/ab_topk_largest.py N CAUSAL(0|1) topk[,sac,...] [REPEATS]``.
+``topk_keep`` (``sac``); ``topk_mask`` (the references' rule) used it too when
+``benchmarks/ab-topk-largest-cpu.txt`` was made, and keeps ``torch.topk`` since. The old rule
+is swapped in per call; each pair is timed forward+backward interleaved with dense SDPA's (B=1,
+H=8, D=64, median of the repeats). Usage: ``python scripts/ab_topk_largest.py N CAUSAL(0|1) topk[,sac,...] [REPEATS]``.
 """
 
 from __future__ import annotations

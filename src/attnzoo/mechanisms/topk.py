@@ -81,8 +81,9 @@ def topk_mask(scores: Tensor, visible: Tensor | None, k: int) -> Tensor:
     # NaN ranks above everything, as in torch.topk: a NaN query keeps keys and its row is NaN.
     s = s.masked_fill(s.isnan(), float("inf"))
     kk = min(k, s.shape[-1])
-    # The k-th largest score of each row (-inf when fewer than k entries are visible).
-    tau = largest(s, kk)[0][..., -1:]
+    # The k-th largest score of each row (-inf when fewer than k entries are visible), by
+    # torch.topk itself: the references use this rule, and stay apart from ``largest``.
+    tau = s.topk(kk, dim=-1).values[..., -1:]
     above = s > tau
     tied = s == tau
     room = kk - above.sum(-1, keepdim=True, dtype=torch.int32)
