@@ -1,5 +1,5 @@
 """A/B of ``sac``'s and ``hierarchical``'s gathers of each block's keys and values, and
-``graph_attention``'s of each node's neighbours, through ``_ops.rows_at`` (one ``index_select``
+``graph_attention``'s of each node's neighbours, through ``backends.call.rows_at`` (one ``index_select``
 over the flattened ``(B H M, D)`` rows) instead of ``index_select`` along dim 2 of the ``(B, H,
 M, D)`` tensor (``sac``, ``hierarchical``) or advanced indexing ``x[:, :, keys]``
 (``graph_attention``), in one process (issue 12).

@@ -142,6 +142,31 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:
+    """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M, D)`` and an integer ``index (B, H, ...)``
+    -> ``(B, H, ..., D)``: each query's own selection of keys or values, as one ``index_select``
+    over the flattened rows (never an ``(B, H, M, M)`` one-hot product; on CPU about twice as fast
+    forward as ``gather`` with an index expanded over D, and 1.3x with backward).
+
+    With ``zero_row``, index ``M`` (one past the end) reads a row of zeros: the slot a selection
+    fills when a query has fewer candidates than slots.
+    """
+    if zero_row:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 1))
+    b, h, m, d = x.shape
+    offset = torch.arange(b * h, device=x.device).view(b, h, *(1,) * (index.dim() - 2)) * m
+    return x.reshape(b * h * m, d).index_select(0, (index + offset).flatten()).view(*index.shape, d)
+
+
+def rows_at(x: Tensor, positions: Tensor) -> Tensor:
+    """``x[:, :, positions]`` for ``x (B, H, M, D)`` and ``positions (P,)`` shared by every batch
+    row and head -> ``(B, H, P, D)``, through ``gather_rows``: one ``index_select`` over the
+    flattened rows, whose backward adds whole rows. ``index_select`` along dim 2 of the 4-D
+    tensor took 0.94 ms forward, 3.2 with backward, where this takes 0.45 and 2.0 (``sac``'s two
+    gathers at N = 1K: 7 040 rows of 64 per head; ``benchmarks/ab-rows-at-cpu.txt``)."""
+    return gather_rows(x, positions.expand(*x.shape[:2], -1))
+
+
 def masked_key_blocks(n_kv: int, block: int, key_mask: Tensor | None = None) -> Tensor:
     """Bool per key block: True where tiles must run under an explicit mask whatever the pattern
     says, because the block holds keys that do not exist for some query — the ragged last

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.backends.call import Call
+from attnzoo.backends.call import Call, rows_at
 from attnzoo.backends.gathered import gathered_attention, not_gathered_reasons
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens, rows_at
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.sparse_shaped import EdgeList

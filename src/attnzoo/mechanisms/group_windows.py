@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import compute_dtype, gather_rows
+from attnzoo.backends.call import gather_rows
+from attnzoo.mechanisms._ops import compute_dtype
 from attnzoo.mechanisms.base import StateSpec
 
 #: Room per group of windows made without a known capacity: grown by doubling when it runs out.

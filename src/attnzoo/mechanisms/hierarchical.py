@@ -54,6 +54,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from attnzoo.backends.call import rows_at
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms._ops import (
     block_union,
@@ -62,7 +63,6 @@ from attnzoo.mechanisms._ops import (
     masked_softmax,
     mean_keys,
     real_tokens,
-    rows_at,
 )
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.span_tree import SpanTree, left_nodes, level_sums

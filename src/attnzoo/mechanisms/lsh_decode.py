@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import default_scale, gather_rows, real_tokens
+from attnzoo.backends.call import gather_rows
+from attnzoo.mechanisms._ops import default_scale, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, StateSpec, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.group_windows import GroupWindows, attend_gathered, state_dtype

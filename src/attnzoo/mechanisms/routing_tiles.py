@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import argmax_over, gather_rows
+from attnzoo.backends.call import gather_rows
+from attnzoo.mechanisms._ops import argmax_over
 from attnzoo.mechanisms.group_windows import attend_gathered, counts, earlier_of_same_group
 
 if TYPE_CHECKING:

@@ -17,15 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo.backends.call import gather_rows, rows_at
 from attnzoo.backends.reference import normalize_scores, visible_pairs
 from attnzoo.mechanisms._ops import (
     block_union,
     compute_dtype,
     default_scale,
-    gather_rows,
     masked_softmax,
     mean_keys,
-    rows_at,
 )
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
