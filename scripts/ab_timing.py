@@ -85,10 +85,14 @@ def random_edges(n: int, degree: int) -> tuple[tuple[int, int], ...]:
 
 def split_names(text: str) -> list[str]:
     """``"local:left=256,right=256,dilated"`` -> ``["local:left=256,right=256", "dilated"]``: a
-    piece with ``=`` and no ``:`` continues the config of the name before it."""
+    piece with ``=`` and no ``:`` continues the config of the name before it, and so does one
+    inside brackets (``query_block=(32,32)``)."""
     names: list[str] = []
+    depth = 0
     for piece in text.split(","):
-        if "=" in piece and ":" not in piece and names:
+        inside = depth > 0
+        depth += sum(piece.count(c) for c in "([{") - sum(piece.count(c) for c in ")]}")
+        if names and (inside or ("=" in piece and ":" not in piece)):
             names[-1] += "," + piece
         else:
             names.append(piece)

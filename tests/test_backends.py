@@ -13,7 +13,7 @@ import torch
 
 import attnzoo
 from attnzoo import patterns as P
-from attnzoo.backends import dispatch, flex, gathered, plan
+from attnzoo.backends import dispatch, flex, gathered, key_sets, plan
 from attnzoo.backends.call import Backend, BackendUnavailable, Call, masked_key_blocks
 from conftest import largest_tensor
 
@@ -214,6 +214,37 @@ def test_tiles_of_per_head_patterns_equal_the_reference_forward_and_gradients(ca
     grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("other", [None, P.local(4)], ids=["alone", "and-local"])
+def test_key_sets_path_equals_the_reference_forward_and_gradients(causal, other):
+    # A 5 x 7 image in 2 x 3 query blocks with a margin of 1: blocks cut at the image's edges on
+    # both sides, and batch row 1 keeps 5 real keys, so most of its groups see none of them.
+    pattern = P.block2d(5, 7, (2, 3), (1, 1)) if other is None else P.block2d(5, 7, (2, 3), (1, 1)) & other
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 35, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 35, dtype=torch.bool)
+    mask[1, 5:] = False
+    out = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask)
+    assert attnzoo.last_choice().path == "key_sets"
+    want = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, backend="reference")
+    torch.testing.assert_close(out, want)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+    assert bool((out[1].abs().sum(-1) == 0).any())  # rows with no visible key give zeros
+
+
+def test_key_sets_plan_is_cached_by_value_and_never_allocates_n_squared():
+    key_sets.PLANS.clear()
+    q, k, v = _qkv(n=48 * 48, grad=True)
+    for _ in range(2):  # the pattern rebuilt per call: equal by value, one plan
+        attnzoo.attend(q, k, v, pattern=P.block2d(48, 48, (8, 8), (2, 2)), causal=True)
+    assert key_sets.PLANS.cache_info().hits >= 1 and key_sets.PLANS.cache_info().misses == 1
+    run = lambda: attnzoo.attend(q, k, v, pattern=P.block2d(48, 48, (8, 8), (2, 2)), causal=True).sum().backward()  # noqa: E731
+    # Each query's own 144 keys at most (B H N 144 = 2.7 M here), never a score per pair (B H N^2 = 42 M).
+    assert largest_tensor(run) <= 2 * 4 * 2304 * 144 < 2 * 4 * 2304 * 2304
 
 
 def test_a_graph_with_a_hub_runs_on_tiles_and_says_why():

@@ -152,6 +152,18 @@ def test_grid_and_graph_patterns(name):
     assert torch.equal(dense, oracle())
     for block in (3, 16, 64):
         check_blocks(pattern, n, n, block, dense, exact_full=name.startswith("graph"))
+    if isinstance(pattern, P.GroupKeyed):  # every query in one group; a group's rows see its keys
+        sets = pattern.key_sets(n, n)
+        assert sorted(sets.rows[sets.rows_valid].tolist()) == list(range(n))
+        pairs = sets.rows_valid[:, :, None] & sets.keys_valid[:, None, :]
+        rows = sets.rows[:, :, None].expand(pairs.shape)[pairs]
+        keys = sets.keys[:, None, :].expand(pairs.shape)[pairs]
+        assert torch.equal(torch.zeros(n, n, dtype=torch.bool).index_put_((rows, keys), torch.tensor(True)), oracle())
+    if isinstance(pattern, P.RowKeyed):  # each row's listed keys, where valid, are its keys
+        keys, valid = pattern.row_table(n, n)
+        rows = torch.arange(n)[:, None].expand_as(keys)
+        listed = torch.zeros(n, n, dtype=torch.bool).index_put_((rows[valid], keys[valid]), torch.tensor(True))
+        assert torch.equal(listed, oracle()) and int(valid.sum()) == int(oracle().sum())  # no key listed twice
     with pytest.raises(ValueError, match="exactly"):
         pattern.dense(n + 1)
 

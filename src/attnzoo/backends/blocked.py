@@ -25,8 +25,10 @@ on each tile's own (b, h, i, j) from the seed, forward and backward, never store
 Rows that see no key give zeros and zero gradient.
 
 ``Blocked`` is the backend object ``dispatch`` runs: the structured path (``structured.py``,
-``windowed.py``) where the pattern has window structure, else this module's tile plan; the
-plans and their caches live in ``plan.py``.
+``windowed.py``) where the pattern has window structure, the key-sets path (``key_sets.py``)
+where its queries fall into groups that share their keys, the gathered path (``gathered.py``)
+where it lists a few keys per row, else this module's tile plan; the plans and their caches
+live in ``plan.py``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Backend, Call, compute_dtype
 from attnzoo.backends.gathered import gathered_attention, not_gathered_reasons
 from attnzoo.backends.grouped import grouped_windows
+from attnzoo.backends.key_sets import key_set_attention, not_key_set_reasons
 from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
 from attnzoo.backends.windowed import structured_attention
 from attnzoo.mechanisms._ops import dropout_flat_index, dropout_keep_at, dropped
@@ -363,7 +366,8 @@ def blocked_attention(call: Call, plan: Plan, *, return_lse: bool = False) -> Te
 
 class Blocked(Backend):
     """The CPU training backend: the structured path where the pattern has window structure
-    (``plan.structure_for``), the gathered path where it names a few keys per row
+    (``plan.structure_for``), the key-sets path where its queries fall into groups that share
+    their keys (``key_sets``: ``block2d``), the gathered path where it names a few keys per row
     (``gathered``: ``random(r)``), else the generic tile plan (``plan.plan_for``)."""
 
     NAME = "blocked"
@@ -376,6 +380,8 @@ class Blocked(Backend):
     def path(self, call: Call) -> str:
         if structure_for(call) is not None:
             return "structured"
+        if not not_key_set_reasons(call):
+            return "key_sets"
         return "tiles" if not_gathered_reasons(call) else "gathered"
 
     def grouped_kv(self, call: Call) -> bool:
@@ -387,6 +393,8 @@ class Blocked(Backend):
         structure = structure_for(call)
         if structure is not None:
             return structured_attention(call, structure)
+        if not not_key_set_reasons(call):
+            return key_set_attention(call)
         if not not_gathered_reasons(call):
             return gathered_attention(call)
         return blocked_attention(call, plan_for(call))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -325,6 +326,28 @@ class RowKeyed(Pattern):
         keys, valid = table
         rows = torch.arange(n_q)[:, None].expand_as(keys)
         return count_tiles(n_q, n_kv, block, rows[valid], keys[valid])
+
+
+class KeySets(NamedTuple):
+    """Query groups that each see one set of keys (``GroupKeyed.key_sets``): ``rows (G, S_q)``
+    the positions of each group's queries, ``rows_valid`` the slots that hold one (every query
+    in exactly one slot), ``keys (G, S_k)`` the group's keys, ``keys_valid`` the slots that hold
+    one. Empty slots hold position 0."""
+
+    rows: Tensor
+    rows_valid: Tensor
+    keys: Tensor
+    keys_valid: Tensor
+
+
+class GroupKeyed(Pattern):
+    """A pattern whose queries fall into groups that each see one set of keys (``block2d``: a
+    query block sees its block extended by the margin): the blocked backend's ``key_sets`` path
+    gathers each group's queries and keys and runs one kernel call over every group, where tiles
+    cut the 2-D blocks into runs of the raster under masks."""
+
+    def key_sets(self, n_q: int, n_kv: int) -> KeySets:
+        raise NotImplementedError
 
 
 class Random(RowKeyed):

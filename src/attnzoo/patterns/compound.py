@@ -15,6 +15,8 @@ from attnzoo.patterns.algebra import BlockList, Pattern, PerHead, per_head
 from attnzoo.patterns.atomic import (
     BlockLocal,
     GlobalTokens,
+    GroupKeyed,
+    KeySets,
     PeriodicColumns,
     RandomBlocks,
     causal,
@@ -173,11 +175,12 @@ class GridPattern(Pattern):
             raise ValueError(f"{self.name} is defined on exactly h*w = {self.h * self.w} positions, got {n_q}, {n_kv}")
 
 
-class Block2D(GridPattern):
+class Block2D(GroupKeyed, GridPattern):
     """Image Transformer 2-D local attention (Parmar et al. 2018,
     https://arxiv.org/abs/1802.05751) on a row-major ``h x w`` image: the query block
     ``(r // qh, c // qw)`` attends to its own block extended by ``memory_margin = (mh, mw)``
-    pixels on every side. Compose with ``causal()`` for the autoregressive version."""
+    pixels on every side. Compose with ``causal()`` for the autoregressive version. Every
+    query of a block sees the same keys (``key_sets``)."""
 
     def __init__(self, h: int, w: int, query_block: tuple[int, int], memory_margin: tuple[int, int]) -> None:
         for value, name in ((h, "h"), (w, "w"), (query_block[0], "query_block[0]"), (query_block[1], "query_block[1]")):
@@ -202,6 +205,21 @@ class Block2D(GridPattern):
             return rows & (c2 >= bc * qw - mw) & (c2 <= bc * qw + qw - 1 + mw)
 
         return block2d
+
+    def key_sets(self, n_q: int, n_kv: int) -> KeySets:
+        """One group per query block: its ``qh x qw`` pixels and the ``(qh + 2 mh) x (qw + 2
+        mw)`` pixels of its extended block, the slots outside the image empty."""
+        self._check(n_q, n_kv)
+        (qh, qw), (mh, mw), h, w = self.query_block, self.margin, self.h, self.w
+        blocks = torch.cartesian_prod(torch.arange(-(-h // qh)), torch.arange(-(-w // qw)))  # [G, 2]
+
+        def pixels(height: int, width: int, margin: tuple[int, int]) -> tuple[Tensor, Tensor]:
+            r = (blocks[:, 0] * qh - margin[0])[:, None, None] + torch.arange(height)[None, :, None]
+            c = (blocks[:, 1] * qw - margin[1])[:, None, None] + torch.arange(width)[None, None, :]
+            inside = (r >= 0) & (r < h) & (c >= 0) & (c < w)  # [G, height, width]
+            return torch.where(inside, r * w + c, 0).flatten(1), inside.flatten(1)
+
+        return KeySets(*pixels(qh, qw, (0, 0)), *pixels(qh + 2 * mh, qw + 2 * mw, (mh, mw)))
 
     def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
         # One rectangle per (query image row, key image row) of each query block: the query
