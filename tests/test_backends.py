@@ -189,6 +189,19 @@ def _imports(path: Path) -> set[str]:
     return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
 
 
+def _matches_reference(q, k, v, path: str, g: torch.Generator, **kwargs) -> torch.Tensor:
+    """``attnzoo.attend(q, k, v, **kwargs)`` runs on ``path`` and equals the reference backend's
+    output and q, k, v gradients (float64 inputs); returns the output."""
+    out = attnzoo.attend(q, k, v, **kwargs)
+    assert attnzoo.last_choice().path == path
+    want = attnzoo.attend(q, k, v, **kwargs, backend="reference")
+    torch.testing.assert_close(out, want)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+    return out
+
+
 def _random_graph(n: int, degree: int) -> P.Graph:
     """``degree`` random edges out of every node (repeats merge): degrees within a few of each other."""
     g = torch.Generator().manual_seed(n)
@@ -207,13 +220,7 @@ def test_tiles_of_per_head_patterns_equal_the_reference_forward_and_gradients(ca
     q, k, v = (torch.randn(2, 4, 37, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = torch.ones(2, 37, dtype=torch.bool)
     mask[1, -6:] = False
-    out = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, block=8)
-    assert attnzoo.last_choice().path == "tiles"
-    want = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, backend="reference")
-    torch.testing.assert_close(out, want)
-    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
-        torch.testing.assert_close(a, b)
+    _matches_reference(q, k, v, "tiles", g, pattern=pattern, causal=causal, key_mask=mask, block=8)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -226,13 +233,7 @@ def test_key_sets_path_equals_the_reference_forward_and_gradients(causal, other)
     q, k, v = (torch.randn(2, 3, 35, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = torch.ones(2, 35, dtype=torch.bool)
     mask[1, 5:] = False
-    out = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask)
-    assert attnzoo.last_choice().path == "key_sets"
-    want = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, backend="reference")
-    torch.testing.assert_close(out, want)
-    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
-        torch.testing.assert_close(a, b)
+    out = _matches_reference(q, k, v, "key_sets", g, pattern=pattern, causal=causal, key_mask=mask)
     assert bool((out[1].abs().sum(-1) == 0).any())  # rows with no visible key give zeros
 
 
@@ -283,15 +284,7 @@ def test_gathered_path_equals_the_reference_forward_and_gradients(n_q, n_kv, cau
     if padded:  # batch row 1 keeps 3 keys: most of its rows see none of their random keys
         mask = torch.ones(2, n_kv, dtype=torch.bool)
         mask[0, -10:], mask[1, 3:] = False, False
-    out = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask)
-    assert attnzoo.last_choice().path == "gathered"
-    expected = attnzoo.attend(q, k, v, pattern=pattern, causal=causal, key_mask=mask, backend="reference")
-    torch.testing.assert_close(out, expected)
-    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    want = torch.autograd.grad(expected, (q, k, v), grad)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    out = _matches_reference(q, k, v, "gathered", g, pattern=pattern, causal=causal, key_mask=mask)
     if padded:
         assert bool((out[1].abs().sum(-1) == 0).any())  # rows with no visible key give zeros
 

@@ -145,9 +145,10 @@ def test_patterns_without_window_structure_run_on_the_tile_plan():
     q, k, v = _inputs(64)
     attend(q, k, v, pattern=P.random(4), backend="blocked")
     assert last_choice().path == "gathered"  # keys named row by row: backends.gathered
+    attend(q, k, v, pattern=P.block2d(8, 8, (4, 4), (2, 2)), backend="blocked")
+    assert last_choice().path == "key_sets"  # query blocks sharing their keys: backends.key_sets
     for pattern in (
         P.bigbird(16, 3, 2, 1),
-        P.block2d(8, 8, (4, 4), (2, 2)),
         P.sliding_window(40, 40),
     ):  # the last: all keys
         attend(q, k, v, pattern=pattern, backend="blocked")

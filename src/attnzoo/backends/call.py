@@ -137,6 +137,17 @@ def repeated_kv(call: Call) -> Call:
     return replace(call, k=call.k.repeat_interleave(groups, dim=1), v=call.v.repeat_interleave(groups, dim=1))
 
 
+def plain_softmax_reasons(call: Call, path: str) -> list[str]:
+    """Why a path that runs plain softmax attention (no score function, no dropout) cannot take
+    ``call``: ``path`` names it in the reasons, and says why it has no score_mod."""
+    reasons = []
+    if call.score_mod is not None:
+        reasons.append(f"a score_mod ({path})")
+    if call.dropout is not None:
+        reasons.append("attention dropout")
+    return reasons
+
+
 def compute_dtype(x: Tensor) -> torch.dtype:
     """Backends accumulate in float32, or float64 for float64 inputs (the golden tests)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.backends.call import Call, PlanCache, compute_dtype
+from attnzoo.backends.call import Call, PlanCache, compute_dtype, plain_softmax_reasons
 from attnzoo.backends.sparse_rows import SparseRows, SparseRowsAttention, sparse_rows
 from attnzoo.patterns import Pattern
 from attnzoo.patterns.algebra import Intersection
@@ -76,11 +76,7 @@ def row_plan(call: Call) -> SparseRows | None:
 
 def not_gathered_reasons(call: Call) -> list[str]:
     """Why the gathered path cannot run ``call`` (empty: it can)."""
-    reasons = []
-    if call.score_mod is not None:
-        reasons.append("a score_mod (the gathered path has no recomputing backward for it)")
-    if call.dropout is not None:
-        reasons.append("attention dropout")
+    reasons = plain_softmax_reasons(call, "the gathered path has no recomputing backward for it")
     if row_plan(call) is None:
         reasons.append(
             "the pattern does not name its keys row by row (a patterns.RowKeyed, or its intersections; a graph "

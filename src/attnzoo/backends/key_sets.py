@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.backends.call import Call, PlanCache, compute_dtype, rows_at
+from attnzoo.backends.call import Call, PlanCache, compute_dtype, plain_softmax_reasons, rows_at
 from attnzoo.patterns import Pattern
 from attnzoo.patterns.algebra import Intersection
 from attnzoo.patterns.atomic import GroupKeyed, KeySets
@@ -87,11 +87,7 @@ def key_set_plan(call: Call) -> KeySetPlan | None:
 
 def not_key_set_reasons(call: Call) -> list[str]:
     """Why the key-sets path cannot run ``call`` (empty: it can)."""
-    reasons = []
-    if call.score_mod is not None:
-        reasons.append("a score_mod (the key-sets path runs the flash kernel)")
-    if call.dropout is not None:
-        reasons.append("attention dropout")
+    reasons = plain_softmax_reasons(call, "the key-sets path runs the flash kernel")
     if key_set_plan(call) is None:
         reasons.append("the pattern has no query groups that share their keys (a patterns.GroupKeyed)")
     return reasons
