@@ -44,8 +44,9 @@ class Choice:
 
     backend: str
     skipped: dict[str, list[str]]
-    #: For ``blocked``: ``"structured"`` (windows / sub-sequences, see ``backends.structured``)
-    #: or ``"tiles"`` (the generic tile plan).
+    #: For ``blocked``: ``"structured"`` (windows / sub-sequences, see ``backends.structured``),
+    #: ``"key_sets"`` (query groups sharing their keys, ``backends.key_sets``), ``"gathered"``
+    #: (a few keys listed per row, ``backends.gathered``) or ``"tiles"`` (the generic tile plan).
     path: str | None = None
 
 
