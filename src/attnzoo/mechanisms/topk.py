@@ -32,6 +32,12 @@ from attnzoo.mechanisms.selected import select_in_chunks, selected_softmax
 from attnzoo.registry import Config, bounded, quarter, register
 from attnzoo.spec import Capabilities, Complexity
 
+#: ``largest`` takes two stages from rows of this many times k on: the crossover on 1M scores
+#: (``benchmarks/largest-crossover-cpu.txt``, ``scripts/largest_crossover.py``): k = 33 of 480
+#: keys 5.9 -> 5.0 ms, of 1K 5.1 -> 3.4; k = 257 of 4K 6.3 -> 4.8; k = 8 of 128 keys 5.7 ->
+#: 4.8, but of 110 keys 5.8 -> 6.5 and k = 33 of 352 keys 6.3 -> 6.3 (not used there).
+TWO_STAGES_FROM = 14
+
 
 def largest(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """``s.topk(k, dim=-1)`` (each row's k largest values in descending order, and their
@@ -45,13 +51,12 @@ def largest(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
     every group with one is picked), so the members, with the ``N mod g`` columns left over,
     hold every value above ``v`` and at least k values ``>= v``. Indices of equal
     values may come in another order than ``torch.topk``'s (which leaves it unspecified). Used
-    where ``N >= 16 k``, the crossover measured on 1M scores: k = 33 of 1K keys 5.1 -> 3.1 ms,
-    of 4K 9.4 -> 5.1, of 16K 11.4 -> 5.3; k = 8 of 64 keys 6.8 -> 8.4 (not used there).
+    where ``N >= TWO_STAGES_FROM * k``.
     """
     n = s.shape[-1]
-    if k < 1 or n < 16 * k:  # shorter rows: two calls' overhead outweighs the pass they save
+    if k < 1 or n < TWO_STAGES_FROM * k:  # shorter rows: two calls' overhead outweighs the pass they save
         return s.topk(k, dim=-1)
-    g = 2 ** round(math.log2(math.sqrt(n / k)))  # >= 4; then G >= n / (sqrt(2 n / k)) > 2.8 k
+    g = 2 ** round(math.log2(math.sqrt(n / k)))  # >= 4; then G >= n / (sqrt(2 n / k)) > 2.6 k
     main = n - n % g  # the last n % g columns are members whatever the groups
     groups = s[..., :main].unflatten(-1, (g, -1))  # [..., g, G]
     picked = groups.amax(-2).topk(k, dim=-1, sorted=False).indices  # [..., k] groups
