@@ -143,7 +143,7 @@ class SparseRowsAttention(torch.autograd.Function):
                     if r is not seen[0]:  # heads sharing a structure share its padding verdict
                         seen = (r, visible_of(r, b))
                     w = _row_softmax(r, _sampled(r, q[b, h], k[b, h // groups], scale), seen[1])
-                    out[b, h] = csr(r, w) @ v[b, h // groups]
+                    out[b, h].addmm_(csr(r, w), v[b, h // groups], beta=0.0)  # beta 0: its garbage ignored
                     weights.append(w)
         ctx.save_for_backward(q, k, v, out, *weights)
         ctx.structure_of, ctx.scale = structure_of, scale
@@ -162,7 +162,8 @@ class SparseRowsAttention(torch.autograd.Function):
                 for h in range(heads):
                     r, p, g = ctx.structure_of(b, h), weights[b * heads + h], grad[b, h].contiguous()
                     d_scores = p * (_sampled(r, g, v[b, h // groups]) - delta[b, h][r.rows])
-                    d_q[b, h] = (csr(r, d_scores) @ k[b, h // groups]) * scale
-                    d_k[b, h // groups] += (csr(r, d_scores[r.perm], transposed=True) @ q[b, h]) * scale
-                    d_v[b, h // groups] += csr(r, p[r.perm], transposed=True) @ g
+                    # In place, the scale as alpha: no product, copy or sum in a pass of its own
+                    d_q[b, h].addmm_(csr(r, d_scores), k[b, h // groups], beta=0.0, alpha=scale)
+                    d_k[b, h // groups].addmm_(csr(r, d_scores[r.perm], transposed=True), q[b, h], alpha=scale)
+                    d_v[b, h // groups].addmm_(csr(r, p[r.perm], transposed=True), g)
         return d_q, d_k, d_v, None, None, None
