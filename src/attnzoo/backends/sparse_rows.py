@@ -118,6 +118,18 @@ def slot_weights(r: SparseRows, weights: Tensor) -> Tensor:
     return weights.new_zeros(m * k).index_copy_(0, r.slots, weights).view(m, k)
 
 
+def per_pair(x: Tensor, r: SparseRows) -> Tensor:
+    """A value per row ``(M,)`` -> per pair ``(nnz,)`` in row order: repeated k times where every
+    row keeps k slots, else gathered by the pairs' rows (10x the time of the repeat at 4K)."""
+    return x.repeat_interleave(r.shape[2]) if r.full else x.index_select(0, r.rows)
+
+
+def by_key(values: Tensor, r: SparseRows) -> Tensor:
+    """Row-order pair values ``(nnz,)`` in key order (for the transposed structure): ``take``,
+    which ran faster here than indexing or ``index_select`` (0.24 against 0.34 ms at 4K, r = 64)."""
+    return values.take(r.perm)
+
+
 #: ``(b, h)`` -> the structure of batch row b, query head h.
 StructureOf = Callable[[int, int], SparseRows]
 #: ``(structure, b)`` -> which of its pairs have a real key in batch row b ``(nnz,)``, or None (all).
@@ -161,9 +173,9 @@ class SparseRowsAttention(torch.autograd.Function):
             for b in range(batch):
                 for h in range(heads):
                     r, p, g = ctx.structure_of(b, h), weights[b * heads + h], grad[b, h].contiguous()
-                    d_scores = p * (_sampled(r, g, v[b, h // groups]) - delta[b, h][r.rows])
+                    d_scores = p * (_sampled(r, g, v[b, h // groups]) - per_pair(delta[b, h], r))
                     # In place, the scale as alpha: no product, copy or sum in a pass of its own
                     d_q[b, h].addmm_(csr(r, d_scores), k[b, h // groups], beta=0.0, alpha=scale)
-                    d_k[b, h // groups].addmm_(csr(r, d_scores[r.perm], transposed=True), q[b, h], alpha=scale)
-                    d_v[b, h // groups].addmm_(csr(r, p[r.perm], transposed=True), g)
+                    d_k[b, h // groups].addmm_(csr(r, by_key(d_scores, r), transposed=True), q[b, h], alpha=scale)
+                    d_v[b, h // groups].addmm_(csr(r, by_key(p, r), transposed=True), g)
         return d_q, d_k, d_v, None, None, None
