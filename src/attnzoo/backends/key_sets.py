@@ -94,7 +94,9 @@ def not_key_set_reasons(call: Call) -> list[str]:
 
 
 def _additive(allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    return None if allowed is None else torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def key_set_attention(call: Call) -> Tensor:

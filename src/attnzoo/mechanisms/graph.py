@@ -226,8 +226,8 @@ class GraphAttention(Attention):
         """Dot scores on the CPU, on a graph whose degrees are even enough for a row table
         (``patterns.Graph.row_table``): the call of the blocked backend's gathered path (CSR
         products over each node's neighbours, never a gathered copy of them; ``backends.gathered``),
-        else None (degree buckets, ``graph_attention``). 1K nodes of degree 32, fwd+bwd: 121 ->
-        11 ms (``benchmarks/ab-graph-rows-cpu.txt``)."""
+        else None (degree buckets, ``graph_attention``). 1K nodes of degree 32, fwd+bwd: 122 ->
+        15 ms (``benchmarks/ab-graph-rows-cpu.txt``)."""
         if self.attention_vector is not None or q.device.type != "cpu":
             return None
         pattern = self.graph & causal() if args.causal else self.graph
