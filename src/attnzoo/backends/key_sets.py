@@ -64,7 +64,7 @@ def _build(pattern: Pattern, n_q: int, n_kv: int) -> KeySetPlan | None:
     if found is None:
         return None
     sets, others = found
-    (groups, rows), keys = sets.rows.shape, sets.keys.shape[1]
+    groups, rows = sets.rows.shape
     allowed = sets.keys_valid[:, None, :]  # [G, 1, S_k]
     zero = torch.zeros((), dtype=torch.long)
     for part in others:  # evaluated on the groups' own pairs only: O(N S_k)
@@ -74,8 +74,12 @@ def _build(pattern: Pattern, n_q: int, n_kv: int) -> KeySetPlan | None:
     where[sets.rows[sets.rows_valid]] = torch.arange(groups * rows).view(groups, rows)[sets.rows_valid]
     if bool((where < 0).any()):
         raise ValueError(f"{pattern.name}: key_sets leaves queries without a group")
+    # Key slots no row of any group may see are dropped (causal: the rows of an image block's
+    # margin below it), so the kernel never computes them.
+    slots = allowed.flatten(0, 1).any(0).nonzero().flatten()
+    key_table, allowed = sets.keys[:, slots], allowed[..., slots]
     keep = None if bool(allowed.all()) else allowed
-    return KeySetPlan(sets.rows.flatten(), sets.keys.flatten(), where, keep, (groups, rows, keys))
+    return KeySetPlan(sets.rows.flatten(), key_table.flatten(), where, keep, (groups, rows, slots.numel()))
 
 
 def key_set_plan(call: Call) -> KeySetPlan | None:

@@ -1,0 +1,40 @@
+"""A/B of the key-sets plan dropping the key slots that no row of any group may see (causal
+``block2d``: its blocks' lower margins) against the plan as the revision OLD_REV built it, in one
+process.
+
+The old ``_build`` is loaded from ``git show OLD_REV:src/attnzoo/backends/key_sets.py`` and
+swapped in per call, with the plan cache cleared (both arms rebuild their plans every call);
+each pair is timed forward+backward interleaved with dense SDPA's (B=1, H=8, D=64, median of the
+repeats). Usage: ``python scripts/ab_key_slots.py OLD_REV N CAUSAL(0|1) NAMES [REPEATS]``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+from ab_timing import fwd_bwd_ab, split_names
+
+from attnzoo.backends import key_sets
+
+
+def old_module(rev: str) -> types.ModuleType:
+    """``backends/key_sets.py`` as it was at ``rev``."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:src/attnzoo/backends/key_sets.py"], capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType("key_sets_old")
+    exec(compile(source, f"key_sets.py@{rev}", "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+if __name__ == "__main__":
+    rev, *args = sys.argv[1:]
+    rules = {"old": old_module(rev)._build, "new": key_sets._build}
+
+    def use(rule: str) -> None:
+        key_sets._build = rules[rule]
+        key_sets.PLANS.clear()
+
+    fwd_bwd_ab(int(args[0]), args[1] == "1", split_names(args[2]), int(args[3]) if len(args) > 3 else 7, use)
