@@ -225,16 +225,28 @@ def test_tiles_of_per_head_patterns_equal_the_reference_forward_and_gradients(ca
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("other", [None, P.local(4)], ids=["alone", "and-local"])
-def test_key_sets_path_equals_the_reference_forward_and_gradients(causal, other):
+@pytest.mark.parametrize("padded", [False, True])
+def test_key_sets_path_equals_the_reference_forward_and_gradients(causal, other, padded):
     # A 5 x 7 image in 2 x 3 query blocks with a margin of 1: blocks cut at the image's edges on
-    # both sides, and batch row 1 keeps 5 real keys, so most of its groups see none of them.
+    # both sides; padded, batch row 1 keeps 5 real keys, so most of its groups see none of them.
     pattern = P.block2d(5, 7, (2, 3), (1, 1)) if other is None else P.block2d(5, 7, (2, 3), (1, 1)) & other
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 35, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    mask = torch.ones(2, 35, dtype=torch.bool)
-    mask[1, 5:] = False
+    mask = None
+    if padded:
+        mask = torch.ones(2, 35, dtype=torch.bool)
+        mask[1, 5:] = False
     out = _matches_reference(q, k, v, "key_sets", g, pattern=pattern, causal=causal, key_mask=mask)
-    assert bool((out[1].abs().sum(-1) == 0).any())  # rows with no visible key give zeros
+    if padded:
+        assert bool((out[1].abs().sum(-1) == 0).any())  # rows with no visible key give zeros
+
+
+def test_key_sets_path_takes_grouped_query_kv_heads():
+    # 6 query heads over 2 K/V heads: the call repeats K/V for this path; gradients sum back.
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 6, 35, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 35, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    _matches_reference(q, k, v, "key_sets", g, pattern=P.block2d(5, 7, (2, 3), (1, 1)), causal=True)
 
 
 def test_key_sets_plan_is_cached_by_value_and_never_allocates_n_squared():
