@@ -10,28 +10,15 @@ repeats). Usage: ``python scripts/ab_key_slots.py OLD_REV N CAUSAL(0|1) NAMES [R
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import types
 
-from ab_timing import fwd_bwd_ab, split_names
+from ab_timing import fwd_bwd_ab, module_at, split_names
 
 from attnzoo.backends import key_sets
 
-
-def old_module(rev: str) -> types.ModuleType:
-    """``backends/key_sets.py`` as it was at ``rev``."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:src/attnzoo/backends/key_sets.py"], capture_output=True, text=True, check=True
-    ).stdout
-    module = types.ModuleType("key_sets_old")
-    exec(compile(source, f"key_sets.py@{rev}", "exec"), module.__dict__)  # noqa: S102
-    return module
-
-
 if __name__ == "__main__":
     rev, *args = sys.argv[1:]
-    rules = {"old": old_module(rev)._build, "new": key_sets._build}
+    rules = {"old": module_at(rev, "src/attnzoo/backends/key_sets.py")._build, "new": key_sets._build}
 
     def use(rule: str) -> None:
         key_sets._build = rules[rule]

@@ -6,9 +6,12 @@ ratio to SDPA's."""
 from __future__ import annotations
 
 import statistics
+import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,6 +77,15 @@ def fwd_bwd_ab(
     calls = {name: (lambda attn=attn: attn(q, k, v, causal=causal)) for name, attn in mechanisms.items()}
     dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
+
+
+def module_at(rev: str, path: str) -> types.ModuleType:
+    """The module in ``path`` (``src/attnzoo/...py``) as git revision ``rev`` had it, loaded apart
+    from the package (its imports resolve to the current code): the old rule of an A/B."""
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType(f"{Path(path).stem}_at_{rev}")
+    exec(compile(source, f"{path}@{rev}", "exec"), module.__dict__)  # noqa: S102
+    return module
 
 
 def random_edges(n: int, degree: int) -> tuple[tuple[int, int], ...]:

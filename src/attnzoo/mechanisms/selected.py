@@ -20,7 +20,13 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from attnzoo.backends.sparse_rows import SparseRows, SparseRowsAttention, slot_weights, sparse_rows_of_many
+from attnzoo.backends.sparse_rows import (
+    SparseRows,
+    SparseRowsAttention,
+    VisibleOf,
+    slot_weights,
+    sparse_rows_of_many,
+)
 
 #: ``select(start, stop, reach, scores)`` -> ``(idx, valid)``, each ``(B, H, c, k)``, for query rows
 #: ``start:stop`` given their ``(B, H, c, reach)`` scores (no gradient); k is the same for every
@@ -53,12 +59,21 @@ def selected_softmax(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor
     -> ``(out (B, H, M, D_v), weights (B, H, M, k))``, the weights in ``idx``'s slot order and
     without gradient (``dsa``'s indexer loss reads them as its target). A row with no valid slot
     gets zeros and passes zero gradient; a NaN row stays NaN."""
-    (batch, heads), n, per_head = q.shape[:2], k.shape[2], idx.shape[1]
-    structures = sparse_rows_of_many(idx.flatten(0, 1), valid.flatten(0, 1), n)  # b * per_head + h
+    (batch, heads), n, per_head, width = q.shape[:2], k.shape[2], idx.shape[1], idx.shape[-1]
+    visible_of: VisibleOf = lambda r, b: None  # noqa: E731
+    if not bool(valid.all()):
+        # Unused slots point at ``width`` extra zero keys, one per slot, masked: every row then
+        # keeps all its slots, the layout whose CSR structures are built in a few batched calls
+        # instead of one by one (causal ``topk`` at 1K: ab-selected-slots-cpu.txt).
+        idx = torch.where(valid, idx, n + torch.arange(width, device=idx.device))
+        valid = torch.ones_like(valid)
+        k, v = (torch.nn.functional.pad(x, (0, 0, 0, width)) for x in (k, v))
+        visible_of = lambda r, b: r.col < n  # noqa: E731
+    structures = sparse_rows_of_many(idx.flatten(0, 1), valid.flatten(0, 1), k.shape[2])  # b * per_head + h
 
     def structure_of(b: int, h: int) -> SparseRows:
         return structures[b * per_head + (h if per_head > 1 else 0)]
 
-    out, *weights = SparseRowsAttention.apply(q, k, v, structure_of, lambda r, b: None, 1.0)
+    out, *weights = SparseRowsAttention.apply(q, k, v, structure_of, visible_of, 1.0)
     slots = [slot_weights(structure_of(b, h), weights[b * heads + h]) for b in range(batch) for h in range(heads)]
     return out, torch.stack(slots).view(*q.shape[:3], idx.shape[-1])
