@@ -61,10 +61,12 @@ def selected_softmax(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor
     gets zeros and passes zero gradient; a NaN row stays NaN."""
     (batch, heads), n, per_head, width = q.shape[:2], k.shape[2], idx.shape[1], idx.shape[-1]
     visible_of: VisibleOf = lambda r, b: None  # noqa: E731
-    if not bool(valid.all()):
+    if per_head > 1 and not bool(valid.all()):
         # Unused slots point at ``width`` extra zero keys, one per slot, masked: every row then
         # keeps all its slots, the layout whose CSR structures are built in a few batched calls
-        # instead of one by one (causal ``topk`` at 1K: ab-selected-slots-cpu.txt).
+        # instead of one by one (causal ``topk`` at 1K: ab-selected-slots-cpu.txt). With one
+        # structure per batch row (``dsa``'s, shared by the heads) there is nothing to batch, and
+        # the padded K/V copies cost more than they save.
         idx = torch.where(valid, idx, n + torch.arange(width, device=idx.device))
         valid = torch.ones_like(valid)
         k, v = (torch.nn.functional.pad(x, (0, 0, 0, width)) for x in (k, v))
