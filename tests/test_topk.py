@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import attnzoo
+from attnzoo.mechanisms import topk as topk_module
 from attnzoo.mechanisms.sac import SACConfig, sac_candidates
 from attnzoo.mechanisms.topk import auto_chunk, kept_indices, largest, select_topk, topk_keep, topk_mask
 from conftest import LargestTensor as Largest
@@ -120,9 +121,13 @@ def test_topk_keep_makes_the_rules_selection(k):
 
 
 @pytest.mark.parametrize(("n", "k"), [(1000, 33), (300, 9), (161, 10), (129, 4), (64, 32), (40, 25)])
-def test_largest_returns_the_k_largest_values_in_order_ties_and_infinities_included(n, k):
+@pytest.mark.parametrize("from_ratio", [None, 2], ids=["default", "two-stages-from-2k"])
+def test_largest_returns_the_k_largest_values_in_order_ties_and_infinities_included(n, k, from_ratio, monkeypatch):
     # Rows of small integers (ties everywhere, across the cut too), distinct values, rows with
     # fewer than k finite entries, an all -inf row and a NaN; n not a multiple of the group size.
+    # With two stages from rows of 2 k on, every case takes them (groups of 1 to 8 columns).
+    if from_ratio is not None:
+        monkeypatch.setattr(topk_module, "TWO_STAGES_FROM", from_ratio)
     gen = torch.Generator().manual_seed(n)
     scores = torch.cat(
         [torch.randint(-3, 4, (2, 3, n), generator=gen).double(), torch.randn(2, 2, n, generator=gen)], 1

@@ -56,7 +56,7 @@ def largest(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
     n = s.shape[-1]
     if k < 1 or n < TWO_STAGES_FROM * k:  # shorter rows: two calls' overhead outweighs the pass they save
         return s.topk(k, dim=-1)
-    g = 2 ** round(math.log2(math.sqrt(n / k)))  # >= 4; then G >= n / (sqrt(2 n / k)) > 2.6 k
+    g = 2 ** round(math.log2(math.sqrt(n / k)))  # from 14 k on: >= 4, and G >= sqrt(n k / 2) > 2.6 k
     main = n - n % g  # the last n % g columns are members whatever the groups
     groups = s[..., :main].unflatten(-1, (g, -1))  # [..., g, G]
     picked = groups.amax(-2).topk(k, dim=-1, sorted=False).indices  # [..., k] groups
