@@ -270,6 +270,9 @@ def test_a_graph_with_a_hub_runs_on_tiles_and_says_why():
     assert attnzoo.last_choice().path == "tiles"  # its row table would be n wide for about 2 edges a node
     reasons = gathered.not_gathered_reasons(Call(q, k, v, P.graph(hub, n), None, None, 1.0, 128))
     assert any("hub" in r for r in reasons), reasons
+    big = 2048  # deciding so never builds the hub's n x n table
+    hub_big = torch.stack([torch.zeros(big, dtype=torch.long), torch.arange(big)])
+    assert largest_tensor(P.graph(hub_big, big).row_table, big, big) < big * big // 64
     attnzoo.attend(q, k, v, pattern=_random_graph(n, 4))
     assert attnzoo.last_choice().path == "gathered"
 

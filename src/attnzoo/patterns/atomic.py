@@ -560,25 +560,32 @@ class Graph(RowKeyed):
     def _value(self) -> tuple:
         return self._identity
 
+    def _degrees(self) -> Tensor:
+        """``(n,)``: how many keys each query attends."""
+        return torch.bincount(self.edge_keys // self.n, minlength=self.n)
+
     def neighbours(self) -> Tensor:
         """``(n, max degree)``: the keys each query attends, padded with -1."""
-        rows = self.edge_keys // self.n
-        degree = torch.bincount(rows, minlength=self.n)
+        rows, degree = self.edge_keys // self.n, self._degrees()
         table = torch.full((self.n, max(int(degree.max()) if rows.numel() else 0, 1)), -1, dtype=torch.long)
         position = torch.arange(rows.numel()) - (torch.cumsum(degree, 0) - degree)[rows]
         table[rows, position] = self.edge_keys % self.n
         return table
 
     def row_table(self, n_q: int, n_kv: int) -> tuple[Tensor, Tensor] | None:
-        self.mask_mod_for(n_q, n_kv)  # checks the sizes
-        table = self.neighbours()
-        if table.numel() > GRAPH_TABLE_SLOTS_PER_EDGE * max(self.edge_keys.numel(), 1):
+        self._check(n_q, n_kv)
+        # Decided from the degrees, before the table exists: a hub's would be n x n.
+        if self.n * max(int(self._degrees().max()), 1) > GRAPH_TABLE_SLOTS_PER_EDGE * max(self.edge_keys.numel(), 1):
             return None
+        table = self.neighbours()
         return table.clamp(min=0), table >= 0
 
-    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
+    def _check(self, n_q: int | None, n_kv: int | None) -> None:
         if n_q not in (None, self.n) or n_kv not in (None, self.n):
             raise ValueError(f"{self.name} is defined on exactly {self.n} positions, got N_q={n_q}, N_kv={n_kv}")
+
+    def mask_mod_for(self, n_q: int | None = None, n_kv: int | None = None, device: Device = None) -> MaskMod:
+        self._check(n_q, n_kv)
         table = self.neighbours().to(device)
 
         def graph(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -587,7 +594,7 @@ class Graph(RowKeyed):
         return graph
 
     def _blocks(self, n_q: int, n_kv: int, block: int) -> BlockList:
-        self.mask_mod_for(n_q, n_kv)
+        self._check(n_q, n_kv)
         return count_tiles(n_q, n_kv, block, self.edge_keys // self.n, self.edge_keys % self.n)
 
 
