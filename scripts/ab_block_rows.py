@@ -11,10 +11,8 @@ with dense SDPA's (B=1, H=8, D=64, median of the repeats). Usage:
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from ab_timing import fwd_bwd_ab, split_names
+from ab_timing import ab_main
 from torch import Tensor
 
 from attnzoo.backends import blocked
@@ -47,5 +45,4 @@ if __name__ == "__main__":
     def use(rule: str) -> None:
         blocked._take, blocked._scatter = rules[rule]
 
-    args = sys.argv[1:]
-    fwd_bwd_ab(int(args[0]), args[1] == "1", split_names(args[2]), int(args[3]) if len(args) > 3 else 7, use)
+    ab_main(use)

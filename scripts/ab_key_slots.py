@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from ab_timing import fwd_bwd_ab, module_at, split_names
+from ab_timing import ab_main, module_at
 
 from attnzoo.backends import key_sets
 
@@ -24,4 +24,4 @@ if __name__ == "__main__":
         key_sets._build = rules[rule]
         key_sets.PLANS.clear()
 
-    fwd_bwd_ab(int(args[0]), args[1] == "1", split_names(args[2]), int(args[3]) if len(args) > 3 else 7, use)
+    ab_main(use, args)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from ab_timing import fwd_bwd_ab, random_edges, split_names
+from ab_timing import fwd_bwd_ab, parse_ab_args, random_edges
 from torch import Tensor
 
 import attnzoo
@@ -38,10 +38,9 @@ if __name__ == "__main__":
         sac.rows_at = hierarchical.rows_at = along_dim2 if rule == "old" else new
         graph.rows_at = indexed if rule == "old" else new
 
-    args = sys.argv[1:]
-    n, names = int(args[0]), split_names(args[2])
+    n, causal, names, repeats = parse_ab_args(sys.argv[1:])
     built = {}
     if "graph_attention" in names:  # on a graph of n nodes with 32 random neighbours each
         names.remove("graph_attention")
         built["graph_attention (degree 32)"] = attnzoo.build("graph_attention", n=n, edges=random_edges(n, 32))
-    fwd_bwd_ab(n, args[1] == "1", names, int(args[3]) if len(args) > 3 else 7, use, built)
+    fwd_bwd_ab(n, causal, names, repeats, use, built)

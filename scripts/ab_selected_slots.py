@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from ab_timing import fwd_bwd_ab, module_at, split_names
+from ab_timing import ab_main, module_at
 
 from attnzoo.mechanisms import dsa_functions, selected, topk
 
@@ -27,4 +27,4 @@ if __name__ == "__main__":
     def use(rule: str) -> None:
         topk.selected_softmax = dsa_functions.selected_softmax = rules[rule]
 
-    fwd_bwd_ab(int(args[0]), args[1] == "1", split_names(args[2]), int(args[3]) if len(args) > 3 else 7, use)
+    ab_main(use, args)

@@ -7,9 +7,7 @@ Usage: ``python scripts/ab_sparse_pairs.py N CAUSAL(0|1) random[,logsparse] [REP
 
 from __future__ import annotations
 
-import sys
-
-from ab_timing import fwd_bwd_ab, split_names
+from ab_timing import ab_main
 from torch import Tensor
 
 from attnzoo.backends import sparse_rows as S
@@ -29,5 +27,4 @@ if __name__ == "__main__":
     def use(rule: str) -> None:
         S.per_pair, S.by_key = rules[rule]
 
-    args = sys.argv[1:]
-    fwd_bwd_ab(int(args[0]), args[1] == "1", split_names(args[2]), int(args[3]) if len(args) > 3 else 7, use)
+    ab_main(use)

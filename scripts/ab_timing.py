@@ -111,15 +111,29 @@ def split_names(text: str) -> list[str]:
     return names
 
 
-def swap_main(module: Any, attr: str, old: Any, *, causal: bool | None = None) -> None:
-    """The ``main`` of an A/B script that swaps ``module.attr`` between ``old`` and the value it
-    has now: ``N [CAUSAL(0|1)] NAME[,NAME...] [REPEATS]`` from the command line (CAUSAL where
-    ``causal`` is None), timed forward+backward by ``fwd_bwd_ab``."""
-    args = sys.argv[1:]
+def parse_ab_args(args: list[str], causal: bool | None = None) -> tuple[int, bool, list[str], int]:
+    """``N [CAUSAL(0|1)] NAME[,NAME...] [REPEATS]`` (CAUSAL where ``causal`` is None; 7 repeats
+    by default) -> ``(n, causal, names, repeats)``."""
+    args = list(args)
     n = int(args.pop(0))
     if causal is None:
         causal = args.pop(0) == "1"
     names = split_names(args.pop(0))
-    repeats = int(args[0]) if args else 7
+    return n, causal, names, int(args[0]) if args else 7
+
+
+def ab_main(use: Callable[[str], None], args: list[str] | None = None) -> None:
+    """The ``main`` of an A/B script whose ``use(rule)`` switches between the old and the new
+    code: ``N CAUSAL(0|1) NAME[,NAME...] [REPEATS]`` from ``args`` (default the command line),
+    timed forward+backward by ``fwd_bwd_ab``."""
+    n, causal, names, repeats = parse_ab_args(sys.argv[1:] if args is None else args)
+    fwd_bwd_ab(n, causal, names, repeats, use)
+
+
+def swap_main(module: Any, attr: str, old: Any, *, causal: bool | None = None) -> None:
+    """The ``main`` of an A/B script that swaps ``module.attr`` between ``old`` and the value it
+    has now: ``N [CAUSAL(0|1)] NAME[,NAME...] [REPEATS]`` from the command line (CAUSAL where
+    ``causal`` is None), timed forward+backward by ``fwd_bwd_ab``."""
+    n, causal, names, repeats = parse_ab_args(sys.argv[1:], causal)
     rules = {"old": old, "new": getattr(module, attr)}
     fwd_bwd_ab(n, causal, names, repeats, lambda rule: setattr(module, attr, rules[rule]))
