@@ -1,22 +1,34 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: what the card and torch are, every mechanism against itself on
-# the CPU (scripts/device_check.py), then GPU timings of the paths that do not go through flex
-# plus flex's local window. Each stage has its own time limit and writes its rows as they finish,
-# so a stage cut short still leaves what it measured.
+# the CPU (scripts/device_check.py), then GPU timings against dense SDPA: the patterns whose GPU
+# path changed (bigbird's 128-wide flex tiles, strided and dilated on their sub-sequences) and
+# the causal kernel chunks (one block of heads off the CPU) at two chunk lengths. Each stage has
+# its own time limit and writes its rows as they finish, so a stage cut short still leaves what
+# it measured.
 #
 #     OUT=/some/dir bash scripts/device_session.sh
+#     (env: DEVICE=cuda, PY=python3, N=4096,16384, ONLY=<mechanisms to check>, *_S = seconds)
 set -u
-export PYTHONPATH=src
+export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv; $PY -c 'import torch, sys; print(torch.__version__, sys.version)'; } \
+DEVICE=${DEVICE:-cuda}
+N=${N:-4096,16384}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv; git log -1 --format=%h; $PY -c 'import torch, sys; print(torch.__version__, sys.version)'; } \
     > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-timeout "${CHECK_S:-210}" $PY scripts/device_check.py --device "${DEVICE:-cuda}" --seconds 25 --out "$OUT/device-check.jsonl" \
-    > "$OUT/device-check.log" 2>&1
+timeout "${CHECK_S:-200}" $PY scripts/device_check.py --device "$DEVICE" --seconds 25 --only "${ONLY:-}" \
+    --out "$OUT/device-check.jsonl" > "$OUT/device-check.log" 2>&1
 echo "device_check rc=$? rows=$(wc -l < "$OUT/device-check.jsonl")"
-grep -v '"status": "ok"' "$OUT/device-check.jsonl" | cut -c1-300
-mechanisms=(linear performer rfa gla deltanet lsh sinkhorn routing nsa moba "local:left=256,right=256")
-timeout "${SPEED_S:-200}" $PY -m attnzoo.cli bench speed --device "${DEVICE:-cuda}" ${mechanisms[@]/#/--mechanism } \
-    --n 4096,16384 --causal both --repeats 5 --out "$OUT/speed.jsonl" > "$OUT/speed.log" 2>&1
-echo "speed rc=$? rows=$(wc -l < "$OUT/speed.jsonl")"
-tail -5 "$OUT/speed.log"
+grep -v '"status": "ok"' "$OUT/device-check.jsonl" | cut -c1-400
+
+speed() {  # speed NAME SECONDS ARGS...: one bench speed run into $OUT/NAME.jsonl
+    local name=$1 seconds=$2
+    shift 2
+    timeout "$seconds" $PY -m attnzoo.cli bench speed --device "$DEVICE" --n "$N" --repeats 5 "$@" \
+        --out "$OUT/$name.jsonl" > "$OUT/$name.log" 2>&1
+    echo "$name rc=$? rows=$(grep -c '"kind": "speed"' "$OUT/$name.jsonl")"
+    tail -4 "$OUT/$name.log"
+}
+speed speed-patterns "${PATTERNS_S:-130}" --mechanism bigbird --mechanism strided --mechanism dilated --causal both
+speed speed-chunks "${CHUNKS_S:-70}" --mechanism performer --mechanism performer:chunk=256 --mechanism rfa \
+    --mechanism rfa:chunk=256 --causal yes

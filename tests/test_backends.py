@@ -15,6 +15,7 @@ import attnzoo
 from attnzoo import patterns as P
 from attnzoo.backends import dispatch, flex, gathered, key_sets, plan
 from attnzoo.backends.call import Backend, BackendUnavailable, Call, masked_key_blocks
+from attnzoo.patterns.atomic import Band
 from conftest import largest_tensor
 
 SRC = Path(attnzoo.__file__).parent
@@ -161,6 +162,52 @@ def test_flex_block_masks_are_cached_by_value_never_by_the_mask_object():
     mask[1, :40] = False  # pads a second key block: another structure
     flex.block_mask_for(_call(q, k, v, P.local(8) & P.causal(), mask))
     assert flex.MASKS.cache_info().misses == 2
+
+
+def _spy_flex_kernel(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of q that every flex kernel call gets from now on."""
+    shapes, compiled = [], flex._compiled()
+
+    def spy(q, *args, **kwargs):
+        shapes.append(tuple(q.shape))
+        return compiled(q, *args, **kwargs)
+
+    monkeypatch.setitem(flex._COMPILED, "flex", spy)
+    return shapes
+
+
+@pytest.mark.parametrize(
+    ("pattern", "causal", "padded", "kernel"),
+    [
+        (P.strided(8), True, False, None),  # every earlier pair of a sub-sequence: SDPA, no flex call
+        (P.strided(8), True, True, (16, 4, 26, 16)),  # a key mask and a score_mod: flex
+        (P.strided(8), False, False, (16, 4, 26, 16)),  # 203 = 25 * 8 + 3: padding rows masked
+        (P.dilated(3, 2, 5), False, True, (10, 4, 41, 16)),  # a window of 6 on each sub-sequence
+        (Band(-7, 9, 4), False, False, (8, 4, 51, 16)),  # ends that 4 does not divide: [-1, 2]
+    ],
+)
+def test_flex_runs_strided_bands_on_their_subsequences(monkeypatch, pattern, causal, padded, kernel):
+    # A band of stride m touches every tile; flex runs it on the m de-interleaved sub-sequences
+    # (position i m + r is row i of sub-sequence r), as SDPA where the band there is every pair
+    # or the causal ones, else as flex on ceil(N / m) rows with the band divided by m. Grouped
+    # K/V, and with ``padded`` a key mask with a fully masked row and a score_mod that reads the
+    # original batch row and positions.
+    n, g = 203, torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, n, 16, generator=g)
+    k, v = (torch.randn(2, 2, n, 16, generator=g) for _ in range(2))
+    args = {"pattern": pattern, "causal": causal}
+    if padded:
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, 150:] = False
+        mask[1, :7] = False
+        bias = torch.tensor([0.3, -0.2])
+        args |= {"key_mask": mask, "score_mod": lambda s, b, h, i, j: s - 0.05 * (i - j).abs() + bias[b] * h}
+    shapes = _spy_flex_kernel(monkeypatch)
+    got = attnzoo.attend(q, k, v, backend="flex", **args)
+    assert attnzoo.last_choice().path == "subsequences"
+    want = attnzoo.attend(q.double(), k.double(), v.double(), backend="reference", **args)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    assert shapes == ([] if kernel is None else [kernel])
 
 
 def test_masked_key_blocks_is_the_ragged_block_and_the_padded_ones():

@@ -17,6 +17,12 @@ per process and raise past it. A ``mask_mod`` that does not compile on a device 
 on an H100 (torch 2.11) are fixed at their source: masks that copied a lookup table to the GPU
 inside the mask (``Pattern.mask_mod_for`` now takes the device), and tiles that the Triton
 kernel's own tiles do not divide (``kernel_block``).
+
+A band of stride ``m > 1`` (``strided``, ``dilated``, and-ed with ``causal()`` too) puts a pair in
+every tile, so flex would evaluate its mask on all N^2 pairs (0.15x dense SDPA on an H100). Its
+pairs join positions of one residue class mod ``m``, so ``run`` de-interleaves the sequence into
+``m`` sub-sequences (a reshape, ``subsequence_stride``) and runs the band divided by ``m`` on
+them: dense SDPA where that band is every pair (or the causal ones), flex otherwise.
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
 from attnzoo.backends.call import Backend, BackendUnavailable, Call, PlanCache, masked_key_blocks, plan_key
+from attnzoo.patterns.atomic import Band
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
 #: Per plan key and device: the ``BlockMask`` (calls without padding) or its four CSR tensors
@@ -117,6 +126,57 @@ def _flex_mask_mod(call: Call) -> Callable[..., Tensor]:
     return lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + offset, kv_idx) & kpm[b, kv_idx]
 
 
+def subsequence_stride(call: Call) -> int:
+    """``m`` when ``call``'s pattern is a band of stride ``m > 1`` on a self-attention call (every
+    pair joins positions ``i m + r`` and ``j m + r``: one residue class), else 1."""
+    pattern, n = call.pattern, call.q.shape[2]
+    if isinstance(pattern, Band) and pattern.modulus > 1 and n == call.k.shape[2] and n > pattern.modulus:
+        return pattern.modulus
+    return 1
+
+
+def _split(x: Tensor, m: int) -> Tensor:
+    """``(B, H, N, D)`` -> ``(B m, H, ceil(N / m), D)``: position ``i m + r`` is row ``i`` of
+    sub-sequence ``r`` (zero rows pad N to a multiple of m)."""
+    x = F.pad(x, (0, 0, 0, -x.shape[2] % m))
+    return rearrange(x, "b h (i m) d -> (b m) h i d", m=m)
+
+
+def _subsequence_call(call: Call, m: int) -> Call:
+    """``call`` on its ``m`` sub-sequences: the band ``[lo, hi]`` of stride m becomes ``[ceil(lo /
+    m), floor(hi / m)]`` of stride 1, the padding rows are masked keys, and a score_mod sees the
+    original batch row and positions."""
+    pattern, b, n = call.pattern, call.q.shape[0], call.q.shape[2]
+    lo = None if pattern.lo is None else -(-pattern.lo // m)
+    hi = None if pattern.hi is None else pattern.hi // m
+    key_mask = call.key_mask
+    if key_mask is None and n % m and (hi is None or hi > 0):  # causal rows never see the padding
+        key_mask = torch.ones(b, n, dtype=torch.bool, device=call.q.device)
+    if key_mask is not None:
+        key_mask = rearrange(F.pad(key_mask, (0, -n % m)), "b (i m) -> (b m) i", m=m)
+    score_mod, user = None, call.score_mod
+    if user is not None:
+
+        def score_mod(score: Tensor, bm: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            r = bm % m
+            return user(score, bm // m, h, q_idx * m + r, kv_idx * m + r)
+
+    q, k, v = (_split(x, m) for x in (call.q, call.k, call.v))
+    return replace(call, q=q, k=k, v=v, pattern=Band(lo, hi, 1), key_mask=key_mask, score_mod=score_mod)
+
+
+def _dense(call: Call) -> Tensor | None:
+    """SDPA for a call whose band is every pair or the causal ones, with no mask or score_mod;
+    None for any other call."""
+    pattern = call.pattern
+    if call.key_mask is not None or call.score_mod is not None or pattern.lo is not None or pattern.hi not in (None, 0):
+        return None
+    gqa = call.k.shape[1] != call.q.shape[1]
+    return F.scaled_dot_product_attention(
+        call.q, call.k, call.v, is_causal=pattern.hi == 0, scale=call.scale, enable_gqa=gqa
+    )
+
+
 class Flex(Backend):
     """The GPU backend (and a CPU inference one, after ~20 s of compilation per shape)."""
 
@@ -146,7 +206,16 @@ class Flex(Backend):
                 reasons.append(f"flex needs a power-of-two head dimension >= 16, got {name}={dim}")
         return reasons
 
+    def path(self, call: Call) -> str | None:
+        return "subsequences" if subsequence_stride(call) > 1 else None
+
     def run(self, call: Call) -> Tensor:
+        m = subsequence_stride(call)
+        if m > 1:
+            sub = _subsequence_call(call, m)
+            out = _dense(sub)
+            out = self.run(sub) if out is None else out
+            return rearrange(out, "(b m) h i d -> b h (i m) d", m=m)[:, :, : call.q.shape[2]]
         block_mask = block_mask_for(call)
         score_mod = None
         if call.score_mod is not None:
