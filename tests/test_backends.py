@@ -187,6 +187,7 @@ def _spy_flex_kernel(monkeypatch) -> list[tuple[int, ...]]:
     ],
 )
 def test_flex_runs_strided_bands_on_their_subsequences(monkeypatch, pattern, causal, padded, kernel):
+    # (Tiles of 4 rows: the bounded bands here span at least SUBSEQUENCE_SPAN_TILES of them.)
     # A band of stride m touches every tile; flex runs it on the m de-interleaved sub-sequences
     # (position i m + r is row i of sub-sequence r), as SDPA where the band there is every pair
     # or the causal ones, else as flex on ceil(N / m) rows with the band divided by m. Grouped
@@ -195,7 +196,7 @@ def test_flex_runs_strided_bands_on_their_subsequences(monkeypatch, pattern, cau
     n, g = 203, torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, n, 16, generator=g)
     k, v = (torch.randn(2, 2, n, 16, generator=g) for _ in range(2))
-    args = {"pattern": pattern, "causal": causal}
+    args = {"pattern": pattern, "causal": causal, "block": 4}
     if padded:
         mask = torch.ones(2, n, dtype=torch.bool)
         mask[1, 150:] = False
@@ -208,6 +209,17 @@ def test_flex_runs_strided_bands_on_their_subsequences(monkeypatch, pattern, cau
     want = attnzoo.attend(q.double(), k.double(), v.double(), backend="reference", **args)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
     assert shapes == ([] if kernel is None else [kernel])
+
+
+def test_flex_runs_a_narrow_strided_band_as_one_band(monkeypatch):
+    # dilated(3, 2, 5) spans 25 positions, less than 4 tiles of 8: the reshapes would cost more
+    # than the tiles they skip, so the band runs as it is, on the call's own rows.
+    q, k, v = _qkv(96)
+    shapes = _spy_flex_kernel(monkeypatch)
+    got = attnzoo.attend(q, k, v, pattern=P.dilated(3, 2, 5), backend="flex", block=8)
+    assert attnzoo.last_choice().path is None and shapes == [(2, 4, 96, 16)]
+    want = attnzoo.attend(q, k, v, pattern=P.dilated(3, 2, 5), backend="reference")
+    torch.testing.assert_close(got, want)
 
 
 def test_masked_key_blocks_is_the_ragged_block_and_the_padded_ones():

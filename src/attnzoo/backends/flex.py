@@ -22,7 +22,8 @@ A band of stride ``m > 1`` (``strided``, ``dilated``, and-ed with ``causal()`` t
 every tile, so flex would evaluate its mask on all N^2 pairs (0.15x dense SDPA on an H100). Its
 pairs join positions of one residue class mod ``m``, so ``run`` de-interleaves the sequence into
 ``m`` sub-sequences (a reshape, ``subsequence_stride``) and runs the band divided by ``m`` on
-them: dense SDPA where that band is every pair (or the causal ones), flex otherwise.
+them: dense SDPA where that band is every pair (or the causal ones), flex otherwise. A bounded
+band does so only when it spans several tiles (``SUBSEQUENCE_SPAN_TILES``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ RECOMPILE_LIMIT = 64
 FAILED: dict[tuple[Any, str], str] = {}
 #: The tile a CUDA ``BlockMask`` is built on unless the call's own block is a multiple of it.
 CUDA_BLOCK = 128
+#: A bounded band of stride m > 1 runs on its sub-sequences from this many tiles wide.
+SUBSEQUENCE_SPAN_TILES = 4
 
 
 def _flex_module() -> Any:
@@ -128,11 +131,18 @@ def _flex_mask_mod(call: Call) -> Callable[..., Tensor]:
 
 def subsequence_stride(call: Call) -> int:
     """``m`` when ``call``'s pattern is a band of stride ``m > 1`` on a self-attention call (every
-    pair joins positions ``i m + r`` and ``j m + r``: one residue class), else 1."""
+    pair joins positions ``i m + r`` and ``j m + r``: one residue class) that spans at least
+    ``SUBSEQUENCE_SPAN_TILES`` tiles, else 1. A narrower band touches about as many tiles either
+    way, and the reshapes' copies cost more than they save: on an H100 (different calls, so
+    indicative), ``dilated(32, 32, 2)`` ran at 1.36x dense SDPA forward at 4K on its sub-sequences
+    against 2.07x as one band (``benchmarks/gpu/README.md``)."""
     pattern, n = call.pattern, call.q.shape[2]
-    if isinstance(pattern, Band) and pattern.modulus > 1 and n == call.k.shape[2] and n > pattern.modulus:
-        return pattern.modulus
-    return 1
+    if not isinstance(pattern, Band) or pattern.modulus == 1 or n != call.k.shape[2] or n <= pattern.modulus:
+        return 1
+    bounded = pattern.lo is not None and pattern.hi is not None
+    if bounded and pattern.hi - pattern.lo < SUBSEQUENCE_SPAN_TILES * kernel_block(call.block, call.q.device):
+        return 1
+    return pattern.modulus
 
 
 def _split(x: Tensor, m: int) -> Tensor:
