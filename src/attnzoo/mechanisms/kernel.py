@@ -49,6 +49,8 @@ BLOCK_ROWS = 8192
 #: mappings, page-faulted on every call (``benchmarks/page-faults-rfa-cpu.txt``, ``ab-causal-heads-cpu.txt``,
 #: ``ab-causal-heads-split-cpu.txt``).
 CAUSAL_BLOCK_BYTES = 4 * 2**20
+#: The causal chunk length on the CPU, and the range of it elsewhere (see ``causal_chunk``).
+CPU_CHUNK, DEVICE_CHUNKS = 64, (64, 256)
 #: Causal prefix sums (no decay) over up to this many chunks run as one matmul (see ``_prefix_sums``).
 SCAN_MATMUL_CHUNKS = 128
 
@@ -101,7 +103,7 @@ class FeatureMaps(Protocol):
     ``k`` holds (``heads``; None: all of them), for maps with a parameter per head (RFA's gate)."""
 
     normalizer: Normalizer
-    chunk: int
+    chunk: int | None
     eps: float
 
     def query_features(self, q: Tensor) -> Tensor: ...
@@ -111,6 +113,22 @@ class FeatureMaps(Protocol):
     ) -> KeyFeatures: ...
 
     def num_features(self, head_dim: int) -> int: ...
+
+
+def causal_chunk(chunk: int | None, features: int, device: torch.device) -> int:
+    """The causal chunk length L: ``chunk`` when given, else ``CPU_CHUNK`` (64) on the CPU and the
+    feature count m within ``DEVICE_CHUNKS`` (64 to 256) elsewhere. A chunk costs ``L^2`` pairs
+    and its state ``m E``; the CPU is fastest at 64 for every member (`rfa` and `performer` at
+    2K and 4K, chunks of 32 to 256, ``benchmarks/speed-kernel-chunk-lengths-cpu.jsonl``). A GPU
+    pays per kernel launch, so longer chunks pay off while the in-chunk product stays about as
+    wide as the state: on an H100 at 16K, causal `performer` and `rfa` (256 features) ran 1.8x and
+    1.4x faster at 256 than at 64, `linear` (64 features) fastest at 64
+    (``benchmarks/gpu/README.md``)."""
+    if chunk is not None:
+        return chunk
+    if device.type == "cpu":
+        return CPU_CHUNK
+    return min(max(features, DEVICE_CHUNKS[0]), DEVICE_CHUNKS[1])
 
 
 def normalise(num: Tensor, den: Tensor, normalizer: Normalizer, eps: float) -> Tensor:
@@ -134,7 +152,7 @@ def kernel_attention(
         q, k, v: inputs. maps: ``query_features`` (``q -> phi(q)``), ``key_features`` (``(k,
             real, causal=, c0=) -> KeyFeatures`` with ``real`` bool ``(B, 1, N)`` or None),
             ``normalizer`` and ``eps`` (see ``normalise``), ``chunk``: the causal chunk length L
-            (quadratic inside a chunk, sums carried across chunks).
+            (quadratic inside a chunk, sums carried across chunks; None: ``causal_chunk``).
         args: ``causal``: query ``i`` (end-aligned) sees keys ``j <= i + N_kv - N_q``.
             ``key_mask``: bool ``(B, N_kv)``, True = real. Padded keys have their
             features, values and decay zeroed, so they never enter ``S`` or ``z``.
@@ -205,7 +223,8 @@ def _causal(
     if k.shape[2] == 1 and s0 is not None:
         out1, s1 = _one_token(phi_q, phi_k, v1, log_decay, s0)
     else:
-        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, maps.chunk, _pairs(maps, q, k, real, shift))
+        chunk = causal_chunk(maps.chunk, phi_k.shape[-1], phi_k.device)
+        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, chunk, _pairs(maps, q, k, real, shift))
     out = normalise(out1[:, :, shift:, :-1], out1[:, :, shift:, -1], maps.normalizer, maps.eps)
     return out, KernelState(s1[..., :-1], s1[..., -1], f.c if f.c is not None else c0)
 

@@ -210,7 +210,7 @@ class RFAConfig(RandomFeatureConfig):
             per module from torch's global RNG at construction (see ``PerformerConfig``).
         redraw_every: in training mode, redraw the projection after this many training forward
             passes; None (default) never redraws by itself. The gate is a parameter: not redrawn.
-        chunk: causal chunk length. Default 64.
+        chunk: causal chunk length; None (default): ``kernel.causal_chunk``.
         eps: the denominator is kept at ``|phi(q)^T z| >= eps`` with its sign. Default 1e-6.
     """
 

@@ -41,7 +41,7 @@ class KernelAttention(Attention):
     normalizer: Normalizer = "rows"
 
     @property
-    def chunk(self) -> int:
+    def chunk(self) -> int | None:
         return self.config.chunk
 
     @property
@@ -154,10 +154,11 @@ def register_kernel(
 @dataclass(frozen=True, kw_only=True)
 class KernelConfig(Config):
     """The fields ``KernelAttention`` reads from a member's config, declared once for every member
-    that has them: ``chunk``, the causal chunk length (64), and ``eps``, the guard of the
-    denominator ``phi(q)^T z`` (1e-6; each member's config says how its normalizer applies it)."""
+    that has them: ``chunk``, the causal chunk length (None: ``kernel.causal_chunk`` picks it per
+    device and feature count), and ``eps``, the guard of the denominator ``phi(q)^T z`` (1e-6;
+    each member's config says how its normalizer applies it)."""
 
-    chunk: int = bounded(64, ge=1)
+    chunk: int | None = bounded(None, ge=1, none="64 on the CPU; off it, the feature count within [64, 256]")
     eps: float = bounded(1e-6, gt=0)
 
 
@@ -168,7 +169,7 @@ class LinearConfig(KernelConfig):
     Args:
         feature_map: ``"elu"`` (default, ``phi(x) = elu(x) + 1``) or ``"relu"`` (``relu(x)``; a
             query whose features are all 0 gets output 0), on the unscaled q and k.
-        chunk: causal chunk length. Default 64.
+        chunk: causal chunk length; None (default): ``kernel.causal_chunk``.
         eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
     """
 

@@ -154,7 +154,7 @@ class PerformerConfig(RandomFeatureConfig):
             ``projection_seed``). An int gives every module built with it the same projection.
         redraw_every: in training mode, redraw the projection after this many training forward
             passes (Performer's periodic redrawing); None (default) never redraws by itself.
-        chunk: causal chunk length. Default 64.
+        chunk: causal chunk length; None (default): ``kernel.causal_chunk``.
         eps: added to the denominator ``phi(q)^T z``. Default 1e-6.
     """
 
