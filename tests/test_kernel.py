@@ -439,10 +439,10 @@ def test_causal_blocks_of_heads_run_on_the_cpu_only(monkeypatch):
         assert calls == want, device
 
 
-def test_the_causal_chunk_is_64_on_the_cpu_and_the_feature_count_elsewhere(monkeypatch):
-    # A GPU pays per launch: longer chunks while the in-chunk product stays about as wide as the
-    # state (the meta device stands in for a GPU). A chunk given in the config is kept everywhere.
-    features, want = (16, 64, 200, 256, 1024), [64, 64, 200, 256, 256]
+def test_the_causal_chunk_is_64_on_the_cpu_and_longer_for_wide_maps_elsewhere(monkeypatch):
+    # A GPU pays per launch: 256-long chunks for maps of 128 features or more (the meta device
+    # stands in for a GPU). A chunk given in the config is kept everywhere.
+    features, want = (16, 64, 127, 128, 1024), [64, 64, 64, 256, 256]
     assert [kernel.causal_chunk(None, m, torch.device("meta")) for m in features] == want
     assert kernel.causal_chunk(None, 256, torch.device("cpu")) == 64
     assert kernel.causal_chunk(32, 256, torch.device("meta")) == 32
@@ -450,7 +450,7 @@ def test_the_causal_chunk_is_64_on_the_cpu_and_the_feature_count_elsewhere(monke
     sums = kernel._causal_sums
     monkeypatch.setattr(kernel, "_causal_sums", lambda *a: chunks.append(a[5]) or sums(*a))
     q = torch.randn(1, 2, 300, 16)
-    for device, config, want in (("cpu", {}, 64), ("meta", {}, 128), ("meta", {"chunk": 32}, 32)):
+    for device, config, want in (("cpu", {}, 64), ("meta", {}, 256), ("meta", {"chunk": 32}, 32)):
         attn = attnzoo.build("rfa", heads=2, head_dim=16, features=64, **config).to(device)  # sin and cos: m = 128
         chunks.clear()
         attn(*(q.to(device),) * 3, causal=True)

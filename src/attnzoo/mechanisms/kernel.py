@@ -49,8 +49,9 @@ BLOCK_ROWS = 8192
 #: mappings, page-faulted on every call (``benchmarks/page-faults-rfa-cpu.txt``, ``ab-causal-heads-cpu.txt``,
 #: ``ab-causal-heads-split-cpu.txt``).
 CAUSAL_BLOCK_BYTES = 4 * 2**20
-#: The causal chunk length on the CPU, and the range of it elsewhere (see ``causal_chunk``).
-CPU_CHUNK, DEVICE_CHUNKS = 64, (64, 256)
+#: The causal chunk length on the CPU; off it, the longer one from this many features on (see
+#: ``causal_chunk``).
+CPU_CHUNK, DEVICE_CHUNK, DEVICE_CHUNK_FEATURES = 64, 256, 128
 #: Causal prefix sums (no decay) over up to this many chunks run as one matmul (see ``_prefix_sums``).
 SCAN_MATMUL_CHUNKS = 128
 
@@ -116,19 +117,20 @@ class FeatureMaps(Protocol):
 
 
 def causal_chunk(chunk: int | None, features: int, device: torch.device) -> int:
-    """The causal chunk length L: ``chunk`` when given, else ``CPU_CHUNK`` (64) on the CPU and the
-    feature count m within ``DEVICE_CHUNKS`` (64 to 256) elsewhere. A chunk costs ``L^2`` pairs
-    and its state ``m E``; the CPU is fastest at 64 for every member (`rfa` and `performer` at
-    2K and 4K, chunks of 32 to 256, ``benchmarks/speed-kernel-chunk-lengths-cpu.jsonl``). A GPU
-    pays per kernel launch, so longer chunks pay off while the in-chunk product stays about as
-    wide as the state: on an H100 at 16K, causal `performer` and `rfa` (256 features) ran 1.8x and
-    1.4x faster at 256 than at 64, `linear` (64 features) fastest at 64
-    (``benchmarks/gpu/README.md``)."""
+    """The causal chunk length L: ``chunk`` when given, else ``CPU_CHUNK`` (64) on the CPU, and off
+    it ``DEVICE_CHUNK`` (256) for maps of at least ``DEVICE_CHUNK_FEATURES`` (128) features, 64
+    for narrower ones. A chunk costs ``L^2`` pairs and carries an ``m x E`` state. The CPU is
+    fastest at 64 for every member (`rfa` and `performer`, 2K and 4K, chunks of 32 to 256:
+    ``benchmarks/speed-kernel-chunk-lengths-cpu.jsonl``). A GPU pays per kernel launch, so wide
+    maps gain from longer chunks: on an H100 at 16K, causal `performer` (128 features) reached
+    1.94x / 2.43x / 3.50x / 3.13x dense SDPA at 64 / 128 / 256 / 512 and `rfa` (256) 2.24x /
+    3.06x / 2.73x at 64 / 256 / 512, while `linear` (64 features) was fastest at 64 (7.51x, 6.12x
+    at 256). Each default lands on the fastest length measured for it (``benchmarks/gpu``)."""
     if chunk is not None:
         return chunk
-    if device.type == "cpu":
+    if device.type == "cpu" or features < DEVICE_CHUNK_FEATURES:
         return CPU_CHUNK
-    return min(max(features, DEVICE_CHUNKS[0]), DEVICE_CHUNKS[1])
+    return DEVICE_CHUNK
 
 
 def normalise(num: Tensor, den: Tensor, normalizer: Normalizer, eps: float) -> Tensor:

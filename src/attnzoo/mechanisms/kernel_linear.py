@@ -158,7 +158,7 @@ class KernelConfig(Config):
     device and feature count), and ``eps``, the guard of the denominator ``phi(q)^T z`` (1e-6;
     each member's config says how its normalizer applies it)."""
 
-    chunk: int | None = bounded(None, ge=1, none="64 on the CPU; off it, the feature count within [64, 256]")
+    chunk: int | None = bounded(None, ge=1, none="64 on the CPU; off it, 256 for maps of 128 features or more")
     eps: float = bounded(1e-6, gt=0)
 
 
