@@ -84,6 +84,7 @@ def module_at(rev: str, path: str) -> types.ModuleType:
     from the package (its imports resolve to the current code): the old rule of an A/B."""
     source = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
     module = types.ModuleType(f"{Path(path).stem}_at_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up while they are made
     exec(compile(source, f"{path}@{rev}", "exec"), module.__dict__)  # noqa: S102
     return module
 
