@@ -202,13 +202,39 @@ def test_flex_runs_strided_bands_on_their_subsequences(monkeypatch, pattern, cau
         mask[1, 150:] = False
         mask[1, :7] = False
         bias = torch.tensor([0.3, -0.2])
-        args |= {"key_mask": mask, "score_mod": lambda s, b, h, i, j: s - 0.05 * (i - j).abs() + bias[b] * h}
+        # batch row, head and positions all change the softmax (a row constant would not)
+        args |= {"key_mask": mask, "score_mod": lambda s, b, h, i, j: s - 0.05 * (1 + bias[b] + h) * (i - j).abs()}
     shapes = _spy_flex_kernel(monkeypatch)
     got = attnzoo.attend(q, k, v, backend="flex", **args)
     assert attnzoo.last_choice().path == "subsequences"
     want = attnzoo.attend(q.double(), k.double(), v.double(), backend="reference", **args)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
     assert shapes == ([] if kernel is None else [kernel])
+
+
+def test_flex_runs_per_head_groups_apart_when_one_has_subsequences(monkeypatch):
+    # sparse_transformer_strided's shape: local heads and strided heads. The strided group runs
+    # on its sub-sequences, the local one as a band, each on its own heads (and grouped K/V
+    # heads); a score_mod still sees the original head index.
+    n, g = 203, torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, n, 16, generator=g)
+    k, v = (torch.randn(2, 2, n, 16, generator=g) for _ in range(2))
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, 150:] = False
+    args = {
+        "pattern": P.per_head([P.local(5), P.strided(8)]),
+        "causal": True,
+        "key_mask": mask,
+        "score_mod": lambda s, b, h, i, j: s - 0.05 * (h + 1) * (i - j).abs(),  # per head: not a row constant
+        "block": 4,
+    }
+    shapes = _spy_flex_kernel(monkeypatch)
+    got = attnzoo.attend(q, k, v, backend="flex", **args)
+    assert attnzoo.last_choice().path == "head groups (subsequences)"
+    assert shapes == [(2, 2, n, 16), (16, 2, 26, 16)]
+    want = attnzoo.attend(q.double(), k.double(), v.double(), backend="reference", **args)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    assert flex.head_group_calls(_call(q, k, v, P.per_head([P.local(5), P.local(7)]).resolve_heads(4))) is None
 
 
 def test_flex_runs_a_narrow_strided_band_as_one_band(monkeypatch):

@@ -23,7 +23,9 @@ every tile, so flex would evaluate its mask on all N^2 pairs (0.15x dense SDPA o
 pairs join positions of one residue class mod ``m``, so ``run`` de-interleaves the sequence into
 ``m`` sub-sequences (a reshape, ``subsequence_stride``) and runs the band divided by ``m`` on
 them: dense SDPA where that band is every pair (or the causal ones), flex otherwise. A bounded
-band does so only when it spans several tiles (``SUBSEQUENCE_SPAN_TILES``).
+band does so only when it spans several tiles (``SUBSEQUENCE_SPAN_TILES``). A ``per_head``
+pattern with such a band in one of its head groups runs one call per group
+(``head_group_calls``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo.backends.call import Backend, BackendUnavailable, Call, PlanCache, masked_key_blocks, plan_key
+from attnzoo.patterns.algebra import PerHead
 from attnzoo.patterns.atomic import Band
+from attnzoo.spec import ScoreMod
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
 #: Per plan key and device: the ``BlockMask`` (calls without padding) or its four CSR tensors
@@ -175,6 +179,35 @@ def _subsequence_call(call: Call, m: int) -> Call:
     return replace(call, q=q, k=k, v=v, pattern=Band(lo, hi, 1), key_mask=key_mask, score_mod=score_mod)
 
 
+def head_group_calls(call: Call) -> list[Call] | None:
+    """One call per head group of a ``per_head`` pattern (its groups are runs of consecutive
+    heads) when some group's band runs on sub-sequences (``sparse_transformer_strided``'s strided
+    heads), else None: flex's per-head ``BlockMask`` would evaluate such a group on every tile.
+    Grouped-query K/V split with their query heads (a group must hold whole K/V heads)."""
+    pattern, heads = call.pattern, call.q.shape[1]
+    if not isinstance(pattern, PerHead):
+        return None
+    size, per_kv = heads // pattern.n_groups, heads // call.k.shape[1]
+    if size % per_kv:
+        return None
+    calls = []
+    for i, part in enumerate(pattern.patterns):
+        rows, kv = slice(i * size, (i + 1) * size), slice(i * size // per_kv, (i + 1) * size // per_kv)
+        score_mod = None if call.score_mod is None else _heads_from(call.score_mod, i * size)
+        q, k, v = call.q[:, rows], call.k[:, kv], call.v[:, kv]
+        calls.append(replace(call, q=q, k=k, v=v, pattern=part, score_mod=score_mod))
+    return calls if any(subsequence_stride(c) > 1 for c in calls) else None
+
+
+def _heads_from(user: ScoreMod, first: int) -> ScoreMod:
+    """``user`` (a score_mod) for a call on the heads from ``first`` on: it sees the original head."""
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return user(score, b, h + first, q_idx, kv_idx)
+
+    return score_mod
+
+
 def _dense(call: Call) -> Tensor | None:
     """SDPA for a call whose band is every pair or the causal ones, with no mask or score_mod;
     None for any other call."""
@@ -217,9 +250,14 @@ class Flex(Backend):
         return reasons
 
     def path(self, call: Call) -> str | None:
-        return "subsequences" if subsequence_stride(call) > 1 else None
+        if subsequence_stride(call) > 1:
+            return "subsequences"
+        return "head groups (subsequences)" if head_group_calls(call) is not None else None
 
     def run(self, call: Call) -> Tensor:
+        groups = head_group_calls(call)
+        if groups is not None:
+            return torch.cat([self.run(group) for group in groups], dim=1)
         m = subsequence_stride(call)
         if m > 1:
             sub = _subsequence_call(call, m)
