@@ -9,6 +9,7 @@ import torch
 
 import oracles as O
 from attnzoo import patterns as P
+from attnzoo.backends import window_parts
 from attnzoo.backends.dispatch import attend, last_choice
 from conftest import LargestTensor
 
@@ -212,3 +213,30 @@ def test_grouped_products_accumulate_in_place(layout):
         want = out + product
         assert add_(out, a, b) is out
         torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("name, n", [("strided", 100), ("axial", 75), ("sparse_transformer_strided", 96)])
+@pytest.mark.parametrize("layout", ["contiguous", "heads_second"])
+def test_dense_subsequences_without_padding_run_on_views_of_the_inputs(name, n, layout, monkeypatch):
+    # With no padded key and N a multiple of the stride, a dense part takes its sub-sequences as
+    # views of q, k, v (window_parts._deal: batch row b H + h, residue class as the head), and
+    # its gradients go back the same way; a (B, N, H, D) layout transposed to (B, H, N, D) (a
+    # layer's) has no such view and is copied. Both against the dense reference, causal and not.
+    pattern = CASES[name][0]
+    dealt = []
+    deal = window_parts._deal
+    monkeypatch.setattr(window_parts, "_deal", lambda x, stride: dealt.append(x.shape) or deal(x, stride))
+    for causal in (False, True):
+        leaves = [t.detach().requires_grad_() for t in _inputs(n)]
+        if layout == "heads_second":
+            leaves = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves]
+        q, k, v = (t.transpose(1, 2) for t in leaves) if layout == "heads_second" else leaves
+        grad = torch.randn(2, 4, n, 8, dtype=torch.float64)
+        outs = []
+        for backend in ("blocked", "reference"):
+            dealt.clear()
+            out = attend(q, k, v, pattern=pattern, causal=causal, backend=backend)
+            outs.append((out, *torch.autograd.grad(out, leaves, grad)))
+            assert bool(dealt) == (backend == "blocked"), backend  # q, k, v forward, the gradient backward
+        for fast, ref in zip(*outs):
+            torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)

@@ -240,17 +240,15 @@ class _MergedAttention(torch.autograd.Function):
             saved.append(part)
         lse = torch.logsumexp(torch.stack(lses), 0)  # [B, H, N]
         out = sum(o * torch.exp(p - finite(lse, 0.0))[..., None].to(o.dtype) for o, p in zip(outs, lses))
-        ctx.merged, ctx.scale, ctx.causal = merged, opts.scale, [part.is_causal for part in saved]
+        ctx.merged, ctx.scale, ctx.flags = merged, opts.scale, [part.flags() for part in saved]
         # save_for_backward (see ``Saved.stash``): a retained graph can run backward twice.
-        ctx.save_for_backward(
-            out, lse, *(t for part in saved for t in (part.q, part.k, part.v, part.out, part.lse, part.mask))
-        )
+        ctx.save_for_backward(out, lse, *(t for part in saved for t in part.tensors()))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         out, lse, *tensors = ctx.saved_tensors
-        saved = [Saved(*tensors[6 * i : 6 * i + 6], causal) for i, causal in enumerate(ctx.causal)]
+        saved = [Saved(*tensors[6 * i : 6 * i + 6], *flags) for i, flags in enumerate(ctx.flags)]
         lse = finite(lse, float("inf"))  # rows that see nothing: p = 0
         grads = [
             part_backward(w, part, grad, ctx.scale, out, lse.to(part.lse.dtype))
