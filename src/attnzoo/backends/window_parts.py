@@ -207,7 +207,8 @@ def part_backward(
     softmax (``delta = rowsum(dO * O)`` over the whole union)."""
     n, sub = grad.shape[2], -(-grad.shape[2] // w.stride)
     heads = grad.shape[1]
-    g = _to_kernel(grad, w, saved).contiguous()
+    g = _to_kernel(grad, w, saved)
+    g = g if saved.head_major else g.contiguous()  # the kernel takes a view's strides
     kernel_out = saved.out if out is None else _to_kernel(out, w, saved).contiguous()
     kernel_lse = saved.lse if lse is None else _to_kernel(lse[..., None], w, saved)[..., 0].contiguous()
     if w.width == 0:  # dense
