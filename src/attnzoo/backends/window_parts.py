@@ -1,5 +1,6 @@
 """One window part of a ``structured.Structure`` through PyTorch's CPU flash kernel, forward and
-backward, for ``windowed.py`` to run and unite: de-interleaving into sub-sequences (``_split``),
+backward, for ``windowed.py`` to run and unite: de-interleaving into sub-sequences (``_split``;
+for a dense part with no padded key, ``_deal``'s views of the inputs, outputs and gradients),
 zero-copy K/V windows (``_key_windows``), the pattern and padding masks, and the backward that
 adds overlapping windows' key gradients back block by block (``_OverlapSum``). ``part_backward``
 takes the output and log-sum-exp of a union the part belongs to, so every term of a union gets
