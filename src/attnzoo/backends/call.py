@@ -1,5 +1,6 @@
 """What every backend shares: the resolved ``Call``, the ``Backend`` protocol, the rule for
-which key blocks must run under an explicit mask, and the bounded plan cache.
+which key blocks must run under an explicit mask, the bounded plan cache, and the row layouts
+(gathered rows, sub-sequences of a stride).
 
 It lives apart from ``dispatch`` so that backends import it and ``dispatch`` imports the
 backends, never the other way round (no import cycle).
@@ -13,6 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
 from attnzoo.patterns import Pattern
@@ -176,6 +179,37 @@ def rows_at(x: Tensor, positions: Tensor) -> Tensor:
     tensor took 0.94 ms forward, 3.2 with backward, where this takes 0.45 and 2.0 (``sac``'s two
     gathers at N = 1K: 7 040 rows of 64 per head; ``benchmarks/ab-rows-at-cpu.txt``)."""
     return gather_rows(x, positions.expand(*x.shape[:2], -1))
+
+
+def to_subsequences(x: Tensor, stride: int) -> Tensor:
+    """``(B, H, N, D)`` -> ``(B stride, H, ceil(N / stride), D)``, contiguous: position ``i stride
+    + r`` is row ``i`` of batch row ``b stride + r`` (its residue class), zero rows padding N to a
+    multiple of the stride. A band of that stride then joins rows of one batch row only (the
+    structured path's dense and window parts, flex's strided bands)."""
+    if stride == 1:
+        return x
+    if x.shape[2] % stride:  # F.pad copies even when it adds nothing
+        x = F.pad(x, (0, 0, 0, -x.shape[2] % stride))
+    return rearrange(x, "b h (n m) d -> (b m) h n d", m=stride).contiguous()
+
+
+def from_subsequences(x: Tensor, stride: int, n: int) -> Tensor:
+    """Inverse of ``to_subsequences``: ``(B stride, H, sub, D)`` -> ``(B, H, n, D)``."""
+    if stride == 1:
+        return x
+    return rearrange(x, "(b m) h n d -> b h (n m) d", m=stride)[:, :, :n]
+
+
+def subsequence_keys(key_valid: Tensor | None, batch: int, n: int, stride: int, device: torch.device) -> Tensor | None:
+    """Real keys ``(B, n)`` in ``to_subsequences``' layout, ``(B stride, ceil(n / stride))``, the
+    padding rows False; None when every key is real and nothing is padded."""
+    if key_valid is None and not n % stride:
+        return None
+    if key_valid is None:
+        key_valid = torch.ones(batch, n, dtype=torch.bool, device=device)
+    if n % stride:
+        key_valid = F.pad(key_valid, (0, -n % stride), value=False)
+    return rearrange(key_valid, "b (n m) -> (b m) n", m=stride)
 
 
 def masked_key_blocks(n_kv: int, block: int, key_mask: Tensor | None = None) -> Tensor:

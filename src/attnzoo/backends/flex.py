@@ -36,10 +36,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor
 
-from attnzoo.backends.call import Backend, BackendUnavailable, Call, PlanCache, masked_key_blocks, plan_key
+from attnzoo.backends.call import (
+    Backend,
+    BackendUnavailable,
+    Call,
+    PlanCache,
+    from_subsequences,
+    masked_key_blocks,
+    plan_key,
+    subsequence_keys,
+    to_subsequences,
+)
 from attnzoo.patterns.algebra import PerHead
 from attnzoo.patterns.atomic import Band
 from attnzoo.spec import ScoreMod
@@ -149,13 +158,6 @@ def subsequence_stride(call: Call) -> int:
     return pattern.modulus
 
 
-def _split(x: Tensor, m: int) -> Tensor:
-    """``(B, H, N, D)`` -> ``(B m, H, ceil(N / m), D)``: position ``i m + r`` is row ``i`` of
-    sub-sequence ``r`` (zero rows pad N to a multiple of m)."""
-    x = F.pad(x, (0, 0, 0, -x.shape[2] % m))
-    return rearrange(x, "b h (i m) d -> (b m) h i d", m=m)
-
-
 def _subsequence_call(call: Call, m: int) -> Call:
     """``call`` on its ``m`` sub-sequences: the band ``[lo, hi]`` of stride m becomes ``[ceil(lo /
     m), floor(hi / m)]`` of stride 1, the padding rows are masked keys, and a score_mod sees the
@@ -164,10 +166,8 @@ def _subsequence_call(call: Call, m: int) -> Call:
     lo = None if pattern.lo is None else -(-pattern.lo // m)
     hi = None if pattern.hi is None else pattern.hi // m
     key_mask = call.key_mask
-    if key_mask is None and n % m and (hi is None or hi > 0):  # causal rows never see the padding
-        key_mask = torch.ones(b, n, dtype=torch.bool, device=call.q.device)
-    if key_mask is not None:
-        key_mask = rearrange(F.pad(key_mask, (0, -n % m)), "b (i m) -> (b m) i", m=m)
+    if key_mask is not None or (hi is None or hi > 0):  # causal rows never see the padding
+        key_mask = subsequence_keys(key_mask, b, n, m, call.q.device)
     score_mod, user = None, call.score_mod
     if user is not None:
 
@@ -175,7 +175,7 @@ def _subsequence_call(call: Call, m: int) -> Call:
             r = bm % m
             return user(score, bm // m, h, q_idx * m + r, kv_idx * m + r)
 
-    q, k, v = (_split(x, m) for x in (call.q, call.k, call.v))
+    q, k, v = (to_subsequences(x, m) for x in (call.q, call.k, call.v))
     return replace(call, q=q, k=k, v=v, pattern=Band(lo, hi, 1), key_mask=key_mask, score_mod=score_mod)
 
 
@@ -263,7 +263,7 @@ class Flex(Backend):
             sub = _subsequence_call(call, m)
             out = _dense(sub)
             out = self.run(sub) if out is None else out
-            return rearrange(out, "(b m) h i d -> b h (i m) d", m=m)[:, :, : call.q.shape[2]]
+            return from_subsequences(out, m, call.q.shape[2])
         block_mask = block_mask_for(call)
         score_mod = None
         if call.score_mod is not None:

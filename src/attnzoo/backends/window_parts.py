@@ -1,6 +1,7 @@
 """One window part of a ``structured.Structure`` through PyTorch's CPU flash kernel, forward and
-backward, for ``windowed.py`` to run and unite: de-interleaving into sub-sequences (``_split``;
-for a dense part with no padded key, ``_deal``'s views of the inputs, outputs and gradients),
+backward, for ``windowed.py`` to run and unite: de-interleaving into sub-sequences
+(``call.to_subsequences``; for a dense part with no padded key, ``_deal``'s views of the
+inputs, outputs and gradients),
 zero-copy K/V windows (``_key_windows``), the pattern and padding masks, and the backward that
 adds overlapping windows' key gradients back block by block (``_OverlapSum``). ``part_backward``
 takes the output and log-sum-exp of a union the part belongs to, so every term of a union gets
@@ -12,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
+from attnzoo.backends.call import from_subsequences, subsequence_keys, to_subsequences
 from attnzoo.backends.grouped import blocks_to_rows, fold_rows, pad_rows, rows_to_blocks, unfold_rows
 from attnzoo.backends.structured import Windows
 
@@ -32,23 +32,6 @@ class Options(NamedTuple):
 # --- layout: heads, de-interleaving, windows ------------------------------------------------
 
 
-def _split(x: Tensor, stride: int, sub: int) -> Tensor:
-    """``(B, H, N, D)`` -> ``(B * stride, H, sub, D)``: residue class ``r`` of the positions is
-    batch row ``b * stride + r`` (N padded to ``sub * stride`` with zeros)."""
-    if stride == 1:
-        return x
-    if sub * stride != x.shape[2]:
-        x = F.pad(x, (0, 0, 0, sub * stride - x.shape[2]))
-    return rearrange(x, "b h (n m) d -> (b m) h n d", m=stride).contiguous()
-
-
-def _merge(x: Tensor, stride: int, n: int) -> Tensor:
-    """Inverse of ``_split`` (drops the padding)."""
-    if stride == 1:
-        return x
-    return rearrange(x, "(b m) h n d -> b h (n m) d", m=stride)[:, :, :n]
-
-
 def _head_major(w: Windows, q: Tensor, k: Tensor, key_valid: Tensor | None) -> bool:
     """Whether a dense part runs on the head-major layout (``_deal``): a stride, a K/V head per
     query head, no padded key and N a multiple of the stride."""
@@ -60,7 +43,7 @@ def _deal(x: Tensor, stride: int) -> Tensor:
     """``(B, H, N, D)`` -> ``(B H, stride, N / stride, D)``: residue class ``r`` as head ``r`` of
     batch row ``b H + h``. A view of a contiguous ``x`` (the kernel takes its strides and gives
     its outputs and gradients the same layout, so ``_undeal`` is a view of them too), where
-    ``_split``'s layout is a copy of each input (``benchmarks/ab-deal-cpu.txt``: ``strided``
+    ``to_subsequences`` copies each input (``benchmarks/ab-deal-cpu.txt``: ``strided``
     fwd+bwd at 4K 23.2 -> 18.0 ms, at 1K 3.8 -> 2.2)."""
     b, h, n, d = x.shape
     return x.reshape(b * h, n // stride, stride, d).transpose(1, 2)
@@ -70,16 +53,6 @@ def _undeal(x: Tensor, heads: int) -> Tensor:
     """Inverse of ``_deal``: ``(B H, stride, sub, D)`` -> ``(B, H, stride sub, D)``."""
     bh, stride, sub, d = x.shape
     return x.transpose(1, 2).reshape(bh // heads, heads, stride * sub, d)
-
-
-def _split_keys(key_valid: Tensor | None, batch: int, n: int, stride: int, sub: int) -> Tensor | None:
-    """Real keys ``(B, N)`` -> ``(B * stride, sub)``; None when every key is real."""
-    if key_valid is None and sub * stride == n:
-        return None
-    if key_valid is None:
-        key_valid = torch.ones(batch, n, dtype=torch.bool)
-    key_valid = F.pad(key_valid, (0, sub * stride - n), value=False)
-    return rearrange(key_valid, "b (n m) -> (b m) n", m=stride)
 
 
 def _key_windows(x: Tensor, w: Windows, blocks: int) -> Tensor:
@@ -134,7 +107,7 @@ class Saved:
     lse: Tensor
     mask: Tensor | None
     is_causal: bool
-    #: A dense part in ``_deal``'s layout (else ``_split``'s).
+    #: A dense part in ``_deal``'s layout (else ``to_subsequences``').
     head_major: bool = False
 
     def stash(self, ctx: Any, *extra: Tensor) -> None:
@@ -168,8 +141,8 @@ def part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> 
         out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=opts.scale)[:2]
         return _undeal(out, q.shape[1]), Saved(qs, ks, vs, out, lse, mask, is_causal, head_major=True)
     n, sub = q.shape[2], -(-q.shape[2] // w.stride)
-    qs, ks, vs = (_split(x, w.stride, sub) for x in (q, k, v))
-    valid = _split_keys(opts.key_valid, q.shape[0], n, w.stride, sub)
+    qs, ks, vs = (to_subsequences(x, w.stride) for x in (q, k, v))
+    valid = subsequence_keys(opts.key_valid, q.shape[0], n, w.stride, q.device)
     if w.width == 0:  # dense
         mask = _dense_mask(w, valid, sub, q.dtype)
         is_causal = w.causal and mask is None and w.allowed is None
@@ -178,7 +151,7 @@ def part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> 
         if mask is not None and groups > 1 and mask.shape[-2] > 1:
             mask = mask.repeat(1, 1, groups, 1)  # the pattern once per group member's rows
         out, lse = flash_attention_cpu(qs, ks, vs, 0.0, is_causal, attn_mask=mask, scale=opts.scale)[:2]
-        return _merge(unfold_rows(out, groups), w.stride, n), Saved(qs, ks, vs, out, lse, mask, is_causal)
+        return from_subsequences(unfold_rows(out, groups), w.stride, n), Saved(qs, ks, vs, out, lse, mask, is_causal)
     h, groups, blocks = qs.shape[1], qs.shape[1] // ks.shape[1], -(-sub // w.block)
     qx = rows_to_blocks(qs, blocks, w.block, groups)  # [B' H_kv, blocks, G block, D]
     kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
@@ -187,15 +160,14 @@ def part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> 
         mask = mask.repeat(1, 1, groups, 1)  # the band (and padding) once per group member's rows
     out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
     rows = blocks_to_rows(out, h, groups, sub)
-    return _merge(rows, w.stride, n), Saved(qx, kx, vx, out, lse, mask, False)
+    return from_subsequences(rows, w.stride, n), Saved(qx, kx, vx, out, lse, mask, False)
 
 
 def _to_kernel(x: Tensor, w: Windows, saved: Saved) -> Tensor:
     """``(B, H, N, D)`` rows -> the kernel layout of ``saved.out`` (zero rows where padded)."""
     if saved.head_major:
         return _deal(x, w.stride)
-    sub = -(-x.shape[2] // w.stride)
-    x = _split(x, w.stride, sub)
+    x = to_subsequences(x, w.stride)
     if w.width == 0:  # dense
         return fold_rows(x, saved.q.shape[2] // saved.k.shape[2])
     return rows_to_blocks(x, saved.q.shape[1], w.block, saved.q.shape[2] // w.block)
@@ -219,13 +191,13 @@ def part_backward(
         if saved.head_major:
             return tuple(_undeal(x, heads) for x in (dq, dk, dv))  # type: ignore[return-value]
         dq = unfold_rows(dq, saved.q.shape[2] // saved.k.shape[2])
-        return tuple(_merge(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
+        return tuple(from_subsequences(x, w.stride, n) for x in (dq, dk, dv))  # type: ignore[return-value]
     groups = saved.q.shape[2] // w.block
     dq, dk, dv = _window_backward(w, saved, g, kernel_out, kernel_lse, scale, sub)
     bb = dq.shape[0] * groups // heads
     dq = blocks_to_rows(dq, heads, groups, sub)
     dk, dv = (x.view(bb, heads // groups, sub, -1) for x in (dk, dv))
-    return _merge(dq, w.stride, n), _merge(dk, w.stride, n), _merge(dv, w.stride, n)
+    return from_subsequences(dq, w.stride, n), from_subsequences(dk, w.stride, n), from_subsequences(dv, w.stride, n)
 
 
 #: Bytes of one key window gradient (dK's, as dV's) per backward kernel call: a window part's
@@ -267,9 +239,11 @@ def part_lse(w: Windows, saved: Saved, n: int, heads: int) -> Tensor:
     if saved.head_major:
         return _undeal(lse[..., None], heads)[..., 0]
     if w.width == 0:  # dense
-        return _merge(unfold_rows(lse[..., None], saved.q.shape[2] // saved.k.shape[2]), w.stride, n)[..., 0]
+        return from_subsequences(unfold_rows(lse[..., None], saved.q.shape[2] // saved.k.shape[2]), w.stride, n)[..., 0]
     sub = -(-n // w.stride)
-    return _merge(blocks_to_rows(lse[..., None], heads, saved.q.shape[2] // w.block, sub), w.stride, n)[..., 0]
+    return from_subsequences(blocks_to_rows(lse[..., None], heads, saved.q.shape[2] // w.block, sub), w.stride, n)[
+        ..., 0
+    ]
 
 
 class _OverlapSum:
@@ -289,9 +263,10 @@ class _OverlapSum:
         self.w, self.n, self.per = w, n, width // w.block
         self.front = max(0, -w.start)
         self.first = (self.front + w.start) // w.block
-        self.skip = self.front // w.block if self.front % w.block == 0 else 0
-        padded = max(self.first + blocks - 1 + self.per, -(-(self.front + n) // w.block))
-        total = -(-n // w.block) if self.front % w.block == 0 else padded
+        if self.front % w.block == 0:  # the real keys' blocks only
+            self.skip, total = self.front // w.block, -(-n // w.block)
+        else:
+            self.skip, total = 0, max(self.first + blocks - 1 + self.per, -(-(self.front + n) // w.block))
         self.out = like.new_zeros(bh, total, w.block, dim)
 
     def add(self, windows: Tensor, b0: int) -> None:

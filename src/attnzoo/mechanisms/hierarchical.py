@@ -56,14 +56,7 @@ from torch import Tensor
 
 from attnzoo.backends.call import rows_at
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import (
-    block_union,
-    compute_dtype,
-    default_scale,
-    masked_softmax,
-    mean_keys,
-    real_tokens,
-)
+from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, masked_softmax, mean_keys, real_tokens
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.span_tree import SpanTree, left_nodes, level_sums
 from attnzoo.registry import Config, bounded, register

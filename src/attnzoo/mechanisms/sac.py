@@ -19,13 +19,7 @@ from torch import Tensor, nn
 
 from attnzoo.backends.call import gather_rows, rows_at
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import (
-    block_union,
-    compute_dtype,
-    default_scale,
-    masked_softmax,
-    mean_keys,
-)
+from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, masked_softmax, mean_keys
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import kept_indices, register_selective, sparse_softmax, topk_keep, topk_mask

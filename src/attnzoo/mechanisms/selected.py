@@ -20,13 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from attnzoo.backends.sparse_rows import (
-    SparseRows,
-    SparseRowsAttention,
-    VisibleOf,
-    slot_weights,
-    sparse_rows_of_many,
-)
+from attnzoo.backends.sparse_rows import SparseRows, SparseRowsAttention, VisibleOf, slot_weights, sparse_rows_of_many
 
 #: ``select(start, stop, reach, scores)`` -> ``(idx, valid)``, each ``(B, H, c, k)``, for query rows
 #: ``start:stop`` given their ``(B, H, c, reach)`` scores (no gradient); k is the same for every
