@@ -8,6 +8,8 @@ the keys' gradient right away. ``old_part_backward`` below is the code before (g
 swapped in per call; each pair is timed forward+backward interleaved with dense SDPA's (B=1,
 H=8, D=64, median of the repeats). Usage: ``python scripts/ab_backward_chunks.py N CAUSAL(0|1)
 NAME[,NAME...] [REPEATS]`` (a NAME may carry config values: ``local:left=256,right=256``).
+The old code knows window parts only: dense parts on views (``window_parts._deal``, later) need
+the current ``part_backward``, so time window mechanisms with it (or run it at 66bc57b).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor
 from attnzoo._compat import flash_attention_cpu_backward
 from attnzoo.backends import window_parts as wp
 from attnzoo.backends import windowed
+from attnzoo.backends.call import from_subsequences
 from attnzoo.backends.grouped import blocks_to_rows, unfold_rows
 
 
@@ -46,12 +49,12 @@ def old_part_backward(w, saved, grad: Tensor, scale: float, out=None, lse=None) 
     )
     if w.width == 0:
         dq = unfold_rows(dq, saved.q.shape[2] // saved.k.shape[2])
-        return tuple(wp._merge(x, w.stride, n) for x in (dq, dk, dv))
+        return tuple(from_subsequences(x, w.stride, n) for x in (dq, dk, dv))
     groups = saved.q.shape[2] // w.block
     bb = dq.shape[0] * groups // heads
     dq = blocks_to_rows(dq, heads, groups, sub)
     dk, dv = (_overlap_add(x, w, sub).view(bb, heads // groups, sub, -1) for x in (dk, dv))
-    return wp._merge(dq, w.stride, n), wp._merge(dk, w.stride, n), wp._merge(dv, w.stride, n)
+    return from_subsequences(dq, w.stride, n), from_subsequences(dk, w.stride, n), from_subsequences(dv, w.stride, n)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
-from attnzoo.backends.call import Call, compute_dtype
+from attnzoo.backends.call import Call, compute_dtype, merge_by_lse
 from attnzoo.backends.grouped import (
     grouped_matmul,
     grouped_matmul_add_,
@@ -238,8 +238,7 @@ class _MergedAttention(torch.autograd.Function):
             outs.append(out)
             lses.append(part_lse(w, part, q.shape[2], q.shape[1]))
             saved.append(part)
-        lse = torch.logsumexp(torch.stack(lses), 0)  # [B, H, N]
-        out = sum(o * torch.exp(p - finite(lse, 0.0))[..., None].to(o.dtype) for o, p in zip(outs, lses))
+        out, lse = merge_by_lse(outs, lses)  # [B, H, N, Dv], [B, H, N]
         ctx.merged, ctx.scale, ctx.flags = merged, opts.scale, [part.flags() for part in saved]
         # save_for_backward (see ``Saved.stash``): a retained graph can run backward twice.
         ctx.save_for_backward(out, lse, *(t for part in saved for t in part.tensors()))
