@@ -238,7 +238,7 @@ def test_the_off_cpu_kernel_twin_gives_the_cpu_kernels_answer(monkeypatch, causa
         torch.testing.assert_close(plain, kernel)
 
 
-def test_shared_rounds_counts_pairs_whose_codes_differ_by_0_or_1_at_any_code_width():
+def test_missed_rounds_counts_the_rounds_whose_codes_differ_by_more_than_0_or_1_at_any_code_width():
     # Codes that fit int16 are compared narrowed; larger ones (long sequences, many buckets) keep
     # their width: here every other position's codes move by 2**16 in one round, which an int16
     # difference would not see.
@@ -256,9 +256,23 @@ def test_shared_rounds_counts_pairs_whose_codes_differ_by_0_or_1_at_any_code_wid
         position = laid[0][1]
         bh, chunks = position.shape[0], position.shape[1] // 8
         key_pos = lsh_chunks._windows(F.pad(position, (8, 0)), 8).flatten(1)
-        want = torch.zeros(bh, chunks, 8, 16, dtype=torch.uint8)
+        want = torch.zeros(bh, chunks, 8, 16, dtype=torch.long)
         for o in others:  # the rule itself, in int64
             code = o.code.flatten(0, 1)
             d = code.gather(1, position).view(bh, chunks, 8, 1) - code.gather(1, key_pos).view(bh, chunks, 1, 16)
-            want += (d == 0) | (d == 1)
-        assert torch.equal(lsh_chunks.shared_rounds(others, position, 8), want) and int(want.max()) >= 1
+            want += (d != 0) & (d != 1)
+        missed = lsh_chunks.missed_rounds(others, position, 8)
+        assert torch.equal(missed.long(), want) and int(want.min()) < 2 and int(want.max()) == 2
+
+
+@pytest.mark.parametrize("others", [1, 2, 3])
+def test_discounted_mask_subtracts_log_of_the_rounds_that_show_each_pair(others):
+    from attnzoo.mechanisms import lsh_chunks
+
+    g = torch.Generator().manual_seed(1)
+    key_term = torch.zeros(2, 3, 1, 8).masked_fill_(torch.rand(2, 3, 1, 8, generator=g) < 0.3, float("-inf"))
+    fixed = torch.zeros(4, 8).masked_fill_(torch.rand(4, 8, generator=g) < 0.3, float("-inf"))
+    missed = torch.randint(0, others + 1, (2, 3, 4, 8), generator=g, dtype=torch.int16)
+    shown = 1 + others - missed.double()  # N_ij: this round and the others that show the pair
+    want = (key_term.double() + fixed.double() - shown.log()).float()
+    torch.testing.assert_close(lsh_chunks.discounted(key_term, fixed, missed, others), want)

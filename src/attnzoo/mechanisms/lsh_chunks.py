@@ -137,9 +137,11 @@ def round_mask(
     fixed = torch.zeros(chunk, 2 * chunk, dtype=dtype, device=filled.device)
     fixed[:, chunk:].masked_fill_(~own, inf)
     key_term = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device)
-    mask = key_term.masked_fill_(~key_ok[:, :, None], inf) + fixed
+    key_term.masked_fill_(~key_ok[:, :, None], inf)
     if dedupe and others:
-        discount(mask, shared_rounds(others, position, chunk), len(others))
+        mask = discounted(key_term, fixed, missed_rounds(others, position, chunk), len(others))
+    else:
+        mask = key_term + fixed
     # A row sees something when it is filled and some key of its window passes: counted on the
     # (BH, chunks, 2c) key pieces instead of a pass over the float mask. Own chunk: the keys
     # before the query (causal) or all but itself.
@@ -149,35 +151,39 @@ def round_mask(
     return dataclasses.replace(r, mask=mask, empty=~(sees & filled.view(bh, chunks, chunk)))
 
 
-def discount(mask: Tensor, shared: Tensor, others: int) -> None:
-    """``mask -= log N_ij`` in place, from ``shared = N_ij - 1`` (uint8, at most ``others``). With
-    two rounds ``shared`` is 0 or 1 and ``log N_ij`` is ln 2 times it: one pass, where a float copy
-    and ``log1p`` took two: 1.9 against 4.9 ms alone at 4K, a few percent of lsh's fwd+bwd at 1K,
-    within the noise at 4K (ab-lsh-discount-cpu.txt)."""
+def discounted(key_term: Tensor, fixed: Tensor, missed: Tensor, others: int) -> Tensor:
+    """The additive mask ``key_term (BH, chunks, 1, 2c) + fixed (c, 2c) - log N_ij``, with ``N_ij
+    = 1 + others - missed`` the rounds that show the pair, from ``missed`` (``missed_rounds``).
+    With two rounds ``log N_ij`` is ``ln 2 (1 - missed)``: the ``-ln 2`` goes into the small
+    ``fixed`` table and one pass adds ``ln 2`` times ``missed`` (0 or 1) as the sum is written,
+    where a bool comparison, a uint8 count and a pass subtracting it took 1.7 against 1.0 ms per
+    round at 1K (``benchmarks/ab-lsh-missed-cpu.txt``; before that a float copy and ``log1p``:
+    ``ab-lsh-discount-cpu.txt``)."""
     if others == 1:
-        mask.sub_(shared, alpha=math.log(2.0))
-    else:
-        mask -= torch.log1p(shared.to(mask.dtype))
+        return (key_term + (fixed - math.log(2.0))).add_(missed, alpha=math.log(2.0))
+    return (key_term + fixed).sub_(torch.log1p((others - missed).to(fixed.dtype)))
 
 
-def shared_rounds(others: list[Round], position: Tensor, chunk: int) -> Tensor:
-    """``(BH, chunks, c, 2c)`` uint8: in how many of the ``others`` rounds each (query, key) pair
-    of this round's chunks also meets: same bucket, the key's chunk the query's or the one before
-    (their codes differ by 0 or 1)."""
+def missed_rounds(others: list[Round], position: Tensor, chunk: int) -> Tensor:
+    """``(BH, chunks, c, 2c)``: in how many of the ``others`` rounds each (query, key) pair of
+    this round's chunks does *not* meet (it meets where the bucket is the same and the key's
+    chunk is the query's or the one before: codes that differ by 0 or 1). Integer arithmetic
+    throughout: a comparison to bool cost 0.5 ms per 1M pairs here, four times the subtraction,
+    shift and clamp together."""
     bh, chunks = position.shape[0], position.shape[1] // chunk
     key_pos = _windows(F.pad(position, (chunk, 0)), chunk).flatten(1)
-    found = None
+    missed = None
     for o in others:
         code = o.code.flatten(0, 1)
-        # The difference in int16 where the codes fit, shifted: 0 exactly for a difference of 0
-        # or 1. A broadcast comparison to bool costs 0.5-0.9 ms per 1M pairs here, an int16
-        # subtraction 0.06 (lsh 1K fwd+bwd: ab-lsh-int16-cpu.txt).
+        # int16 where the codes fit (an int16 subtraction costs a tenth of a broadcast
+        # comparison: ab-lsh-int16-cpu.txt), their width otherwise.
         narrow = torch.int16 if int(code.max()) < 2**15 else code.dtype
         code_q = code.gather(1, position).view(bh, chunks, chunk, 1).to(narrow)
         code_k = code.gather(1, key_pos).view(bh, chunks, 1, 2 * chunk).to(narrow)
-        meets = ((code_q - code_k) >> 1 == 0).view(torch.uint8)
-        found = meets if found is None else found + meets
-    return found
+        apart = (code_q - code_k) >> 1  # 0 exactly for a difference of 0 or 1
+        apart = apart.abs_().clamp_max_(1)  # 0 where they meet, else 1
+        missed = apart if missed is None else missed.add_(apart)
+    return missed
 
 
 def _rows(x: Tensor, index: Tensor, shape: tuple[int, ...]) -> Tensor:
