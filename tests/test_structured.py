@@ -240,3 +240,43 @@ def test_dense_subsequences_without_padding_run_on_views_of_the_inputs(name, n, 
             assert bool(dealt) == (backend == "blocked"), backend  # q, k, v forward, the gradient backward
         for fast, ref in zip(*outs):
             torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("block", "start", "width", "n"),
+    [
+        (4, -4, 12, 21),
+        (4, -3, 12, 16),
+        (4, 0, 8, 18),
+        (4, 8, 8, 20),
+        (8, -16, 24, 40),
+        (4, -6, 16, 23),
+        (4, -8, 8, 20),  # keys wholly before the block: the last blocks see no window's last part
+        (4, -3, 4, 16),
+    ],
+)
+@pytest.mark.parametrize("step", [1, 2, 100])
+def test_overlap_sum_equals_the_windows_gradient_by_autograd(block, start, width, n, step):
+    # The keys' gradient from overlapping windows, summed chunk by chunk of windows (the last
+    # part of each window copied in, the others added), against autograd through the windows'
+    # as_strided view itself: front padding in whole blocks or not, windows right of the row,
+    # N not a multiple of the block, one chunk or many.
+    from attnzoo.backends.structured import Windows
+
+    w = Windows(1, block, start, width)
+    blocks = -(-n // block)
+    x = torch.randn(3, n, 5, requires_grad=True)
+    windows = window_parts._key_windows(x, w, blocks)  # [3, blocks, width, 5]
+    grads = torch.randn(windows.shape)
+    (windows * grads).sum().backward()
+    # Under deterministic algorithms torch.empty fills NaN: a block neither copied into nor
+    # zero-filled fails (fresh memory is often zero by chance).
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        total = window_parts._OverlapSum(windows.detach(), w, blocks, n)
+        for b0 in range(0, blocks, step):
+            total.add(grads[:, b0 : b0 + step], b0)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    torch.testing.assert_close(total.result(), x.grad)
