@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import masked_softmax
+from attnzoo.mechanisms._ops import masked_softmax, unit
 
 
 def test_masked_softmax_equals_normalize_scores_forward_and_gradients():
@@ -30,3 +32,24 @@ def test_masked_softmax_equals_normalize_scores_forward_and_gradients():
     finite = scores.nan_to_num(0.0).requires_grad_()
     torch.autograd.gradcheck(lambda s: masked_softmax(s, visible), (finite,))
     torch.autograd.gradgradcheck(lambda s: masked_softmax(s, visible), (finite,))
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-3])
+def test_unit_equals_f_normalize_forward_and_gradients_with_zero_and_clamped_rows(eps):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    x[0, 0, 0] = 0.0  # a zero row
+    x[0, 1, 1] = 1e-5  # norm below eps = 1e-3: the divisor is clamped
+    x[1, 2, 4] *= 1e3
+    grad = torch.randn_like(x)
+    results = []
+    for fn in (unit, lambda t, e: F.normalize(t, dim=-1, eps=e)):
+        t = x.clone().requires_grad_()
+        out = fn(t, eps)
+        out.backward(grad)
+        results.append((out, t.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want)
+    t = torch.randn(2, 3, 8, dtype=torch.float64).requires_grad_()  # away from the kink at |x| = eps
+    torch.autograd.gradcheck(lambda s: unit(s, eps), (t,))
+    torch.autograd.gradgradcheck(lambda s: unit(s, eps), (t,))

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnzoo.mechanisms._ops import compute_dtype, default_scale
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, unit
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.mechanisms.delta_chunks import (
     CHUNK,
@@ -174,8 +174,7 @@ class DeltaNet(Attention):
             log_alpha = None if log_alpha is None else torch.where(real, log_alpha, 0.0)
         q, k, tail = self._convolve(q, k, key_mask, tail)
         scale = default_scale(c.scale, q.shape[-1])
-        q = F.normalize(q, dim=-1, eps=NORM_EPS) * scale
-        return q, F.normalize(k, dim=-1, eps=NORM_EPS), beta, log_alpha, tail
+        return unit(q, NORM_EPS) * scale, unit(k, NORM_EPS), beta, log_alpha, tail
 
     def _convolve(self, q: Tensor, k: Tensor, key_mask: Tensor | None, tail: Tensor | None) -> tuple[Tensor, ...]:
         """q and k through the short convolution; ``(q, k, tail)``. Padded tokens enter as zeros:

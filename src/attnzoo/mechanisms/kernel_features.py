@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnzoo.mechanisms._ops import unit
 from attnzoo.mechanisms.base import AttendArgs, StateSpec
 from attnzoo.mechanisms.kernel import KernelState, KeyFeatures, Normalizer
 from attnzoo.mechanisms.kernel_linear import KernelAttention, KernelConfig, register_kernel
@@ -190,7 +191,7 @@ def fourier_features(x: Tensor, w: Tensor, sigma: float) -> Tensor:
     (2 sigma^2)) = exp((x^ . y^ - 1) / sigma^2)``: softmax weights with temperature ``sigma^2``
     on unit vectors. The features, and so the estimated weights, can be negative.
     """
-    u = F.normalize(x, dim=-1) @ (w.T / sigma)  # 1/sigma on the (D, m) matrix, not on (N, m)
+    u = unit(x) @ (w.T / sigma)  # 1/sigma on the (D, m) matrix, not on (N, m)
     return _ScaledSinCos.apply(u, 1 / math.sqrt(w.shape[0]))
 
 

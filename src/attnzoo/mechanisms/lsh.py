@@ -22,7 +22,7 @@ from torch import Tensor
 
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms import lsh_decode
-from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens, unit
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.mechanisms.lsh_chunks import buckets, chunked_lsh
 from attnzoo.mechanisms.lsh_decode import LSHState
@@ -170,7 +170,7 @@ class LSHAttention(Attention):
         cfg, (batch, heads, n, dim) = self.config, q.shape
         real = real_tokens(args.key_mask, batch, n, q.device)
         qc, vc = q.to(compute_dtype(q)), v.to(compute_dtype(q))
-        keys = F.normalize(qc, dim=-1)
+        keys = unit(qc)
         with torch.no_grad():
             table = [buckets(keys, rotation, real) for rotation in self.rotations(heads, dim, q.device)]
         out, total = chunked_lsh(
