@@ -7,6 +7,7 @@ randomly initialised Llama and GPT-2 models built from configs (no downloads).
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 
 import pytest
@@ -160,8 +161,10 @@ def test_causal_model_softmax_equals_eager_and_non_causal_mechanisms_refuse(cls,
     with torch.no_grad():
         got, want = (m(input_ids=ids, attention_mask=mask).last_hidden_state for m in (model, eager))
         torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=TOL, rtol=0)
-        past = model(input_ids=ids[:, :10], use_cache=True).past_key_values  # then one decoding step
-        step = model(input_ids=ids[:, 10:11], past_key_values=past).last_hidden_state[:, 0]
+        # then one decoding step; transformers 5.24 renamed past_key_values to cache
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        past = getattr(model(input_ids=ids[:, :10], use_cache=True), name)
+        step = model(input_ids=ids[:, 10:11], **{name: past}).last_hidden_state[:, 0]
         torch.testing.assert_close(step, eager(input_ids=ids[:, :11]).last_hidden_state[:, 10], atol=TOL, rtol=0)
     for name, cfg in (("linformer", {"k": 8, "heads": 4}), ("nystrom", {})):
         with pytest.raises(ValueError, match=f"causal.*'{name}' cannot be causal"):
