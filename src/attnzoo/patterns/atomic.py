@@ -554,19 +554,16 @@ class Graph(RowKeyed):
         self.n = n
         self.edge_keys = torch.unique(edge_index[0] * n + edge_index[1])  # sorted by (query, key)
         self.name = f"graph({n} nodes, {self.edge_keys.numel()} edges)"
+        self._degree = torch.bincount(self.edge_keys // n, minlength=n)  # [n]: keys per query
         # Computed once: plans are looked up by this value on every call (bytes cache their hash).
         self._identity = (n, self.edge_keys.numpy().tobytes())
 
     def _value(self) -> tuple:
         return self._identity
 
-    def _degrees(self) -> Tensor:
-        """``(n,)``: how many keys each query attends."""
-        return torch.bincount(self.edge_keys // self.n, minlength=self.n)
-
     def neighbours(self) -> Tensor:
         """``(n, max degree)``: the keys each query attends, padded with -1."""
-        rows, degree = self.edge_keys // self.n, self._degrees()
+        rows, degree = self.edge_keys // self.n, self._degree
         table = torch.full((self.n, max(int(degree.max()) if rows.numel() else 0, 1)), -1, dtype=torch.long)
         position = torch.arange(rows.numel()) - (torch.cumsum(degree, 0) - degree)[rows]
         table[rows, position] = self.edge_keys % self.n
@@ -575,7 +572,7 @@ class Graph(RowKeyed):
     def row_table(self, n_q: int, n_kv: int) -> tuple[Tensor, Tensor] | None:
         self._check(n_q, n_kv)
         # Decided from the degrees, before the table exists: a hub's would be n x n.
-        if self.n * max(int(self._degrees().max()), 1) > GRAPH_TABLE_SLOTS_PER_EDGE * max(self.edge_keys.numel(), 1):
+        if self.n * max(int(self._degree.max()), 1) > GRAPH_TABLE_SLOTS_PER_EDGE * max(self.edge_keys.numel(), 1):
             return None
         table = self.neighbours()
         return table.clamp(min=0), table >= 0
