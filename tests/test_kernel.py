@@ -37,9 +37,10 @@ def build(name: str, **config):
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
     # several non-causal blocks of 5 positions (B * H = 6 rows each) at these sizes, and the
-    # causal path one head at a time (``CAUSAL_BLOCK_BYTES``; whole at these sizes by default)
+    # causal path one head at a time (``causal_block_heads``; whole at these sizes by default)
     monkeypatch.setattr(kernel, "BLOCK_ROWS", 30)
     monkeypatch.setattr(kernel, "CAUSAL_BLOCK_BYTES", 1)
+    monkeypatch.setattr(kernel, "CAUSAL_BLOCK_ROWS", 1)
 
 
 def _cases():
@@ -431,12 +432,31 @@ def test_causal_blocks_of_heads_run_on_the_cpu_only(monkeypatch):
     calls = []
     causal = kernel._causal
     monkeypatch.setattr(kernel, "_causal", lambda *a: calls.append(a[0].shape[1]) or causal(*a))
-    attn = build("rfa", heads=H, head_dim=D)  # CAUSAL_BLOCK_BYTES = 1 (the autouse fixture): a head a block
+    attn = build("rfa", heads=H, head_dim=D)  # one byte and one row (the autouse fixture): a head a block
     for device, want in (("cpu", [1] * H), ("meta", [H])):
         calls.clear()
         q = torch.randn(B, H, N, D, device=device)
         assert attn.to(device)(q, q, q, causal=True).device.type == device
         assert calls == want, device
+
+
+@pytest.mark.parametrize(("block_bytes", "block_rows", "want"), [(1, 2 * B * N, [2, 1]), (1, 3 * B * N - 1, [2, 1])])
+def test_causal_blocks_hold_at_least_the_block_rows(monkeypatch, block_bytes, block_rows, want):
+    # Heads per block: what CAUSAL_BLOCK_BYTES of key features hold, or CAUSAL_BLOCK_ROWS rows
+    # (batch x head x position) where that is more heads (whole heads: 2 below 3 heads' rows).
+    calls = []
+    causal = kernel._causal
+    monkeypatch.setattr(kernel, "_causal", lambda *a: calls.append(a[0].shape[1]) or causal(*a))
+    monkeypatch.setattr(kernel, "CAUSAL_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(kernel, "CAUSAL_BLOCK_ROWS", block_rows)
+    q = torch.randn(B, H, N, D)
+    build("rfa", heads=H, head_dim=D)(q, q, q, causal=True)
+    assert calls == want
+    features = build("performer").num_features(D)
+    monkeypatch.setattr(kernel, "CAUSAL_BLOCK_BYTES", 3 * B * N * features * 4)  # 3 heads of features
+    calls.clear()
+    build("performer")(q, q, q, causal=True)
+    assert calls == [3]
 
 
 def test_the_causal_chunk_is_64_on_the_cpu_and_longer_for_wide_maps_elsewhere(monkeypatch):

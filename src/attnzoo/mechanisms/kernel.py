@@ -47,8 +47,15 @@ BLOCK_ROWS = 8192
 #: at most this many bytes (one head at least): such tensors come from glibc's heap and are reused
 #: block after block, where whole-width ones (32 MiB for ``rfa`` at N = 4096, H = 8) are fresh
 #: mappings, page-faulted on every call (``benchmarks/page-faults-rfa-cpu.txt``, ``ab-causal-heads-cpu.txt``,
-#: ``ab-causal-heads-split-cpu.txt``).
+#: ``ab-causal-heads-split-cpu.txt``) ...
 CAUSAL_BLOCK_BYTES = 4 * 2**20
+#: ... or, where that is more heads, at least this many (batch x head x position) rows: fewer,
+#: longer steps of the scan over chunks and larger batched GEMMs. Blocks of 1, 2, 4 and 8 heads
+#: side by side on a 2-core Xeon at 1K-4K were fastest at 2K-8K rows whatever the feature count
+#: (``rfa`` at 8K every time; ``based``, 2145 features, at 2K-8K); against the bytes alone,
+#: causal fwd+bwd at 4K ``rfa`` 165 -> 153 and 165 -> 157 ms in two runs, ``based`` 159 -> 156
+#: and 164 -> 160, 1K and 2K within the noise (``benchmarks/ab-causal-block-rows-cpu.txt``).
+CAUSAL_BLOCK_ROWS = 8192
 #: The causal chunk length on the CPU; off it, the longer one from this many features on (see
 #: ``causal_chunk``).
 CPU_CHUNK, DEVICE_CHUNK, DEVICE_CHUNK_FEATURES = 64, 256, 128
@@ -100,7 +107,7 @@ class FeatureMaps(Protocol):
     are zero.
 
     ``num_features(D)`` is m for keys of size D; the causal path sizes its blocks of heads by it
-    (``CAUSAL_BLOCK_BYTES``) and hands ``key_features`` the slice of the mechanism's heads that
+    (``causal_block_heads``) and hands ``key_features`` the slice of the mechanism's heads that
     ``k`` holds (``heads``; None: all of them), for maps with a parameter per head (RFA's gate)."""
 
     normalizer: Normalizer
@@ -169,8 +176,8 @@ def kernel_attention(
     Notes:
         Non-causal: ``phi(Q) (phi(K)^T [V, 1])`` over blocks of rows; O(N m E) time, O(block m +
         m E) live memory. Causal: O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory,
-        run on the CPU in blocks of K/V heads (``CAUSAL_BLOCK_BYTES``) concatenated, so that each block's
-        tensors come from the heap. Never N x N. ``z`` rides along ``S`` as an extra all-ones
+        run on the CPU in blocks of K/V heads (``causal_block_heads``) concatenated, so that each
+        block's tensors come from the heap. Never N x N. ``z`` rides along ``S`` as an extra all-ones
         value column.
     """
     real = None if args.key_mask is None else args.key_mask[:, None]  # [B, 1, N_kv]
@@ -180,8 +187,7 @@ def kernel_attention(
         if state is not None:
             raise ValueError("a decode state needs causal=True")
         return _blocked(q, k, v, real, maps)
-    head_bytes = k.shape[0] * k.shape[2] * maps.num_features(k.shape[3]) * k.element_size()  # one head's phi(K)
-    per = max(1, CAUSAL_BLOCK_BYTES // max(1, head_bytes))
+    per = causal_block_heads(k.shape[0], k.shape[2], maps.num_features(k.shape[3]), k.element_size())
     # The blocks answer glibc's page faults; off the CPU a caching allocator has none to avoid,
     # and each block would only repeat the chunk loop's kernel launches (launch-bound on an H100).
     if per >= k.shape[1] or k.device.type != "cpu":
@@ -194,6 +200,13 @@ def kernel_attention(
         kv = slice(i * per, i * per + kb.shape[1])
         parts.append(_causal(qb, kb, vb, real, maps, None if state is None else state.heads(kv), kv))
     return torch.cat([out for out, _ in parts], dim=1), KernelState.joined([s for _, s in parts])
+
+
+def causal_block_heads(batch: int, n: int, features: int, itemsize: int) -> int:
+    """K/V heads per block of the causal path on the CPU: as many as ``CAUSAL_BLOCK_BYTES`` of
+    key features hold, or ``CAUSAL_BLOCK_ROWS`` rows if that is more; one at least."""
+    by_bytes = CAUSAL_BLOCK_BYTES // max(1, batch * n * features * itemsize)
+    return max(1, by_bytes, CAUSAL_BLOCK_ROWS // max(1, batch * n))
 
 
 def _causal(

@@ -57,7 +57,7 @@ class KernelAttention(Attention):
     ) -> KeyFeatures:
         """``k (B, H, N, D)``, ``real`` bool ``(B, 1, N)`` or None -> ``KeyFeatures``. ``heads``:
         which of the module's heads ``k`` holds (None: all of them); the causal core runs
-        blocks of heads (``kernel.CAUSAL_BLOCK_BYTES``), and a map with a parameter per head
+        blocks of heads (``kernel.causal_block_heads``), and a map with a parameter per head
         takes those rows."""
         raise NotImplementedError
 
