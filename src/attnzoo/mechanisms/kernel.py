@@ -176,9 +176,9 @@ def kernel_attention(
     Notes:
         Non-causal: ``phi(Q) (phi(K)^T [V, 1])`` over blocks of rows; O(N m E) time, O(block m +
         m E) live memory. Causal: O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory,
-        run on the CPU in blocks of K/V heads (``causal_block_heads``) concatenated, so that each
-        block's tensors come from the heap. Never N x N. ``z`` rides along ``S`` as an extra all-ones
-        value column.
+        run on the CPU in blocks of K/V heads (``causal_block_heads``: a few MiB of features or
+        8K rows a block, the sizes that ran fastest) concatenated. Never N x N. ``z`` rides along
+        ``S`` as an extra all-ones value column.
     """
     real = None if args.key_mask is None else args.key_mask[:, None]  # [B, 1, N_kv]
     if real is not None:  # 0 * (inf or NaN in a padded value) would leak

@@ -168,8 +168,8 @@ def missed_rounds(others: list[Round], position: Tensor, chunk: int) -> Tensor:
     """``(BH, chunks, c, 2c)``: in how many of the ``others`` rounds each (query, key) pair of
     this round's chunks does *not* meet (it meets where the bucket is the same and the key's
     chunk is the query's or the one before: codes that differ by 0 or 1). Integer arithmetic
-    throughout: a comparison to bool cost 0.5 ms per 1M pairs here, four times the subtraction,
-    shift and clamp together."""
+    throughout: on lsh's 1.4M pairs per round at 1K, the comparison to bool it replaced took
+    0.48 ms, the subtraction, shift, ``abs`` and clamp 0.26 together."""
     bh, chunks = position.shape[0], position.shape[1] // chunk
     key_pos = _windows(F.pad(position, (chunk, 0)), chunk).flatten(1)
     missed = None
