@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
-from attnzoo.backends.call import Backend, Call, compute_dtype
+from attnzoo.backends.call import Backend, Call, additive_mask, compute_dtype
 from attnzoo.backends.gathered import gathered_attention, not_gathered_reasons
 from attnzoo.backends.grouped import grouped_windows
 from attnzoo.backends.key_sets import key_set_attention, not_key_set_reasons
@@ -133,12 +133,6 @@ def _gather(piece: Piece, q: Tensor, k: Tensor, v: Tensor, block: int) -> tuple[
     return _take(q, piece, piece.qb, block), _take(k, piece, piece.kb, block), _take(v, piece, piece.kb, block)
 
 
-def _additive(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    if visible is None:
-        return None
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-
-
 def _uses_flash(piece: Piece, ctx: Context) -> bool:
     # The flash kernel takes no score_mod nor a seeded dropout mask, and its mask cannot depend
     # on the batch row (tiles with padded keys are always of kind "mask").
@@ -167,7 +161,7 @@ def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -
             out, lse = _flash(*(_flip_rows(qx, kx, vx) if flip else (qx, kx, vx)), is_causal=True, scale=ctx.scale)
             out, lse = _flip_rows(out, lse) if flip else (out, lse)
             return out.to(cd), lse.to(cd)
-        out, lse = _flash(qx, kx, vx, attn_mask=_additive(visible, q.dtype), scale=ctx.scale)
+        out, lse = _flash(qx, kx, vx, attn_mask=additive_mask(visible, q.dtype), scale=ctx.scale)
         if visible is not None:
             # The kernel reports lse = 0 for a row whose keys are all masked; make it -inf.
             lse = lse.masked_fill(~visible.any(-1).expand_as(lse), float("-inf"))
@@ -214,7 +208,7 @@ def piece_backward(
             grads = _flash_backward(*args, 0.0, True, scale=ctx.scale)
             return _flip_rows(*grads) if flip else grads
         return _flash_backward(
-            dox, qx, kx, vx, ox, lse_x, 0.0, False, attn_mask=_additive(visible, q.dtype), scale=ctx.scale
+            dox, qx, kx, vx, ox, lse_x, 0.0, False, attn_mask=additive_mask(visible, q.dtype), scale=ctx.scale
         )
     cd = compute_dtype(q)
     qx, kx, vx, dox = qx.to(cd), kx.to(cd), vx.to(cd), dox.to(cd)

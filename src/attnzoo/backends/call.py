@@ -156,6 +156,14 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def additive_mask(allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A bool mask as the additive one the flash kernel takes: 0 where allowed, ``-inf`` elsewhere
+    (None stays None: every pair allowed)."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:
     """``x[b, h, index[b, h, ...]]`` for ``x (B, H, M, D)`` and an integer ``index (B, H, ...)``
     -> ``(B, H, ..., D)``: each query's own selection of keys or values, as one ``index_select``
@@ -166,7 +174,7 @@ def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:
     fills when a query has fewer candidates than slots.
     """
     if zero_row:
-        x = torch.nn.functional.pad(x, (0, 0, 0, 1))
+        x = F.pad(x, (0, 0, 0, 1))
     b, h, m, d = x.shape
     offset = torch.arange(b * h, device=x.device).view(b, h, *(1,) * (index.dim() - 2)) * m
     return x.reshape(b * h * m, d).index_select(0, (index + offset).flatten()).view(*index.shape, d)

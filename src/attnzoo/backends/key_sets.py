@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.backends.call import Call, PlanCache, compute_dtype, plain_softmax_reasons, rows_at
+from attnzoo.backends.call import Call, PlanCache, additive_mask, compute_dtype, plain_softmax_reasons, rows_at
 from attnzoo.patterns import Pattern
 from attnzoo.patterns.algebra import Intersection
 from attnzoo.patterns.atomic import GroupKeyed, KeySets
@@ -97,12 +97,6 @@ def not_key_set_reasons(call: Call) -> list[str]:
     return reasons
 
 
-def _additive(allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    if allowed is None:
-        return None
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
-
 def key_set_attention(call: Call) -> Tensor:
     """Exact attention of ``call`` over each group's keys (see the module docstring)."""
     plan = key_set_plan(call)
@@ -117,7 +111,7 @@ def key_set_attention(call: Call) -> Tensor:
     qx, kx, vx = grouped(q, plan.rows.to(q.device), rows), *(grouped(x, plan.keys.to(q.device), keys) for x in (k, v))
     allowed = None if plan.allowed is None else plan.allowed.to(q.device)[None]  # [1, G, 1 | S_q, S_k]
     if call.key_mask is None:
-        out = F.scaled_dot_product_attention(qx, kx, vx, attn_mask=_additive(allowed, dtype), scale=call.scale)
+        out = F.scaled_dot_product_attention(qx, kx, vx, attn_mask=additive_mask(allowed, dtype), scale=call.scale)
     else:  # one call per batch row: its real keys in each group, [1, G, 1, S_k], not repeated per head
         outs = []
         for i, real in enumerate(call.key_mask):
@@ -126,7 +120,7 @@ def key_set_attention(call: Call) -> Tensor:
             part = slice(i * h, (i + 1) * h)
             outs.append(
                 F.scaled_dot_product_attention(
-                    qx[part], kx[part], vx[part], attn_mask=_additive(mask, dtype), scale=call.scale
+                    qx[part], kx[part], vx[part], attn_mask=additive_mask(mask, dtype), scale=call.scale
                 )
             )
         out = torch.cat(outs)

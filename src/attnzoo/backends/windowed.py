@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
-from attnzoo.backends.call import Call, compute_dtype, merge_by_lse
+from attnzoo.backends.call import Call, additive_mask, compute_dtype, merge_by_lse
 from attnzoo.backends.grouped import (
     grouped_matmul,
     grouped_matmul_add_,
@@ -171,7 +171,7 @@ class _KernelUnionAttention(torch.autograd.Function):
         index = part.tokens.to(q.device)
         kg, vg = k[:, :, index].contiguous(), v[:, :, index].contiguous()  # [B, H, g, D]
         allowed = _column_allowed(part, opts, q.device)
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        mask = additive_mask(allowed, q.dtype)
         out, lse = flash_attention_cpu(q, kg, vg, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
         lse = lse.masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 for a row with no key
         saved = None
@@ -247,7 +247,8 @@ class _MergedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         out, lse, *tensors = ctx.saved_tensors
-        saved = [Saved(*tensors[6 * i : 6 * i + 6], *flags) for i, flags in enumerate(ctx.flags)]
+        per = len(tensors) // len(ctx.flags)  # each part's ``Saved.tensors()``
+        saved = [Saved(*tensors[per * i : per * (i + 1)], *flags) for i, flags in enumerate(ctx.flags)]
         lse = finite(lse, float("inf"))  # rows that see nothing: p = 0
         grads = [
             part_backward(w, part, grad, ctx.scale, out, lse.to(part.lse.dtype))

@@ -156,8 +156,9 @@ def discounted(key_term: Tensor, fixed: Tensor, missed: Tensor, others: int) -> 
     = 1 + others - missed`` the rounds that show the pair, from ``missed`` (``missed_rounds``).
     With two rounds ``log N_ij`` is ``ln 2 (1 - missed)``: the ``-ln 2`` goes into the small
     ``fixed`` table and one pass adds ``ln 2`` times ``missed`` (0 or 1) as the sum is written,
-    where a bool comparison, a uint8 count and a pass subtracting it took 1.7 against 1.0 ms per
-    round at 1K (``benchmarks/ab-lsh-missed-cpu.txt``; before that a float copy and ``log1p``:
+    where a bool comparison, a uint8 count and a pass subtracting it were used: ``round_mask``
+    for both of ``lsh``'s rounds at 1K 3.55 -> 2.88 ms alone, the whole within noise
+    (``benchmarks/ab-lsh-missed-cpu.txt``; before that a float copy and ``log1p``:
     ``ab-lsh-discount-cpu.txt``)."""
     if others == 1:
         return (key_term + (fixed - math.log(2.0))).add_(missed, alpha=math.log(2.0))
