@@ -276,3 +276,43 @@ def test_discounted_mask_subtracts_log_of_the_rounds_that_show_each_pair(others)
     shown = 1 + others - missed.double()  # N_ij: this round and the others that show the pair
     want = (key_term.double() + fixed.double() - shown.log()).float()
     torch.testing.assert_close(lsh_chunks.discounted(key_term, fixed, missed, others), want)
+
+
+@pytest.mark.parametrize("n_buckets", [1, 2, 8])
+def test_round_buckets_hash_every_round_as_buckets_does_one_at_a_time(n_buckets):
+    # Ties included: zero keys (unit(0) = 0) project to 0 everywhere, where argmax takes the
+    # first index; padded tokens go to the extra bucket.
+    import torch.nn.functional as F
+
+    from attnzoo.mechanisms.lsh_chunks import buckets, round_buckets
+
+    g = torch.Generator().manual_seed(3)
+    keys = F.normalize(torch.randn(2, 3, 40, 8, generator=g), dim=-1)
+    keys[:, :, :5] = 0
+    real = torch.rand(2, 40, generator=g) > 0.2
+    rotations = torch.randn(3, 3, 8, n_buckets // 2, generator=g)
+    want = torch.stack([buckets(keys, r, real) for r in rotations])
+    assert torch.equal(round_buckets(keys, rotations, real), want)
+
+
+@pytest.mark.parametrize("shift", [0, 2**25])
+def test_met_once_is_the_discounted_mask_of_one_other_round(shift):
+    # The two-round mask from float codes equals the int16 count's, also where the codes pass
+    # float32's 24 bits (shift): they are then differenced in float64.
+    import dataclasses
+
+    from attnzoo.mechanisms import lsh_chunks
+
+    g = torch.Generator().manual_seed(4)
+    laid = [lsh_chunks.layout(torch.randint(0, 4, (2, 3, 70), generator=g), 4, 8) for _ in range(2)]
+    position, other = laid[0][1], dataclasses.replace(laid[1][0], code=laid[1][0].code + shift)
+    chunks = position.shape[1] // 8
+    key_ok = torch.rand(position.shape[0], chunks, 16, generator=g) > 0.3
+    fixed = torch.zeros(8, 16).masked_fill_(torch.rand(8, 16, generator=g) < 0.3, float("-inf"))
+    key_term = torch.zeros(position.shape[0], chunks, 1, 16).masked_fill_(~key_ok[:, :, None], float("-inf"))
+    want = lsh_chunks.discounted(key_term, fixed, lsh_chunks.missed_rounds([other], position, 8), 1)
+    got = lsh_chunks.met_once(other, position, key_ok, fixed, 8)
+    finite = want[torch.isfinite(want)]
+    assert (finite == 0).any() and (finite < 0).any()  # pairs the other round shows, and pairs it does not
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -24,7 +24,7 @@ from attnzoo.backends.reference import normalize_scores
 from attnzoo.mechanisms import lsh_decode
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, real_tokens, unit
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
-from attnzoo.mechanisms.lsh_chunks import buckets, chunked_lsh
+from attnzoo.mechanisms.lsh_chunks import buckets, chunked_lsh, round_buckets
 from attnzoo.mechanisms.lsh_decode import LSHState
 from attnzoo.registry import Config, bounded, eighth, register
 from attnzoo.spec import Capabilities, Complexity
@@ -172,7 +172,7 @@ class LSHAttention(Attention):
         qc, vc = q.to(compute_dtype(q)), v.to(compute_dtype(q))
         keys = unit(qc)
         with torch.no_grad():
-            table = [buckets(keys, rotation, real) for rotation in self.rotations(heads, dim, q.device)]
+            table = round_buckets(keys, self.rotations(heads, dim, q.device), real)
         out, total = chunked_lsh(
             qc,
             keys,

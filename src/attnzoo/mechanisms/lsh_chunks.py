@@ -37,6 +37,23 @@ def buckets(keys: Tensor, rotation: Tensor, real: Tensor) -> Tensor:
     return torch.where(real[:, None, :], bucket, n_buckets)
 
 
+def round_buckets(keys: Tensor, rotations: Tensor, real: Tensor) -> Tensor:
+    """``buckets`` of every round at once, ``(R, B, H, N)`` under ``rotations (R, H, D, n_buckets
+    / 2)``: one product for all rounds, and the argmax over ``[xR; -xR]`` read from the max and
+    the min of ``xR`` (a tie between ``max`` and ``-min`` goes to the first half, as argmax's
+    first index does): 0.61 ms for ``lsh``'s two rounds at 1K where a product, ``cat`` and
+    ``argmax`` over a last dimension of 8 per round took 0.80 (``benchmarks/ab-lsh-hashing-cpu.txt``)."""
+    rounds, half = rotations.shape[0], rotations.shape[-1]
+    if not half:
+        return torch.stack([buckets(keys, r, real) for r in rotations])
+    rotation = rearrange(rotations.float(), "r h d e -> h d (r e)")
+    projected = rearrange(keys.float() @ rotation, "b h n (r e) -> r b h n e", r=rounds)
+    high, top = projected.max(-1)
+    low, bottom = projected.min(-1)
+    bucket = torch.where(high >= -low, top, bottom + half)
+    return torch.where(real[:, None, :], bucket, 2 * half)
+
+
 @dataclass(frozen=True)
 class Round:
     """One hashing round laid out for the kernel. Real tokens are sorted by (bucket, position)
@@ -78,7 +95,7 @@ def layout(bucket: Tensor, n_buckets: int, chunk: int) -> tuple[Round, Tensor, T
     """The round's slots for ``bucket (B, H, N)`` (``n_buckets`` = padding), and per slot
     ``(BH, L)`` its position (0 in filler slots), whether it is filled, and its chunk's bucket."""
     (b, h, n), dev = bucket.shape, bucket.device
-    order = torch.argsort(bucket * n + torch.arange(n, device=dev), dim=-1)  # by (bucket, position)
+    order = torch.sort(bucket, dim=-1, stable=True).indices  # by (bucket, position)
     bucket_s = bucket.gather(-1, order)
     counts = torch.zeros(b, h, n_buckets + 1, dtype=torch.long, device=dev).scatter_add_(
         -1, bucket, torch.ones_like(bucket)
@@ -136,12 +153,15 @@ def round_mask(
     own = own.tril(-1) if causal else own.fill_diagonal_(False)
     fixed = torch.zeros(chunk, 2 * chunk, dtype=dtype, device=filled.device)
     fixed[:, chunk:].masked_fill_(~own, inf)
-    key_term = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device)
-    key_term.masked_fill_(~key_ok[:, :, None], inf)
-    if dedupe and others:
-        mask = discounted(key_term, fixed, missed_rounds(others, position, chunk), len(others))
+    if dedupe and len(others) == 1:
+        mask = met_once(others[0], position, key_ok, fixed, chunk)
     else:
-        mask = key_term + fixed
+        key_term = torch.zeros(bh, chunks, 1, 2 * chunk, dtype=dtype, device=filled.device)
+        key_term.masked_fill_(~key_ok[:, :, None], inf)
+        if dedupe and others:
+            mask = discounted(key_term, fixed, missed_rounds(others, position, chunk), len(others))
+        else:
+            mask = key_term + fixed
     # A row sees something when it is filled and some key of its window passes: counted on the
     # (BH, chunks, 2c) key pieces instead of a pass over the float mask. Own chunk: the keys
     # before the query (causal) or all but itself.
@@ -151,17 +171,32 @@ def round_mask(
     return dataclasses.replace(r, mask=mask, empty=~(sees & filled.view(bh, chunks, chunk)))
 
 
+def met_once(other: Round, position: Tensor, key_ok: Tensor, fixed: Tensor, chunk: int) -> Tensor:
+    """The additive mask with one other round (``lsh``'s default of two): ``fixed (c, 2c)``, -inf
+    where ``key_ok (BH, chunks, 2c)`` is False, less ``ln 2`` where the other round shows the pair
+    too (its codes differ by 0 or 1). In four float passes: ``y = |code_q - 1/2 - code_k|`` is
+    1/2 exactly there (the codes are integers), clamped to 3/2 elsewhere and to -inf at a bad key
+    (a tensor bound), then ``fixed - 3/2 ln 2 + ln 2 y``. The int16 count of ``missed_rounds``
+    and ``discounted``'s int16 -> float add took 0.88 ms a round at 1K where this takes 0.53
+    (``benchmarks/ab-lsh-hashing-cpu.txt``)."""
+    bh, chunks = position.shape[0], position.shape[1] // chunk
+    code = other.code.flatten(0, 1)
+    # The codes' differences must be exact: float64 where float32's 24 bits would not hold them.
+    exact = fixed.dtype if int(code.max()) < 2**24 or fixed.dtype == torch.float64 else torch.float64
+    code = code.to(exact)
+    key_pos = _windows(F.pad(position, (chunk, 0)), chunk).flatten(1)
+    code_q = code.gather(1, position).view(bh, chunks, chunk, 1).sub_(0.5)
+    code_k = code.gather(1, key_pos).view(bh, chunks, 1, 2 * chunk)
+    top = torch.full(key_ok.shape, float("-inf"), dtype=exact, device=code.device).masked_fill_(key_ok, 1.5)
+    y = (code_q - code_k).abs_().clamp_(max=top[:, :, None])
+    mask = torch.add(fixed.to(exact) - 1.5 * math.log(2.0), y, alpha=math.log(2.0), out=y)
+    return mask.to(fixed.dtype)
+
+
 def discounted(key_term: Tensor, fixed: Tensor, missed: Tensor, others: int) -> Tensor:
     """The additive mask ``key_term (BH, chunks, 1, 2c) + fixed (c, 2c) - log N_ij``, with ``N_ij
-    = 1 + others - missed`` the rounds that show the pair, from ``missed`` (``missed_rounds``).
-    With two rounds ``log N_ij`` is ``ln 2 (1 - missed)``: the ``-ln 2`` goes into the small
-    ``fixed`` table and one pass adds ``ln 2`` times ``missed`` (0 or 1) as the sum is written,
-    where a bool comparison, a uint8 count and a pass subtracting it were used: ``round_mask``
-    for both of ``lsh``'s rounds at 1K 3.55 -> 2.88 ms alone, the whole within noise
-    (``benchmarks/ab-lsh-missed-cpu.txt``; before that a float copy and ``log1p``:
-    ``ab-lsh-discount-cpu.txt``)."""
-    if others == 1:
-        return (key_term + (fixed - math.log(2.0))).add_(missed, alpha=math.log(2.0))
+    = 1 + others - missed`` the rounds that show the pair, from ``missed`` (``missed_rounds``):
+    three rounds or more (two: ``met_once``)."""
     return (key_term + fixed).sub_(torch.log1p((others - missed).to(fixed.dtype)))
 
 
