@@ -8,6 +8,9 @@ subtracted and shifted, and compared once. ``old_shared_rounds`` below is the co
 c797ba5), swapped in per call; each pair is timed forward+backward interleaved with dense
 SDPA's (B=1, H=8, D=64, median of the repeats). Usage: ``python scripts/ab_lsh_int16.py N
 CAUSAL(0|1) lsh [REPEATS]``.
+
+The rule it swaps in for left the code at ``1d43ac5`` (``missed_rounds`` and ``discounted`` replaced
+it): run it from a checkout of ``1d43ac5^``, where it ran when its A/B file was written.
 """
 
 from __future__ import annotations

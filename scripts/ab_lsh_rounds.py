@@ -9,6 +9,9 @@ int16 first, so "new" below is that code now. ``old_shared_rounds`` is the code 
 in per call; each pair is timed forward+backward interleaved with dense SDPA's (B=1, H=8, D=64,
 median of the repeats). Usage: ``python scripts/ab_lsh_rounds.py N CAUSAL(0|1) NAME[,NAME...]
 [REPEATS]``.
+
+The rule it swaps in for left the code at ``1d43ac5`` (``missed_rounds`` and ``discounted`` replaced
+it): run it from a checkout of ``1d43ac5^``, where it ran when its A/B file was written.
 """
 
 from __future__ import annotations

@@ -135,6 +135,8 @@ def swap_main(module: Any, attr: str, old: Any, *, causal: bool | None = None) -
     """The ``main`` of an A/B script that swaps ``module.attr`` between ``old`` and the value it
     has now: ``N [CAUSAL(0|1)] NAME[,NAME...] [REPEATS]`` from the command line (CAUSAL where
     ``causal`` is None), timed forward+backward by ``fwd_bwd_ab``."""
+    if not hasattr(module, attr):
+        sys.exit(f"{module.__name__} has no {attr!r} now: run this A/B at the revision its docstring names")
     n, causal, names, repeats = parse_ab_args(sys.argv[1:], causal)
     rules = {"old": old, "new": getattr(module, attr)}
     fwd_bwd_ab(n, causal, names, repeats, lambda rule: setattr(module, attr, rules[rule]))
