@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,3 +55,24 @@ def test_unit_equals_f_normalize_forward_and_gradients_with_zero_and_clamped_row
     t = torch.randn(2, 3, 8, dtype=torch.float64).requires_grad_()  # away from the kink at |x| = eps
     torch.autograd.gradcheck(lambda s: unit(s, eps), (t,))
     torch.autograd.gradgradcheck(lambda s: unit(s, eps), (t,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lower_decay_exp_is_exp_below_the_diagonal_zero_above_and_never_denormal(dtype):
+    # Differences of cumulative log decays, strong enough that some underflow: exp of those is
+    # raised to a normal number (exp_floor), everything else is torch.exp's value, and the
+    # upper triangle is exactly 0.
+    from attnzoo.mechanisms._ops import exp_floor, lower_decay_exp_
+
+    g = torch.Generator().manual_seed(0)
+    cum = (-torch.rand(2, 3, 40, generator=g, dtype=torch.float64) * 60).cumsum(-1)
+    gap = (cum[..., :, None] - cum[..., None, :]).to(dtype)
+    lower = torch.ones(40, 40, dtype=torch.bool).tril().expand(2, 3, 40, 40)
+    want = gap.masked_fill(~lower, float("-inf")).exp()
+    got = lower_decay_exp_(gap.clone())
+    floor = exp_floor(dtype)
+    deep = lower & (gap < floor)
+    assert deep.any() and (lower & (gap >= floor)).any()  # both regimes present
+    assert torch.equal(got[~deep], want[~deep])
+    assert torch.equal(got[deep], torch.full_like(got[deep], math.exp(floor)).to(dtype))
+    assert (got[lower] >= torch.finfo(dtype).tiny).all() and (got.triu(1) == 0).all()

@@ -49,6 +49,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from attnzoo.mechanisms._ops import lower_decay_exp_
+
 #: Tokens per chunk of the fast path: quadratic (C x C) inside, the state carried across. 32 beat
 #: 16, 24 and 64 at N = 4096, D = 64 (fwd+bwd on CPU, ``scripts/recurrent_vs_naive.py``).
 CHUNK = 32
@@ -224,8 +226,7 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None) -> _
         dec = gates = None
         qs, k_end, p, start = q, k, qk.tril_(), beta
     else:
-        upto = torch.ones(k.shape[2], k.shape[2], dtype=torch.bool, device=k.device).tril()
-        dec = (g[..., :, None] - g[..., None, :]).masked_fill(~upto, -math.inf).exp()
+        dec = lower_decay_exp_(g[..., :, None] - g[..., None, :])
         kk, p, eg = kk.mul_(dec), qk.mul_(dec), g.exp()  # in place: the backward needs only these
         qs, start = q * eg[..., None], beta * eg
         k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
