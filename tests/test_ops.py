@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,9 +57,8 @@ def test_unit_equals_f_normalize_forward_and_gradients_with_zero_and_clamped_row
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_lower_decay_exp_is_exp_below_the_diagonal_zero_above_and_never_denormal(dtype):
-    # Differences of cumulative log decays, strong enough that some underflow: exp of those is
-    # raised to a normal number (exp_floor), everything else is torch.exp's value, and the
-    # upper triangle is exactly 0.
+    # Differences of cumulative log decays, strong enough that some underflow: those are 0,
+    # everything else is torch.exp's value (a normal number), and the upper triangle is 0.
     from attnzoo.mechanisms._ops import exp_floor, lower_decay_exp_
 
     g = torch.Generator().manual_seed(0)
@@ -73,6 +70,27 @@ def test_lower_decay_exp_is_exp_below_the_diagonal_zero_above_and_never_denormal
     floor = exp_floor(dtype)
     deep = lower & (gap < floor)
     assert deep.any() and (lower & (gap >= floor)).any()  # both regimes present
-    assert torch.equal(got[~deep], want[~deep])
-    assert torch.equal(got[deep], torch.full_like(got[deep], math.exp(floor)).to(dtype))
-    assert (got[lower] >= torch.finfo(dtype).tiny).all() and (got.triu(1) == 0).all()
+    assert torch.equal(got[~deep], want[~deep]) and (got[deep] == 0).all()
+    assert (got[lower & ~deep] >= torch.finfo(dtype).tiny).all() and (got.triu(1) == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_floored_exp_is_exp_with_what_would_underflow_made_zero_and_twice_differentiable(dtype):
+    from attnzoo.mechanisms._ops import exp_floor, floored_exp_
+
+    floor = exp_floor(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(4, 50, generator=g, dtype=torch.float64).mul(-6).to(dtype)
+    deep = x.clone()
+    deep[:, ::3] = floor - torch.rand(4, 17, generator=g, dtype=torch.float64).mul(500).to(dtype)
+    deep[0, 0] = float("-inf")
+    assert torch.equal(floored_exp_(x.clone()), x.exp())  # the usual case: exp itself
+    got = floored_exp_(deep.clone())
+    below = deep < floor
+    assert torch.equal(got[~below], deep[~below].exp()) and (got[below] == 0).all()
+    if dtype == torch.float64:  # the gradient grad * exp(x), and its own gradient
+        t = deep.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(floored_exp_(t * 1.0).sum(), t)
+        assert torch.equal(grad, got)
+        torch.autograd.gradgradcheck(lambda s: floored_exp_(s * 1.0), (x.clone().requires_grad_(),))
+        torch.autograd.gradgradcheck(lambda s: floored_exp_(s * 1.0), (t,))

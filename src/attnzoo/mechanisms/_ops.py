@@ -112,13 +112,57 @@ def exp_floor(dtype: torch.dtype) -> float:
     return float(math.ceil(math.log(torch.finfo(dtype).tiny)))
 
 
+def floored_exp_(x: Tensor) -> Tensor:
+    """``x.exp_()`` with every value that would fall below ``exp(exp_floor)`` (the dtype's smallest
+    normal) made exactly 0, as underflow and ``exp(-inf)`` give, in place (``x`` must be a
+    temporary no other node needs); differentiable (twice), the gradient ``grad * exp(x)`` (0
+    where flushed: the true one is below 1e-38 times ``grad``).
+
+    On CPU one reduction decides: where no exponent is below the floor (the usual case) this is
+    ``exp_``; where some are, they are clamped to it before ``exp`` and the results at the floor
+    set to 0 after (``threshold_``), so ``exp`` stays on its vector path and no denormal reaches
+    the products that follow. Not a floor alone: two features at the floor multiply to a denormal.
+    Performer's features of queries and keys 10x larger than unit variance made its fwd+bwd at
+    4K several times slower without it, most of it in matrix products over denormals
+    (``benchmarks/ab-floored-exp-cpu.txt``)."""
+    return _FloorExp.apply(x)
+
+
+class _FloorExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        floor = exp_floor(x.dtype)
+        eager_cpu = x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling()
+        if eager_cpu and bool(x.amin() < floor):
+            flushed_exp_(x)
+        else:
+            x.exp_()
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        return grad * out
+
+
 def lower_decay_exp_(gap: Tensor) -> Tensor:
     """``exp(gap)`` on and below the diagonal of the last two dimensions and 0 above, in place:
     ``gap (..., L, L)`` holds differences ``c_i - c_j`` of cumulative log decays, <= 0 on and
     below the diagonal. The exponents are clamped to ``[exp_floor, 0]`` and the upper triangle
     zeroed after ``exp``, where ``masked_fill(-inf)`` before it sent half the entries down
-    ``exp``'s slow path (see ``exp_floor``)."""
-    return gap.clamp_(exp_floor(gap.dtype), 0.0).exp_().tril_()
+    ``exp``'s slow path (see ``exp_floor``); a decay at the floor is 0, as it underflowed to
+    before (``floored_exp_``: no denormal in the products it enters)."""
+    return flushed_exp_(gap.clamp_(max=0.0)).tril_()
+
+
+def flushed_exp_(x: Tensor, like: torch.dtype | None = None) -> Tensor:
+    """``x.exp_()`` outside autograd, exponents clamped to ``exp_floor`` of ``like`` (default
+    ``x``'s dtype, the one the result is cast to) and the results at the floor set to 0: on
+    ``exp``'s vector path, and neither a denormal nor, after a cast to ``like``, one made by it."""
+    floor = exp_floor(like or x.dtype)
+    return F.threshold_(x.clamp_(min=floor).exp_(), math.exp(floor), 0.0)
 
 
 def masked_softmax(scores: Tensor, visible: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import exp_floor, lower_decay_exp_, scan_grads, scan_states
+from attnzoo.mechanisms._ops import flushed_exp_, lower_decay_exp_, scan_grads, scan_states
 
 
 def decayed_chunks(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
@@ -43,15 +43,14 @@ def _factors(log_decay: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Ten
     """``D (B, H, C, L, L)``, ``e``, ``r (B, H, C, L)`` and ``g (B, H, C, 1, 1)`` of the module
     docstring. The cumulative sums are float64: a difference of two sums near -1000 keeps its
     digits (float32 loses 1e-4); every exponent is <= 0, and none below ``exp_floor`` (``exp``'s
-    slow path: ``rfa`` causal at 4K 165 -> 154 and 172 -> 160 ms, ``retnet`` 52 -> 44,
+    slow path; what would underflow is 0: ``rfa`` causal at 4K 165 -> 154 and 172 -> 160 ms, ``retnet`` 52 -> 44,
     ``performer`` 122 -> 109, ``benchmarks/ab-exp-floor-cpu.txt``)."""
     cum = log_decay.double().cumsum(-1)
     pair = lower_decay_exp_((cum[..., :, None] - cum[..., None, :]).to(dtype))
-    floor = exp_floor(dtype)
-    to_end = (cum[..., -1:] - cum).to(dtype).clamp_(min=floor).exp_()
-    # In float64 (``cum`` itself, not a difference, carries the digits), clamped to the floor of
-    # the dtype it is cast to; not in place: ``cum`` is still read.
-    rise, gates = (x.clamp(min=floor).exp().to(dtype) for x in (cum, cum[..., -1, None, None]))
+    to_end = flushed_exp_((cum[..., -1:] - cum).to(dtype))
+    # In float64 (``cum`` itself, not a difference, carries the digits), floored for the dtype
+    # it is cast to; on copies: ``cum`` is still read.
+    rise, gates = (flushed_exp_(x.clone(), dtype).to(dtype) for x in (cum, cum[..., -1, None, None]))
     return pair, to_end, rise, gates
 
 

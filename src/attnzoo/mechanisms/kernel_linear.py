@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import compute_dtype
+from attnzoo.mechanisms._ops import compute_dtype, floored_exp_
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted
 from attnzoo.mechanisms.kernel import KernelState, KeyFeatures, Normalizer, kernel_attention, reference_kernel_attention
 from attnzoo.registry import Config, bounded, register
@@ -246,4 +246,6 @@ class EfficientAttention(KernelAttention):
     ) -> KeyFeatures:
         logits = k if real is None else k.masked_fill(~real[..., None], -math.inf)
         c = logits.detach().amax(2)  # [B, H, D]: per-feature max over the real keys
-        return KeyFeatures((logits - torch.where(torch.isfinite(c), c, 0.0)[:, :, None]).exp(), None, c)
+        # floored_exp_ (in place on the difference): large keys spread their exponents past -87.
+        exponents = logits - torch.where(torch.isfinite(c), c, 0.0)[:, :, None]
+        return KeyFeatures(floored_exp_(exponents), None, c)

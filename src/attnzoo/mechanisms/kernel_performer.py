@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnzoo.mechanisms._ops import floored_exp_
 from attnzoo.mechanisms.kernel import KeyFeatures
 from attnzoo.mechanisms.kernel_features import (
     DRAWS_NOTE,
@@ -91,7 +92,9 @@ def favor_query(q: Tensor, w: Tensor) -> Tensor:
     shift = _max_exponent(q, qw, w)[..., None] + math.log(w.shape[0]) / 2
     # In place: matmul does not save its output for backward. add_ of a negated shift, not
     # sub_: sub_'s backward negates the whole (B, H, N, m) gradient to reduce it to the shift's.
-    return qw.add_(-shift).exp_()
+    # floored_exp_: a feature below float32's smallest normal is 0 (large queries spread their
+    # exponents past -87, where exp and every product after it slow down).
+    return floored_exp_(qw.add_(-shift))
 
 
 def favor_keys(k: Tensor, w: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
@@ -137,7 +140,7 @@ def favor_keys(k: Tensor, w: Tensor, real: Tensor | None, *, causal: bool, c0: T
     shift = half_norm + torch.where(torch.isfinite(c), c, 0.0) + math.log(w.shape[0]) / 2
     if real is not None:
         shift = torch.where(real, shift, math.inf)
-    return KeyFeatures(kw.add_(-shift[..., None]).exp_(), log_decay, out_c)  # add_: see favor_query
+    return KeyFeatures(floored_exp_(kw.add_(-shift[..., None])), log_decay, out_c)  # see favor_query
 
 
 @dataclass(frozen=True, kw_only=True)
