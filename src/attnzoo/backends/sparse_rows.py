@@ -107,8 +107,14 @@ def _row_softmax(r: SparseRows, scores: Tensor, visible: Tensor | None) -> Tenso
         block = scores.view(m, k)
     else:
         block = scores.new_full((m * k,), -math.inf).index_copy_(0, r.slots, scores).view(m, k)
-    lse = torch.logsumexp(block, -1, keepdim=True)
-    weights = torch.exp(block - torch.where(lse == -math.inf, math.inf, lse)).flatten()
+    # torch.softmax, not logsumexp and exp: those leave their vector path on -inf and on
+    # exponents below -87 (``_ops.exp_floor``): causal ``random`` fwd+bwd at 2K 25.4 -> 21.4 ms,
+    # ``logsparse`` 12.1 -> 10.7 (``benchmarks/ab-row-softmax-cpu.txt``).
+    weights = torch.softmax(block, -1)
+    empty = block.amax(-1, keepdim=True) == -math.inf  # softmax over nothing: NaN, made 0 (a NaN score stays)
+    if bool(empty.any()):
+        weights.masked_fill_(empty, 0.0)
+    weights = weights.flatten()
     return weights if r.full else weights[r.slots]
 
 
