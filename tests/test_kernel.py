@@ -151,8 +151,10 @@ def test_performer_equals_the_unstabilised_formula_forward_and_gradients():
             assert_same(got, want, what="gradient")
 
 
-def test_rfa_equals_its_gated_recurrence_written_out():
-    attn = build("rfa", features=16, sigma=0.8, heads=H, head_dim=D).double()
+@pytest.mark.parametrize("eps", [1e-6, 0.05])
+def test_rfa_equals_its_gated_recurrence_written_out(eps):
+    # eps = 0.05 binds for some rows: the module's unscaled features carry the paper's eps
+    attn = build("rfa", features=16, sigma=0.8, heads=H, head_dim=D, eps=eps).double()
     q, k, v = make_qkv(B, H, N, N, d=D)
     fast = attn(q, k, v, causal=True)
     w = attn.projection.double()
@@ -163,15 +165,18 @@ def test_rfa_equals_its_gated_recurrence_written_out():
         return torch.cat([u.sin(), u.cos()], dim=-1) / math.sqrt(w.shape[0])
 
     s, z, expected = torch.zeros(B, H, 32, D, dtype=torch.float64), torch.zeros(B, H, 32, dtype=torch.float64), []
+    bound = []
     for t in range(N):
         phi_k = fourier_features(k[:, :, t], w, 0.8)  # [B, H, 2m]
         s = g[:, :, t, None, None] * s + (1 - g[:, :, t, None, None]) * phi_k[..., None] * v[:, :, t, None, :]
         z = g[:, :, t, None] * z + (1 - g[:, :, t, None]) * phi_k
         phi_q = fourier_features(q[:, :, t], w, 0.8)
         den = (phi_q * z).sum(-1)
-        den = torch.where(den >= 0, den.clamp(min=1e-6), den.clamp(max=-1e-6))
+        bound.append(den.abs() < eps)
+        den = torch.where(den >= 0, den.clamp(min=eps), den.clamp(max=-eps))
         expected.append(torch.einsum("bhm,bhme->bhe", phi_q, s) / den[..., None])
     expected = torch.stack(expected, dim=2)
+    assert torch.stack(bound).any() == (eps > 1e-3)  # the clamp binds where it should
     assert_same(fast, expected)
     inputs = (q, k, v, attn.gate_weight, attn.gate_bias)
     for got, want in zip(grads(fast, inputs), grads(expected, inputs)):
