@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import flushed_exp_, lower_decay_exp_, scan_grads, scan_states
+from attnzoo.mechanisms._ops import decay_floor, flushed_exp_, lower_decay_exp_, scan_grads, scan_states
 
 
 def decayed_chunks(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
@@ -42,16 +42,17 @@ def decayed_chunks(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tenso
 def _factors(log_decay: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``D (B, H, C, L, L)``, ``e``, ``r (B, H, C, L)`` and ``g (B, H, C, 1, 1)`` of the module
     docstring. The cumulative sums are float64: a difference of two sums near -1000 keeps its
-    digits (float32 loses 1e-4); every exponent is <= 0, and none below ``exp_floor`` (``exp``'s
-    slow path; what would underflow is 0): staged, these factors took 6.7 ms of causal ``rfa``'s
+    digits (float32 loses 1e-4); every exponent is <= 0, and a factor below ``decay_floor`` is 0
+    (``exp``'s slow path, denormal products): staged, these factors took 6.7 ms of causal ``rfa``'s
     ~145 at 4K with ``masked_fill(-inf)`` before ``exp``, 3.0 now (end to end within this
     machine's noise: ``benchmarks/ab-exp-floor-cpu.txt``)."""
     cum = log_decay.double().cumsum(-1)
     pair = lower_decay_exp_((cum[..., :, None] - cum[..., None, :]).to(dtype))
-    to_end = flushed_exp_((cum[..., -1:] - cum).to(dtype))
+    floor = decay_floor(dtype)
+    to_end = flushed_exp_((cum[..., -1:] - cum).to(dtype), floor)
     # In float64 (``cum`` itself, not a difference, carries the digits), floored for the dtype
     # it is cast to; on copies: ``cum`` is still read.
-    rise, gates = (flushed_exp_(x.clone(), dtype).to(dtype) for x in (cum, cum[..., -1, None, None]))
+    rise, gates = (flushed_exp_(x.clone(), floor).to(dtype) for x in (cum, cum[..., -1, None, None]))
     return pair, to_end, rise, gates
 
 
