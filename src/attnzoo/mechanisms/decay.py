@@ -118,7 +118,9 @@ class DecayAttention(Attention):
 _NOTES = (
     "causal only: causal=False raises (the recurrence has no non-causal form)",
     "padded tokens are skipped: zero k and v, and log decay 0, so they neither enter nor decay the state",
-    "causal: chunkwise (quadratic inside a chunk of `chunk` positions, states carried across chunks)",
+    "causal: chunkwise (quadratic inside a chunk of `chunk` positions, states carried across chunks); "
+    "scalar decays (not gla's per-channel ones): a decay factor below eps^4 (e^-64 in float32) counts "
+    "as 0, beside the row's own key at factor 1",
     "decode step: the recurrence on S (B, H, D, D_v), O(D D_v) per token, fixed size",
 )
 _COST = Complexity(

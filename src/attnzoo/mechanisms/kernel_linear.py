@@ -119,7 +119,8 @@ class KernelAttention(Attention):
 _CORE_NOTES = (
     "causal aligns queries to the end of the keys: query i sees keys j <= i + N_kv - N_q",
     "padded keys never enter S or z; a query with no visible key returns zeros (num = den = 0)",
-    "causal: chunkwise (quadratic inside a chunk of `chunk` positions, sums carried across chunks)",
+    "causal: chunkwise (quadratic inside a chunk of `chunk` positions, sums carried across chunks); "
+    "a decay factor below eps^4 (e^-64 in float32) counts as 0, beside the row's own key at factor 1",
     "decode step: the recurrence on (S, z), O(1) per token",
 )
 #: Every member whose key features read the keys alone (no per-query-head parameter).
