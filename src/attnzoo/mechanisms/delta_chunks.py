@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import lower_decay_exp_
+from attnzoo.mechanisms._ops import decay_floor, flushed_exp_, lower_decay_exp_
 
 #: Tokens per chunk of the fast path: quadratic (C x C) inside, the state carried across. 32 beat
 #: 16, 24 and 64 at N = 4096, D = 64 (fwd+bwd on CPU, ``scripts/recurrent_vs_naive.py``).
@@ -216,6 +216,14 @@ class _Intra(NamedTuple):
     gates: Tensor | None
 
 
+def _decays(g: Tensor) -> tuple[Tensor, Tensor]:
+    """``exp(g)`` (decay from the chunk's start) and ``exp(g_L - g)`` (to its end) of the in-chunk
+    cumulative log decays ``g`` (<= 0), a factor below ``_ops.decay_floor`` counting as 0 (no
+    denormal in the products they enter)."""
+    floor = decay_floor(g.dtype)
+    return flushed_exp_(g.clone(), floor), flushed_exp_(g[..., -1:] - g, floor)
+
+
 def _intra(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None) -> _Intra:
     """``[U_v, W] = T [diag(beta) V, diag(beta G) K]`` with ``T`` the unit lower-triangular inverse
     of ``I + tril(diag(beta) (K K^T * Dec), -1)`` (module docstring), and the in-chunk scores.
@@ -227,10 +235,11 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None) -> _
         qs, k_end, p, start = q, k, qk.tril_(), beta
     else:
         dec = lower_decay_exp_(g[..., :, None] - g[..., None, :])
-        kk, p, eg = kk.mul_(dec), qk.mul_(dec), g.exp()  # in place: the backward needs only these
+        eg, to_end = _decays(g)
+        kk, p = kk.mul_(dec), qk.mul_(dec)  # in place: the backward needs only these
         qs, start = q * eg[..., None], beta * eg
-        k_end = k * (g[..., -1:] - g).exp()[..., None]  # decay from token j to the chunk end
-        gates = g[..., -1].exp()
+        k_end = k * to_end[..., None]  # decay from token j to the chunk end
+        gates = eg[..., -1]
     t = _unit_lower_inverse(kk * beta[..., None])  # read only below the diagonal
     u_v, w = (t * beta[..., None, :]) @ v, (t * start[..., None, :]) @ k
     return _Intra(t, u_v, w, qs, k_end, p, kk, dec, gates)
@@ -342,7 +351,7 @@ def _back_intra(q, k, v, beta, g, f: _Intra, u, s_c, dp, dqs, du, dk_end, dgates
         dkk, dqk = da.mul_(beta[..., None]), dp.tril_()
         start = beta
     else:
-        eg, to_end = g.exp(), (g[..., -1:] - g).exp()
+        eg, to_end = _decays(g)
         m = da_kk.mul_(beta[..., None]).addcmul_(dp, f.p)  # dL/dDec * Dec (p, kk: decayed)
         dkk, dqk, start = da.mul_(beta[..., None]).mul_(f.dec), dp.mul_(f.dec), beta * eg
         r = rowdot(dk_end, k) * to_end  # k_end = k exp(g_L - g)
