@@ -243,6 +243,7 @@ class DeltaNet(Attention):
     notes=(
         *_NOTES[:2],
         "log alpha_t = -exp(A_log_h) softplus(k_t . w_h + dt_bias_h) (Mamba-2's gate, projected from the key)",
+        "a decay factor below eps^4 (e^-64 in float32) counts as 0, beside the token's own update at factor 1",
         *_NOTES[2:],
     ),
 )
