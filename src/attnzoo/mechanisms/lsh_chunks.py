@@ -179,18 +179,24 @@ def met_once(other: Round, position: Tensor, key_ok: Tensor, fixed: Tensor, chun
     (a tensor bound), then ``fixed - 3/2 ln 2 + ln 2 y``. The int16 count of ``missed_rounds``
     and ``discounted``'s int16 -> float add took 0.88 ms a round at 1K where this takes 0.53
     (``benchmarks/ab-lsh-hashing-cpu.txt``)."""
-    bh, chunks = position.shape[0], position.shape[1] // chunk
     code = other.code.flatten(0, 1)
     # The codes' differences must be exact: float64 where float32's 24 bits would not hold them.
     exact = fixed.dtype if int(code.max()) < 2**24 or fixed.dtype == torch.float64 else torch.float64
-    code = code.to(exact)
-    key_pos = _windows(F.pad(position, (chunk, 0)), chunk).flatten(1)
-    code_q = code.gather(1, position).view(bh, chunks, chunk, 1).sub_(0.5)
-    code_k = code.gather(1, key_pos).view(bh, chunks, 1, 2 * chunk)
+    code_q, code_k = _pair_codes(code.to(exact), position, chunk)
     top = torch.full(key_ok.shape, float("-inf"), dtype=exact, device=code.device).masked_fill_(key_ok, 1.5)
-    y = (code_q - code_k).abs_().clamp_(max=top[:, :, None])
+    y = (code_q.sub_(0.5) - code_k).abs_().clamp_(max=top[:, :, None])
     mask = torch.add(fixed.to(exact) - 1.5 * math.log(2.0), y, alpha=math.log(2.0), out=y)
     return mask.to(fixed.dtype)
+
+
+def _pair_codes(code: Tensor, position: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """Another round's ``code (BH, N)`` at this round's queries ``(BH, chunks, c, 1)`` and at
+    their window keys ``(BH, chunks, 1, 2c)`` (``position (BH, L)``: each slot's token), in
+    ``code``'s dtype: their difference is 0 or 1 where that round shows the pair too."""
+    bh, chunks = position.shape[0], position.shape[1] // chunk
+    key_pos = _windows(F.pad(position, (chunk, 0)), chunk).flatten(1)
+    code_q = code.gather(1, position).view(bh, chunks, chunk, 1)
+    return code_q, code.gather(1, key_pos).view(bh, chunks, 1, 2 * chunk)
 
 
 def discounted(key_term: Tensor, fixed: Tensor, missed: Tensor, others: int) -> Tensor:
@@ -206,16 +212,13 @@ def missed_rounds(others: list[Round], position: Tensor, chunk: int) -> Tensor:
     chunk is the query's or the one before: codes that differ by 0 or 1). Integer arithmetic
     throughout: on lsh's 1.4M pairs per round at 1K, the comparison to bool it replaced took
     0.48 ms, the subtraction, shift, ``abs`` and clamp 0.26 together."""
-    bh, chunks = position.shape[0], position.shape[1] // chunk
-    key_pos = _windows(F.pad(position, (chunk, 0)), chunk).flatten(1)
     missed = None
     for o in others:
         code = o.code.flatten(0, 1)
         # int16 where the codes fit (an int16 subtraction costs a tenth of a broadcast
         # comparison: ab-lsh-int16-cpu.txt), their width otherwise.
         narrow = torch.int16 if int(code.max()) < 2**15 else code.dtype
-        code_q = code.gather(1, position).view(bh, chunks, chunk, 1).to(narrow)
-        code_k = code.gather(1, key_pos).view(bh, chunks, 1, 2 * chunk).to(narrow)
+        code_q, code_k = _pair_codes(code.to(narrow), position, chunk)
         apart = (code_q - code_k) >> 1  # 0 exactly for a difference of 0 or 1
         apart = apart.abs_().clamp_max_(1)  # 0 where they meet, else 1
         missed = apart if missed is None else missed.add_(apart)
