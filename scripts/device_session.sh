@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: what the card and torch are, every mechanism against itself on
-# the CPU (scripts/device_check.py), then GPU timings against dense SDPA of the paths not yet
-# timed there: flex's per-head groups (sparse_transformer_strided), bounded strided bands as one
-# band below 4 tiles (dilated at its defaults), strided and bigbird for reference, and the causal
-# kernel chunks at their per-device default (kernel.causal_chunk). Each stage has its own time
-# limit and writes its rows as they finish, so a stage cut short still leaves what it measured.
-# The whole check took about 240 s on an H100 (92 checks); the three stages fit in ~9 minutes.
+# the CPU (scripts/device_check.py), then GPU timings against dense SDPA of what has not been timed
+# there as a default: the non-causal kernel mechanisms in one block of rows off the CPU
+# (kernel.DEVICE_BLOCK_ROWS; A/B'd by scripts/ab_device_block_rows.py in the fourth session, not
+# yet run through `bench speed`), and the content-based mechanisms launch-bound at 4K (lsh,
+# sinkhorn, routing) causal and not. Each stage has its own time limit and writes its rows as they
+# finish, so a stage cut short still leaves what it measured. The check took 250 s on an H100
+# (92 checks, fourth session); the three stages fit in ~8 minutes.
 #
 #     OUT=/some/dir bash scripts/device_session.sh
 #     (env: DEVICE=cuda, PY=python3, N=4096,16384, ONLY=<mechanisms to check>, *_S = seconds)
@@ -30,6 +31,5 @@ speed() {  # speed NAME SECONDS ARGS...: one bench speed run into $OUT/NAME.json
     echo "$name rc=$? rows=$(grep -c '"kind": "speed"' "$OUT/$name.jsonl")"
     tail -4 "$OUT/$name.log"
 }
-speed speed-patterns "${PATTERNS_S:-180}" --mechanism sparse_transformer_strided --mechanism dilated \
-    --mechanism strided --mechanism bigbird --causal both
-speed speed-chunks "${CHUNKS_S:-70}" --mechanism performer --mechanism rfa --mechanism linear --causal yes
+speed speed-kernel "${KERNEL_S:-90}" --mechanism performer --mechanism efficient --mechanism linear --causal no
+speed speed-content "${CONTENT_S:-150}" --mechanism lsh --mechanism sinkhorn --mechanism routing --causal both

@@ -5,8 +5,9 @@
 One table per causality: per mechanism, the forward+backward speed-up over dense SDPA at each N
 (median of interleaved pairs; in brackets the density bound 1/density where the pattern fixes
 it), the forward speed-up at the largest N, and the crossover N (smallest N from which it stays
-ahead of SDPA, forward+backward). A † marks a default config sized for that N (``sized_for``:
-the default is not defined there, e.g. ``axial``'s 32 x 32 grid).
+ahead of SDPA, forward+backward; "—" where the run was cut before its fit rows). A † marks a
+default config sized for that N (``sized_for``: the default is not defined there, e.g.
+``axial``'s 32 x 32 grid).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def tables(rows: list[dict]) -> str:
                         f"`{name}`",
                         *(_cell(by_n.get(n)) for n in sizes),
                         f"{fwd:.2f}×" if fwd else "—",
-                        str(cross) if cross else "never",
+                        str(cross) if cross else "never" if fit else "—",  # no fit: a run cut short
                     ]
                 )
                 + " |"

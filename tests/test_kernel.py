@@ -445,6 +445,22 @@ def test_causal_blocks_of_heads_run_on_the_cpu_only(monkeypatch):
         assert calls == want, device
 
 
+def test_non_causal_blocks_of_rows_on_the_cpu_only(monkeypatch):
+    # 30 rows a block on the CPU (the autouse fixture): N = 37 positions of B * H = 6 rows in
+    # blocks of 5; off the CPU (the meta device stands in for a GPU) one block, where more would
+    # only repeat the launches.
+    calls = []
+    monkeypatch.setattr(kernel, "DEVICE_BLOCK_ROWS", B * H * N)
+    attn = build("performer", head_dim=D)
+    features = attn.key_features
+    monkeypatch.setattr(attn, "key_features", lambda k, *a, **kw: calls.append(k.shape[2]) or features(k, *a, **kw))
+    for device, want in (("cpu", [5] * 7 + [2]), ("meta", [N])):
+        calls.clear()
+        q = torch.randn(B, H, N, D, device=device)
+        assert attn.to(device)(q, q, q).device.type == device
+        assert calls == want, device
+
+
 @pytest.mark.parametrize(("block_bytes", "block_rows", "want"), [(1, 2 * B * N, [2, 1]), (1, 3 * B * N - 1, [2, 1])])
 def test_causal_blocks_hold_at_least_the_block_rows(monkeypatch, block_bytes, block_rows, want):
     # Heads per block: what CAUSAL_BLOCK_BYTES of key features hold, or CAUSAL_BLOCK_ROWS rows
