@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: what the card and torch are, every mechanism against itself on
 # the CPU (scripts/device_check.py), then GPU timings against dense SDPA of what has not been timed
 # there as a default: the non-causal kernel mechanisms in one block of rows off the CPU
-# (kernel.DEVICE_BLOCK_ROWS; A/B'd by scripts/ab_device_block_rows.py in the fourth session, not
+# (kernel.DEVICE_BLOCK_BYTES; A/B'd by scripts/ab_device_block_rows.py in the fourth session, not
 # yet run through `bench speed`), and the content-based mechanisms launch-bound at 4K (lsh,
 # sinkhorn, routing) causal and not. Each stage has its own time limit and writes its rows as they
 # finish, so a stage cut short still leaves what it measured. The check took 250 s on an H100

@@ -447,18 +447,24 @@ def test_causal_blocks_of_heads_run_on_the_cpu_only(monkeypatch):
 
 def test_non_causal_blocks_of_rows_on_the_cpu_only(monkeypatch):
     # 30 rows a block on the CPU (the autouse fixture): N = 37 positions of B * H = 6 rows in
-    # blocks of 5; off the CPU (the meta device stands in for a GPU) one block, where more would
-    # only repeat the launches.
+    # blocks of 5; off the CPU (the meta device stands in for a GPU) blocks of DEVICE_BLOCK_BYTES
+    # of features: all N positions in one where they fit, where more would only repeat the
+    # launches, and 2 positions a block under a cap of 2.5 positions' features.
     calls = []
-    monkeypatch.setattr(kernel, "DEVICE_BLOCK_ROWS", B * H * N)
     attn = build("performer", head_dim=D)
     features = attn.key_features
     monkeypatch.setattr(attn, "key_features", lambda k, *a, **kw: calls.append(k.shape[2]) or features(k, *a, **kw))
-    for device, want in (("cpu", [5] * 7 + [2]), ("meta", [N])):
+    position_bytes = B * H * attn.num_features(D) * 4
+    for device, cap, want in (
+        ("cpu", 1, [5] * 7 + [2]),
+        ("meta", N * position_bytes, [N]),
+        ("meta", position_bytes * 5 // 2, [2] * 18 + [1]),
+    ):
+        monkeypatch.setattr(kernel, "DEVICE_BLOCK_BYTES", cap)
         calls.clear()
         q = torch.randn(B, H, N, D, device=device)
         assert attn.to(device)(q, q, q).device.type == device
-        assert calls == want, device
+        assert calls == want, (device, cap)
 
 
 @pytest.mark.parametrize(("block_bytes", "block_rows", "want"), [(1, 2 * B * N, [2, 1]), (1, 3 * B * N - 1, [2, 1])])

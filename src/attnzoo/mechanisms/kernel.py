@@ -43,11 +43,13 @@ Normalizer = Literal["rows", "signed", "keys"]
 #: Non-causal blocks hold about this many (batch x head x position) rows, so feature tensors
 #: stay a few MB (cache-sized, and reused by the allocator instead of page-faulted afresh).
 BLOCK_ROWS = 8192
-#: ... on the CPU; off it a block holds up to this many rows (one block at most lengths): a GPU
-#: pays per launch, and its caching allocator reuses memory anyway. With the CPU's 8K rows,
-#: ``performer`` at N = 16K (16 key and 16 query blocks) issued ~1 900 launches a fwd+bwd step
-#: on an H100 and kept the GPU busy 6.7 ms of a 48 ms step (``benchmarks/gpu``, fourth session).
-DEVICE_BLOCK_ROWS = 2**20
+#: ... on the CPU; off it a block's feature tensor ``(B, H, rows, m)`` takes up to this many
+#: bytes (one block at most lengths: 64 MiB for ``performer`` at N = 16K, H = 8): a GPU pays per
+#: launch, and its caching allocator reuses memory anyway. With the CPU's 8K rows, ``performer`` at
+#: N = 16K (16 key and 16 query blocks) issued ~1 900 launches a fwd+bwd step on an H100 and kept
+#: the GPU busy 6.7 ms of a 48 ms step (``benchmarks/gpu``, fourth session); the cap keeps a
+#: forward without autograd (which frees each block) bounded for wide maps (``based``).
+DEVICE_BLOCK_BYTES = 256 * 2**20
 #: On the CPU the causal path runs blocks of K/V heads whose key features ``(B, h, N, m)`` take
 #: at most this many bytes (one head at least): such tensors come from glibc's heap and are reused
 #: block after block, where whole-width ones (32 MiB for ``rfa`` at N = 4096, H = 8) are fresh
@@ -180,7 +182,7 @@ def kernel_attention(
 
     Notes:
         Non-causal: ``phi(Q) (phi(K)^T [V, 1])`` over blocks of rows (``BLOCK_ROWS`` on the CPU,
-        ``DEVICE_BLOCK_ROWS`` off it); O(N m E) time, O(block m + m E) live memory. Causal:
+        ``DEVICE_BLOCK_BYTES`` of features off it); O(N m E) time, O(block m + m E) live memory. Causal:
         O(N (L + m) E) time, O(N (m + E + L) + (N / L) m E) memory, run on the CPU in blocks of
         K/V heads (``causal_block_heads``: a few MiB of features or 8K rows a block, the sizes
         that ran fastest) concatenated. Never N x N. ``z`` rides along
@@ -277,7 +279,7 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: Feature
     ``S1`` is per K/V head and the query heads of a group are its rows (``backends.grouped.fold_rows``)."""
     groups = q.shape[1] // k.shape[1]
     q = fold_rows(q, groups)  # [B, H_kv, G N_q, D]: feature maps are row-wise
-    rows = max(1, (BLOCK_ROWS if q.device.type == "cpu" else DEVICE_BLOCK_ROWS) // (q.shape[0] * q.shape[1]))
+    rows = block_positions(q, maps.num_features(k.shape[3]))
     s1 = c = None
     # split, not slices: its backward is one concatenation, where each slice's zero-fills a
     # gradient of the whole input and adds it
@@ -293,6 +295,15 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: Feature
     out1 = unfold_rows(torch.cat(outs, dim=2), groups)  # [B, H, N_q, E + 1]
     state = KernelState(s1[..., :-1], s1[..., -1], c)
     return normalise(out1[..., :-1], out1[..., -1], maps.normalizer, maps.eps), state
+
+
+def block_positions(q: Tensor, features: int) -> int:
+    """Positions per non-causal block of ``q (B, H_kv, N, D)`` (query heads folded into rows):
+    ``BLOCK_ROWS`` rows on the CPU, ``DEVICE_BLOCK_BYTES`` of ``m = features`` features off it."""
+    rows = q.shape[0] * q.shape[1]
+    if q.device.type == "cpu":
+        return max(1, BLOCK_ROWS // rows)
+    return max(1, DEVICE_BLOCK_BYTES // (rows * features * q.element_size()))
 
 
 def _merge(s: Tensor | None, c: Tensor | None, s_b: Tensor, c_b: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -250,3 +250,6 @@ class EfficientAttention(KernelAttention):
         # floored_exp_ (in place on the difference): large keys spread their exponents past -87.
         exponents = logits - torch.where(torch.isfinite(c), c, 0.0)[:, :, None]
         return KeyFeatures(floored_exp_(exponents), None, c)
+
+    def num_features(self, head_dim: int) -> int:
+        return head_dim  # a softmax over each key's own D channels
