@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
+from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms import softcap_chunks
 from attnzoo.mechanisms import softmax_variants as sv
 from attnzoo.score_mods import chain, softcap
 from conftest import grads, padding_mask
@@ -153,6 +155,49 @@ def test_softcap_over_several_query_chunks_with_a_position_bias(causal, monkeypa
     assert_same(fast, dense, what="the softcap mechanism vs softmax with chain(alibi, softcap)")
     for a, b in zip(grads(fast, (q, k, v)), grads(ref, (q, k, v))):
         assert_same(a, b, what="chunked gradients")
+
+
+def _generic_path_refused(*args, **kwargs):
+    raise AssertionError("softcap without a score_mod took the generic chunked_attention path")
+
+
+@pytest.mark.parametrize(("n_q", "causal"), [(N, False), (5, False), (45, False), (N, True), (5, True)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_softcap_by_hand_over_several_chunks_equals_the_reference(n_q, causal, padded, monkeypatch):
+    # softcap_chunks' forward and backward in 16-row chunks over N = 37 keys (not a multiple):
+    # fewer and more queries than keys (causal: end-aligned, so fewer only), batch row 0 all
+    # padding (its rows see nothing: 0 and no gradient), a cap that binds (2, scores up to ~3);
+    # against the dense reference with the cap as a score_mod, forward and gradients.
+    monkeypatch.setattr(softcap_chunks, "CHUNK_SCORES", 1)
+    monkeypatch.setattr(sv, "chunked_attention", _generic_path_refused)
+    q, k, v = _qkv(8, n_q=n_q)
+    mask = padding_mask(B, N) if padded else None
+    fast = sv.softcap_attention(q, k, v, 2.0, causal=causal, key_mask=mask, scale=0.6)
+    ref = reference_attention(q, k, v, causal=causal, key_mask=mask, score_mod=softcap(2.0), scale=0.6)
+    assert_same(fast, ref, what=f"n_q={n_q} causal={causal} padded={padded}")
+    for i, (a, b) in enumerate(zip(grads(fast, (q, k, v)), grads(ref, (q, k, v)))):
+        assert_same(a, b, what=f"n_q={n_q} causal={causal} padded={padded}: gradient {i}")
+
+
+def test_softcap_by_hand_rows_before_the_first_key_and_dtypes():
+    # The mechanism refuses causal N_q > N_kv; the function called directly gives the rows that
+    # see no key 0 and the others what they get without those rows. bfloat16 in, bfloat16 out.
+    q, k, v = (x.detach() for x in _qkv(10, n_q=45))
+    got = softcap_chunks.softcap_chunks(q, k, v, 2.0, causal=True, key_mask=None, scale=0.6)
+    assert torch.equal(got[:, :, :8], torch.zeros_like(got[:, :, :8]))
+    rest = softcap_chunks.softcap_chunks(q[:, :, 8:], k, v, 2.0, causal=True, key_mask=None, scale=0.6)
+    assert_same(got[:, :, 8:], rest)
+    low = sv.softcap_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 2.0)
+    assert low.dtype == torch.bfloat16
+
+
+def test_softcap_by_hand_refuses_a_second_derivative_by_name():
+    q, k, v = _qkv(9)
+    out = sv.softcap_attention(q, k, v, 2.0)
+    g = torch.ones_like(out, requires_grad=True)
+    first = torch.autograd.grad(out, q, g, create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        first.sum().backward()
 
 
 def test_softcap_score_mod_checks_its_cap_and_chain_skips_none():

@@ -43,6 +43,7 @@ from attnzoo.mechanisms.diff_gated import (
     gated_output,
     lambda_init,
 )
+from attnzoo.mechanisms.softcap_chunks import softcap_chunks
 from attnzoo.mechanisms.softmax import sdpa_attention
 from attnzoo.registry import Config, bounded, register
 from attnzoo.score_mods import chain, softcap, softcap_scores
@@ -109,11 +110,15 @@ def softcap_attention(
 ) -> Tensor:
     """Gemma 2 attention (Gemma Team 2024, https://arxiv.org/abs/2408.00118, Sec. 2):
     ``softmax(cap * tanh(s / cap)) V`` with ``s = scale * Q K^T`` (+ ``score_mod``'s bias, added
-    before the cap), masked after the cap. ``chunked_attention``: no ``N x N`` tensor."""
+    before the cap), masked after the cap. No ``N x N`` tensor: ``softcap_chunks`` (forward and
+    backward by hand) without a ``score_mod``, ``chunked_attention`` with one."""
+    scale = default_scale(scale, q.shape[-1])
+    if score_mod is None:
+        dtype = compute_dtype(q)
+        qc, kc, vc = (x.to(dtype) for x in (q, k, v))
+        return softcap_chunks(qc, kc, vc, cap, causal=causal, key_mask=key_mask, scale=scale).to(q.dtype)
     mod = chain(score_mod, softcap(cap))
-    return chunked_attention(
-        q, k, v, causal=causal, key_mask=key_mask, score_mod=mod, scale=default_scale(scale, q.shape[-1])
-    )
+    return chunked_attention(q, k, v, causal=causal, key_mask=key_mask, score_mod=mod, scale=scale)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,10 +140,12 @@ class SoftcapConfig(Config):
     summary="Softmax attention with soft-capped scores, cap * tanh(s / cap) (Gemma 2).",
     paper="Gemma Team 2024, Gemma 2, https://arxiv.org/abs/2408.00118",
     capabilities=Capabilities(**CACHE_CAPS, score_mod=True, backends=("chunked", "reference")),
-    complexity=Complexity(time="O(N^2 D)", memory="O(N D + 4M scores per chunk)", subquadratic_memory=True),
+    complexity=Complexity(time="O(N^2 D)", memory="O(N D + 1M-4M scores per chunk)", subquadratic_memory=True),
     notes=(
         "a score_mod (a position bias) is added before the cap: attnzoo.score_mods.chain(bias, softcap(cap))",
-        "fast path: query chunks of at most 4M scores each, recomputed in backward (SDPA takes no score_mod)",
+        "fast path (SDPA takes no score_mod): query chunks of at most 1M scores, forward and backward written "
+        "out, each chunk's scores recomputed in backward; with a score_mod: the reference in chunks of at most "
+        "4M scores, checkpointed",
         KV_DECODE,
     ),
 )
