@@ -11,10 +11,14 @@ SDPA takes no score modifier, so the cap cannot run in the flash kernel. Per chu
 Backward recomputes each chunk's ``T`` and ``P`` (one GEMM, ``tanh``, ``softmax``) instead of
 saving them: memory stays O(N D + one chunk's scores), never N x N. The generic path it replaces
 (``chunked_attention``: the reference with the cap as a ``score_mod``, each chunk checkpointed)
-ran its forward twice and autograd's dozen nodes per chunk: fwd+bwd against dense SDPA at
-B = 1, H = 8, D = 64 on a 2-core Xeon, 2K 0.36x -> 0.51x, causal 2K 0.26x -> 0.53x
-(``benchmarks/ab-softcap-chunks-cpu.txt``). A user's ``score_mod`` (a bias before the cap) still
-takes the generic path: its derivative is not known here.
+ran its forward twice and autograd's dozen nodes per chunk. Fwd+bwd against dense SDPA, B = 1,
+H = 8, D = 64, on a 2-core Xeon (``benchmarks/ab-softcap-chunks-cpu.txt``, one process): 1K
+0.31x -> 0.56x (0.32x -> 0.60x rerun), 2K 0.33x -> 0.59x (0.31x -> 0.50x), 4K 0.31x -> 0.48x;
+causal 0.23x -> 0.57x, 0.25x -> 0.50x, 0.22x -> 0.44x. About 1x is out of reach this way: the
+seven products per chunk (two forward, five backward, as the flash kernel's) run at the BLAS
+rate and alone take ~1.3x SDPA's whole time at 2K, where the flash kernel keeps its tiles in
+cache. A user's ``score_mod`` (a bias before the cap) still takes the generic path: its
+derivative is not known here. No second derivative (``once_differentiable``).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-#: Scores (batch x head x row x key) of one chunk: 1M float32 (4 MiB) ran fastest among 0.25M,
-#: 1M and 4M at 1K-4K (``benchmarks/ab-softcap-chunks-cpu.txt``).
+#: Scores (batch x head x row x key) of one chunk: 1M float32 (4 MiB). 0.25M took 19-52% longer
+#: at 1K-4K, 4M 17-72% longer at 1K-2K and the same at 4K (``benchmarks/ab-softcap-chunks-cpu.txt``).
 CHUNK_SCORES = 1 << 20
 
 
