@@ -145,7 +145,7 @@ class SoftcapConfig(Config):
         "a score_mod (a position bias) is added before the cap: attnzoo.score_mods.chain(bias, softcap(cap))",
         "fast path (SDPA takes no score_mod): query chunks of at most 1M scores, forward and backward written "
         "out, each chunk's scores recomputed in backward; with a score_mod: the reference in chunks of at most "
-        "4M scores, checkpointed",
+        "4M scores, checkpointed; no second derivative on the fast path (a double backward raises)",
         KV_DECODE,
     ),
 )
