@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import attnzoo
 from attnzoo.backends.reference import reference_attention
-from attnzoo.mechanisms import softcap_chunks
+from attnzoo.mechanisms import score_chunks
 from attnzoo.mechanisms import softmax_variants as sv
 from attnzoo.score_mods import chain, softcap
 from conftest import grads, padding_mask
@@ -168,7 +168,7 @@ def test_softcap_by_hand_over_several_chunks_equals_the_reference(n_q, causal, p
     # fewer and more queries than keys (causal: end-aligned, so fewer only), batch row 0 all
     # padding (its rows see nothing: 0 and no gradient), a cap that binds (2, scores up to ~3);
     # against the dense reference with the cap as a score_mod, forward and gradients.
-    monkeypatch.setattr(softcap_chunks, "CHUNK_SCORES", 1)
+    monkeypatch.setattr(score_chunks, "CHUNK_SCORES", 1)
     monkeypatch.setattr(sv, "chunked_attention", _generic_path_refused)
     q, k, v = _qkv(8, n_q=n_q)
     mask = padding_mask(B, N) if padded else None
@@ -183,9 +183,9 @@ def test_softcap_by_hand_rows_before_the_first_key_and_dtypes():
     # The mechanism refuses causal N_q > N_kv; the function called directly gives the rows that
     # see no key 0 and the others what they get without those rows. bfloat16 in, bfloat16 out.
     q, k, v = (x.detach() for x in _qkv(10, n_q=45))
-    got = softcap_chunks.softcap_chunks(q, k, v, 2.0, causal=True, key_mask=None, scale=0.6)
+    got = score_chunks.softmax_chunks(q, k, v, cap=2.0, causal=True, key_mask=None, scale=0.6)
     assert torch.equal(got[:, :, :8], torch.zeros_like(got[:, :, :8]))
-    rest = softcap_chunks.softcap_chunks(q[:, :, 8:], k, v, 2.0, causal=True, key_mask=None, scale=0.6)
+    rest = score_chunks.softmax_chunks(q[:, :, 8:], k, v, cap=2.0, causal=True, key_mask=None, scale=0.6)
     assert_same(got[:, :, 8:], rest)
     low = sv.softcap_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 2.0)
     assert low.dtype == torch.bfloat16

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from attnzoo._checks import check_positive_int
+from attnzoo.score_mods import bias_mod
 from attnzoo.spec import ScoreMod
 
 
@@ -153,12 +154,14 @@ class ALiBi(PositionalEncoding):
         self.register_buffer("slopes", alibi_slopes(heads).float(), persistent=False)
 
     def score_mod(self, q: Tensor, n_kv: int) -> ScoreMod:
-        slopes = self.slopes.to(q.device)
+        """An additive bias (``score_mods.bias_mod``): exact softmax paths add it chunk by chunk.
+        In float64 for float64 queries, else float32 (the scores' compute dtype)."""
+        slopes = self.slopes.to(q.device, torch.float64 if q.dtype == torch.float64 else torch.float32)
 
-        def alibi(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return score - slopes[h].to(score.dtype) * (q_idx - kv_idx).abs().to(score.dtype)
+        def alibi(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return -slopes[h] * (q_idx - kv_idx).abs()
 
-        return alibi
+        return bias_mod(alibi)
 
 
 class RelativePositionalEncoding(PositionalEncoding):

@@ -16,9 +16,40 @@ uncapped on top.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from attnzoo.spec import ScoreMod
+
+#: ``bias(b, h, q_idx, kv_idx) -> Tensor``: an additive score bias, broadcastable over the index
+#: tensors it is given (``backends.reference.pair_indices``'s shapes).
+Bias = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def bias_mod(bias: Bias, name: str | None = None) -> ScoreMod:
+    """The ``score_mod`` adding ``bias`` to the scores, marked as a pure additive bias
+    (``bias_of``): exact softmax paths that cannot take a general ``score_mod`` (the ``softmax``
+    and ``softcap`` mechanisms' chunks) add such a bias to each chunk of scores themselves,
+    where a general one sends them to the dense reference. A bias whose values need a gradient
+    (learned) still takes the general path: the chunks pass no gradient to it.
+
+    >>> from attnzoo.score_mods import bias_mod
+    >>> distance = bias_mod(lambda b, h, q_idx, kv_idx: -0.1 * (q_idx - kv_idx).abs(), "distance")
+    """
+
+    def additive(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + bias(b, h, q_idx, kv_idx).to(score.dtype)
+
+    additive.__name__ = name or getattr(bias, "__name__", "bias")
+    additive.bias = bias  # type: ignore[attr-defined]
+    return additive
+
+
+def bias_of(score_mod: ScoreMod | None) -> Bias | None:
+    """The additive bias a ``score_mod`` from ``bias_mod`` (or a ``chain`` of them) adds; None
+    for any other (and for None)."""
+    return getattr(score_mod, "bias", None)
 
 
 def softcap_scores(scores: Tensor, cap: float) -> Tensor:
@@ -59,4 +90,11 @@ def chain(*mods: ScoreMod | None) -> ScoreMod | None:
         return score
 
     chained.__name__ = " then ".join(getattr(mod, "__name__", "score_mod") for mod in present)
+    biases = [bias_of(mod) for mod in present]
+    if all(bias is not None for bias in biases):  # a sum of biases is one bias
+
+        def summed(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return sum(bias(b, h, q_idx, kv_idx) for bias in biases)  # type: ignore[misc, return-value]
+
+        chained.bias = summed  # type: ignore[attr-defined]
     return chained

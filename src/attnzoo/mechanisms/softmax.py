@@ -1,8 +1,10 @@
 """Exact attention: ``O = softmax(s * Q K^T + mask) V`` (Vaswani et al. 2017).
 
 The fast path hands the plain case (softmax normaliser, no ``score_mod``) to
-``torch.nn.functional.scaled_dot_product_attention``; everything else runs
-``reference_attention``. Both compute the same function, tested against each other and against
+``torch.nn.functional.scaled_dot_product_attention``, and an additive bias (ALiBi,
+``score_mods.bias_mod``) to ``score_chunks.softmax_chunks`` (chunks of query rows, forward and
+backward by hand; SDPA takes no bias it could use fast); everything else runs
+``reference_attention``. All compute the same function, tested against each other and against
 the double-loop oracle in ``tests/oracles.py``.
 """
 
@@ -17,9 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnzoo.backends.reference import reference_attention, visible_pairs
-from attnzoo.mechanisms._ops import dense_dropout
+from attnzoo.mechanisms._ops import compute_dtype, default_scale, dense_dropout
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
+from attnzoo.mechanisms.score_chunks import plain_bias, softmax_chunks
 from attnzoo.registry import Config, bounded, register
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
@@ -42,7 +45,7 @@ class SoftmaxConfig(Config):
     "softmax",
     config=SoftmaxConfig,
     family="exact",
-    summary="Exact scaled dot-product attention (SDPA fast path, dense reference otherwise).",
+    summary="Exact scaled dot-product attention (SDPA fast path; chunks for a bias; dense reference otherwise).",
     paper="Vaswani et al. 2017, Attention Is All You Need, https://arxiv.org/abs/1706.03762",
     capabilities=Capabilities(
         causal=True,
@@ -56,11 +59,13 @@ class SoftmaxConfig(Config):
         scale=True,
         backends=("sdpa", "reference"),
     ),
-    complexity=Complexity(time="O(N^2 D)", memory="O(N D) SDPA, O(N^2) reference"),
+    complexity=Complexity(time="O(N^2 D)", memory="O(N D) SDPA, O(N D + 1M scores) bias chunks, O(N^2) reference"),
     notes=(
         "causal aligns queries to the end of the keys: query i sees keys j <= i + N_kv - N_q",
         "a query with no visible key returns zeros and passes zero gradient",
         "bf16/fp16 inputs are accumulated in float32",
+        "an additive bias (score_mods.bias_mod: ALiBi) runs in chunks of query rows with a hand-written backward "
+        "(no N x N tensor, no second derivative); another score_mod, or a bias that needs a gradient, the reference",
         "grouped-query K/V (H_kv dividing H) go to SDPA as they are (enable_gqa), never repeated",
         "dropout_p > 0 runs the dense path (O(N^2) memory): the mask is a seeded function of (b, h, i, j) "
         "that the reference reproduces, which SDPA's internal dropout is not",
@@ -79,11 +84,25 @@ class SoftmaxAttention(KVCacheDecode, Attention):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor:
         if not self.uses_fast_path(score_mod=args.score_mod, dropout=args.dropout is not None):
-            k, v = self._kv_heads(q, k, v, native=False)  # the dense reference takes H K/V heads
-            return self._reference(q, k, v, args, return_weights=False)
+            k, v = self._kv_heads(q, k, v, native=False)  # the dense reference and the chunks take H K/V heads
+            chunked = self._bias_chunks(q, k, v, args)
+            return chunked if chunked is not None else self._reference(q, k, v, args, return_weights=False)
         if args.attn_mask is not None:
             return sdpa_with_attn_mask(q, k, v, args, scale=self.config.scale)
         return sdpa_attention(q, k, v, causal=args.causal, key_mask=args.key_mask, scale=self.config.scale)
+
+    def _bias_chunks(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs) -> Tensor | None:
+        """``softmax_chunks`` for a ``score_mod`` that adds a bias needing no gradient (ALiBi), with
+        the softmax normaliser and no dropout or ``attn_mask``; None where the call needs the
+        reference (ALiBi at 2K ran 14x slower than SDPA on the reference, whose scores are N x N)."""
+        bias = plain_bias(args.score_mod, q.device)
+        plain = self.config.normalizer == "softmax" and args.dropout is None and args.attn_mask is None
+        if bias is None or not plain:
+            return None
+        dtype, scale = compute_dtype(q), default_scale(self.config.scale, q.shape[-1])
+        qc, kc, vc = (x.to(dtype) for x in (q, k, v))
+        out = softmax_chunks(qc, kc, vc, scale=scale, causal=args.causal, key_mask=args.key_mask, bias=bias)
+        return out.to(q.dtype)
 
     def _reference(self, q: Tensor, k: Tensor, v: Tensor, args: AttendArgs, return_weights: bool) -> Weighted:
         options = {"causal": args.causal, "key_mask": args.key_mask, "score_mod": args.score_mod}

@@ -43,7 +43,7 @@ from attnzoo.mechanisms.diff_gated import (
     gated_output,
     lambda_init,
 )
-from attnzoo.mechanisms.softcap_chunks import softcap_chunks
+from attnzoo.mechanisms.score_chunks import plain_bias, softmax_chunks
 from attnzoo.mechanisms.softmax import sdpa_attention
 from attnzoo.registry import Config, bounded, register
 from attnzoo.score_mods import chain, softcap, softcap_scores
@@ -110,13 +110,16 @@ def softcap_attention(
 ) -> Tensor:
     """Gemma 2 attention (Gemma Team 2024, https://arxiv.org/abs/2408.00118, Sec. 2):
     ``softmax(cap * tanh(s / cap)) V`` with ``s = scale * Q K^T`` (+ ``score_mod``'s bias, added
-    before the cap), masked after the cap. No ``N x N`` tensor: ``softcap_chunks`` (forward and
-    backward by hand) without a ``score_mod``, ``chunked_attention`` with one."""
+    before the cap), masked after the cap. No ``N x N`` tensor: ``score_chunks.softmax_chunks``
+    (forward and backward by hand) without a ``score_mod`` or with an additive bias
+    (``score_mods.bias_mod``, e.g. ALiBi), ``chunked_attention`` with any other."""
     scale = default_scale(scale, q.shape[-1])
-    if score_mod is None:
+    bias = plain_bias(score_mod, q.device)
+    if score_mod is None or bias is not None:
         dtype = compute_dtype(q)
         qc, kc, vc = (x.to(dtype) for x in (q, k, v))
-        return softcap_chunks(qc, kc, vc, cap, causal=causal, key_mask=key_mask, scale=scale).to(q.dtype)
+        out = softmax_chunks(qc, kc, vc, scale=scale, causal=causal, key_mask=key_mask, cap=cap, bias=bias)
+        return out.to(q.dtype)
     mod = chain(score_mod, softcap(cap))
     return chunked_attention(q, k, v, causal=causal, key_mask=key_mask, score_mod=mod, scale=scale)
 
@@ -144,8 +147,9 @@ class SoftcapConfig(Config):
     notes=(
         "a score_mod (a position bias) is added before the cap: attnzoo.score_mods.chain(bias, softcap(cap))",
         "fast path (SDPA takes no score_mod): query chunks of at most 1M scores, forward and backward written "
-        "out, each chunk's scores recomputed in backward; with a score_mod: the reference in chunks of at most "
-        "4M scores, checkpointed; no second derivative on the fast path (a double backward raises)",
+        "out, each chunk's scores recomputed in backward, also with an additive bias (score_mods.bias_mod: ALiBi); "
+        "with another score_mod: the reference in chunks of at most 4M scores, checkpointed; no second derivative "
+        "on the fast path (a double backward raises)",
         KV_DECODE,
     ),
 )

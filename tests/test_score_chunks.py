@@ -1,0 +1,113 @@
+"""``score_chunks.softmax_chunks`` under the ``softmax`` mechanism with an additive bias (ALiBi,
+``score_mods.bias_mod``): against the dense reference on awkward sizes, forward and gradients;
+which score_mods count as a bias; a learned bias keeps its gradient (the reference path); and
+weights too small for the dtype are 0, not denormals. ``softcap``'s own cases are in
+``test_softmax_variants.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.backends.reference import reference_attention
+from attnzoo.mechanisms import score_chunks
+from attnzoo.mechanisms._ops import decay_floor
+from attnzoo.score_mods import bias_mod, bias_of, chain, softcap
+from conftest import grads, make_qkv, padding_mask
+from tolerances import assert_same
+
+B, H, N, D = 2, 3, 37, 8
+
+
+def _alibi(q: torch.Tensor, n_kv: int):
+    return attnzoo.positional.ALiBi(H).score_mod(q, n_kv)
+
+
+def _refused(*args, **kwargs):
+    raise AssertionError("softmax with an additive bias went to the dense reference")
+
+
+@pytest.mark.parametrize(("n_q", "causal"), [(N, False), (5, False), (45, False), (N, True), (5, True)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_softmax_with_alibi_in_chunks_equals_the_reference(n_q, causal, padded, monkeypatch):
+    # 16-row chunks over N = 37 keys (not a multiple), fewer and more queries than keys, batch
+    # row 0 all padding (rows that see nothing: 0, no gradient), grouped K/V (one K/V head for
+    # three query heads), slopes 0.5 down to ~0.06 over distances up to 44: forward and gradients.
+    monkeypatch.setattr(score_chunks, "CHUNK_SCORES", 1)
+    attn = attnzoo.build("softmax")
+    monkeypatch.setattr(attn, "_reference", _refused)
+    q = make_qkv(B, H, n_q, N)[0]
+    k, v = make_qkv(B, 1, N, N)[1:]
+    mask = padding_mask(B, N) if padded else None
+    alibi = _alibi(q, N)
+    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=alibi)
+    kr, vr = (x.expand(B, H, N, D) for x in (k, v))
+    want = reference_attention(q, kr, vr, causal=causal, key_mask=mask, score_mod=alibi)
+    assert_same(got, want, what=f"n_q={n_q} causal={causal} padded={padded}")
+    for i, (a, b) in enumerate(zip(grads(got, (q, k, v)), grads(want, (q, k, v)))):
+        assert_same(a, b, what=f"n_q={n_q} causal={causal} padded={padded}: gradient {i}")
+
+
+def test_softcap_with_alibi_takes_the_chunks_and_caps_the_biased_score(monkeypatch):
+    # chain(alibi, softcap): the bias goes in before the cap, on the hand-written chunks.
+    monkeypatch.setattr(score_chunks, "CHUNK_SCORES", 1)
+    from attnzoo.mechanisms import softmax_variants as sv
+
+    monkeypatch.setattr(sv, "chunked_attention", _refused)
+    q, k, v = make_qkv(B, H, N, N)
+    alibi = _alibi(q, N)
+    got = attnzoo.build("softcap", cap=2.0)(q, k, v, causal=True, score_mod=alibi)
+    want = reference_attention(q, k, v, causal=True, score_mod=chain(alibi, softcap(2.0)))
+    assert_same(got, want)
+    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        assert_same(a, b, what="gradient")
+
+
+def test_which_score_mods_are_a_bias():
+    q = torch.zeros(1, H, 4, D)
+    alibi = _alibi(q, 4)
+    assert bias_of(alibi) is not None
+    assert bias_of(softcap(2.0)) is None and bias_of(None) is None
+    assert bias_of(chain(alibi, softcap(2.0))) is None  # a cap is not a bias
+    ramp = bias_mod(lambda b, h, i, j: 0.25 * j.float(), "ramp")
+    both = chain(alibi, ramp)
+    index = (torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(H).view(1, -1, 1, 1))
+    i, j = torch.arange(4).view(1, 1, -1, 1), torch.arange(4).view(1, 1, 1, -1)
+    scores = torch.randn(1, H, 4, 4)
+    assert_same(bias_of(both)(*index, i, j), both(scores, *index, i, j) - scores)
+
+
+def test_a_learned_bias_takes_the_reference_and_gets_its_gradient():
+    # A bias that needs a gradient cannot go through the chunks (they pass it none): the
+    # reference runs and the parameter's gradient is the reference's.
+    weight = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    learned = bias_mod(lambda b, h, i, j: -weight * (i - j).abs(), "learned")
+    q, k, v = make_qkv(B, H, N, N)
+    assert score_chunks.plain_bias(learned, q.device) is None
+    with torch.no_grad():  # nothing to pass a gradient to: the chunks may run
+        assert score_chunks.plain_bias(learned, q.device) is not None
+    out = attnzoo.build("softmax")(q, k, v, score_mod=learned)
+    (got,) = torch.autograd.grad(out.sum(), weight)
+    want_out = reference_attention(q, k, v, score_mod=learned)
+    (want,) = torch.autograd.grad(want_out.sum(), weight)
+    assert got.abs() > 0
+    assert_same(got, want)
+
+
+def test_weights_too_small_for_the_dtype_are_zero_not_denormal():
+    # ALiBi's far pairs sit ~1000 below the row's maximum: their softmax weights would be
+    # denormal (or just above), which slows every product after them. Below eps^4 they are 0;
+    # the rest are the softmax's.
+    q, k = (torch.randn(1, 1, 2048, 8) for _ in range(2))
+    cfg = score_chunks._Scores(
+        scale=8**-0.5, cap=None, bias=lambda b, h, i, j: -0.5 * (i - j).abs(), causal=False, rows=2048
+    )
+    _, weights = score_chunks._weights(q, k, None, cfg, 0, 0)
+    plain = torch.softmax(q @ k.mT * 8**-0.5 - 0.5 * (torch.arange(2048)[:, None] - torch.arange(2048)).abs(), -1)
+    floor = math.exp(decay_floor(torch.float32))
+    assert bool(((plain > 0) & (plain < torch.finfo(torch.float32).tiny)).any())  # the case is real
+    assert not bool(((weights > 0) & (weights <= floor)).any())
+    torch.testing.assert_close(weights[plain > floor], plain[plain > floor], rtol=1e-5, atol=0)
