@@ -16,7 +16,9 @@ saving them: memory stays O(N D + one chunk's scores), never N x N. The bias get
 chunk, checkpointed, and ``softmax`` with ALiBi the dense reference. Fwd+bwd against dense SDPA,
 B = 1, H = 8, D = 64, on a 2-core Xeon (``benchmarks/ab-softcap-chunks-cpu.txt``, one process):
 ``softcap`` 1K 0.31x -> 0.56x (0.32x -> 0.60x rerun), 2K 0.33x -> 0.59x (0.31x -> 0.50x), 4K
-0.31x -> 0.48x; causal 0.23x -> 0.57x, 0.25x -> 0.50x, 0.22x -> 0.44x. About 1x is out of reach
+0.31x -> 0.48x; causal 0.23x -> 0.57x, 0.25x -> 0.50x, 0.22x -> 0.44x. ``softmax`` with ALiBi
+(``benchmarks/ab-bias-chunks-cpu.txt``): 1K 0.13x -> 0.50x, 2K 0.11x -> 0.45x, 4K 0.08x -> 0.38x;
+causal 0.09x -> 0.55x, 0.07x -> 0.47x, 0.04x -> 0.35x. About 1x is out of reach
 this way: the seven products per chunk (two forward, five backward, as the flash kernel's) run
 at the BLAS rate and alone take ~1.3x SDPA's whole time at 2K, where the flash kernel keeps its
 tiles in cache. (Nor does the flash kernel with the bias as a float mask help: ALiBi's far pairs
