@@ -111,3 +111,43 @@ def test_weights_too_small_for_the_dtype_are_zero_not_denormal():
     assert bool(((plain > 0) & (plain < torch.finfo(torch.float32).tiny)).any())  # the case is real
     assert not bool(((weights > 0) & (weights <= floor)).any())
     torch.testing.assert_close(weights[plain > floor], plain[plain > floor], rtol=1e-5, atol=0)
+
+
+def test_the_tile_path_softmax_flushes_what_the_dtype_cannot_hold():
+    # blocked's einsum path (a score_mod, dropout): softmax and log-sum-exp without exp's slow
+    # path; -inf rows give weights 0 and lse -inf; weights below eps^4 are 0, the rest softmax's.
+    from attnzoo.backends.blocked import _softmax_lse
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 3, 5, 40, generator=g) * 4
+    scores[..., 30:35] -= 1000.0  # far pairs (ALiBi at a distance): exp underflows to 0 anyway
+    scores[..., 35:] -= 80.0  # weights from ~1e-44 to ~1e-27: denormal or under eps^4
+    scores[0, 1, 2] = -math.inf  # a row that sees nothing
+    scores[1, 0, :, ::3] = -math.inf  # masked keys
+    probs, lse = _softmax_lse(scores.clone())
+    want, want_lse = torch.softmax(scores, -1).nan_to_num(0.0), torch.logsumexp(scores, -1)
+    floor = math.exp(decay_floor(torch.float32))
+    torch.testing.assert_close(probs[want > floor], want[want > floor], rtol=1e-6, atol=0)
+    assert bool(((want > 0) & (want <= floor)).any())  # the case is real
+    assert torch.equal(probs[want <= floor], torch.zeros_like(probs[want <= floor]))
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    assert lse[0, 1, 2] == -math.inf
+
+
+def test_a_learned_bias_on_a_pattern_mechanism_gets_its_gradient_from_the_reference():
+    # blocked differentiates the scores only: a score_mod reading a tensor that needs a
+    # gradient is refused there (named in last_choice), and auto runs the reference.
+    weight = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    learned = bias_mod(lambda b, h, i, j: -weight * (i - j).abs(), "learned")
+    q, k, v = make_qkv(B, H, 64, 64)
+    out = attnzoo.build("local", left=8, right=8).double()(q, k, v, score_mod=learned)
+    choice = attnzoo.last_choice()
+    assert choice.backend == "reference" and "gradient" in " ".join(choice.skipped["blocked"])
+    (got,) = torch.autograd.grad(out.sum(), weight)
+    mask = (torch.arange(64)[:, None] - torch.arange(64)).abs() <= 8
+    want_out = reference_attention(q, k, v, score_mod=learned, mask_mod=lambda b, h, i, j: mask[i, j])
+    (want,) = torch.autograd.grad(want_out.sum(), weight)
+    assert got.abs() > 0
+    assert_same(got, want)
+    with pytest.raises(Exception, match="gradient"):
+        attnzoo.attend(q, k, v, pattern=attnzoo.patterns.sliding_window(8, 8), score_mod=learned, backend="blocked")

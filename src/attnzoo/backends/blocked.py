@@ -17,11 +17,15 @@ How a call runs:
 4. Backward recomputes each piece's scores from q, k, v and the *total* output and
    log-sum-exp, so the gradient of each piece is exact and nothing N x N is ever stored.
 
-A ``score_mod`` (ALiBi, ...) runs pieces through an einsum path instead of the flash kernel.
-So does attention dropout (``Call.dropout``): dropout acts after normalisation and is linear, so a
-piece returns ``sum_j keep_ij / (1 - p) * exp(s_ij - lse) v_j`` with the log-sum-exp taken
-*without* dropout, and pieces still merge exactly; ``keep`` (``_ops.dropout_keep_at``) is evaluated
-on each tile's own (b, h, i, j) from the seed, forward and backward, never stored.
+A ``score_mod`` (ALiBi, ...) runs pieces through an einsum path instead of the flash kernel; its
+softmax flushes weights below ``eps^4`` to 0 (``_softmax_lse``: ``exp`` over ``-inf`` and over a
+bias's far pairs left its vector path), an additive bias (``score_mods.bias_mod``) skips autograd
+in backward, and a ``score_mod`` that reads tensors needing a gradient is refused (the pieces
+differentiate the scores only; ``auto`` runs the reference). So does attention dropout
+(``Call.dropout``): dropout acts after normalisation and is linear, so a piece returns
+``sum_j keep_ij / (1 - p) * exp(s_ij - lse) v_j`` with the log-sum-exp taken *without* dropout,
+and pieces still merge exactly; ``keep`` (``_ops.dropout_keep_at``) is evaluated on each tile's
+own (b, h, i, j) from the seed, forward and backward, never stored.
 Rows that see no key give zeros and zero gradient.
 
 ``Blocked`` is the backend object ``dispatch`` runs: the structured path (``structured.py``,
@@ -46,7 +50,8 @@ from attnzoo.backends.grouped import grouped_windows
 from attnzoo.backends.key_sets import key_set_attention, not_key_set_reasons
 from attnzoo.backends.plan import Piece, Plan, plan_for, structure_for
 from attnzoo.backends.windowed import structured_attention
-from attnzoo.mechanisms._ops import dropout_flat_index, dropout_keep_at, dropped
+from attnzoo.mechanisms._ops import decay_floor, dropout_flat_index, dropout_keep_at, dropped, flushed_exp_
+from attnzoo.score_mods import bias_of
 from attnzoo.spec import MaskMod, ScoreMod
 
 if TYPE_CHECKING:
@@ -149,6 +154,19 @@ def _flip_rows(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.flip(-2) if t.ndim == 4 else t.flip(-1) for t in tensors)
 
 
+def _softmax_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """``softmax(scores)`` and its log-sum-exp ``(..., rows)`` (``-inf``, and weights 0, where a
+    row is all ``-inf``), with every exponent below ``decay_floor`` flushed to 0
+    (``_ops.flushed_exp_``): ``logsumexp`` and ``exp`` over the masked ``-inf`` and a bias's far
+    pairs (ALiBi: -1000) left their vector path, and the weights they left were denormal."""
+    peak = scores.amax(-1, keepdim=True)
+    peak = torch.where(torch.isinf(peak), 0.0, peak)
+    probs = flushed_exp_(scores - peak, decay_floor(scores.dtype))
+    total = probs.sum(-1, keepdim=True)
+    lse = (peak + total.log())[..., 0]
+    return probs.div_(torch.where(total > 0, total, 1.0)), lse
+
+
 def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Output ``(Q', B*Hg, block, Dv)`` (float32/64) and log-sum-exp ``(Q', B*Hg, block)`` of one
     piece; ``-inf`` where a row sees no key of this piece."""
@@ -171,8 +189,7 @@ def piece_forward(piece: Piece, ctx: Context, q: Tensor, k: Tensor, v: Tensor) -
         scores = ctx.score_mod(scores, *_positions(piece, ctx, qx))
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    probs, lse = _softmax_lse(scores)
     if ctx.dropout is not None:
         probs = dropped(probs, _keep(piece, ctx, qx), ctx.dropout.p)  # after the lse: the merge stays exact
     return torch.matmul(probs, vx.to(cd)), lse
@@ -215,7 +232,8 @@ def piece_backward(
     with torch.enable_grad():
         raw = (torch.matmul(qx, kx.transpose(-1, -2)) * ctx.scale).detach().requires_grad_()
         scores = raw if ctx.score_mod is None else ctx.score_mod(raw, *_positions(piece, ctx, qx))
-        probs = torch.exp(scores - lse_x[..., None])
+        # rows that see nothing carry lse = +inf: their weights are 0
+        probs = flushed_exp_(scores.detach() - lse_x[..., None], decay_floor(scores.dtype))
         if visible is not None:
             probs = probs.masked_fill(~visible, 0.0)
         d_probs, applied = torch.matmul(dox, vx.transpose(-1, -2)), probs  # applied: what multiplied v
@@ -225,7 +243,9 @@ def piece_backward(
             keep, p = _keep(piece, ctx, qx), ctx.dropout.p
             d_probs, applied = dropped(d_probs, keep, p), dropped(probs, keep, p)
         d_scores = probs * (d_probs - delta_x[..., None])
-        (d_raw,) = torch.autograd.grad(scores, raw, d_scores) if ctx.score_mod is not None else (d_scores,)
+        # a bias (score_mods.bias_mod) has slope 1 in the score: no autograd pass for it
+        moded = ctx.score_mod is not None and bias_of(ctx.score_mod) is None
+        (d_raw,) = torch.autograd.grad(scores, raw, d_scores) if moded else (d_scores,)
     d_raw = d_raw * ctx.scale
     return (
         torch.matmul(d_raw, kx),
@@ -358,6 +378,15 @@ def blocked_attention(call: Call, plan: Plan, *, return_lse: bool = False) -> Te
     return (out, lse[:, :, : plan.n_q]) if return_lse else out
 
 
+def _mod_needs_grad(score_mod: ScoreMod | None, device: torch.device) -> bool:
+    """Whether ``score_mod`` reads tensors that need a gradient (a learned bias) while autograd
+    records: its pieces differentiate the scores only, so such a gradient would be lost."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return False
+    probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    return bool(score_mod(torch.zeros(1, 1, 1, 1, device=device), probe, probe, probe, probe).requires_grad)
+
+
 class Blocked(Backend):
     """The CPU training backend: the structured path where the pattern has window structure
     (``plan.structure_for``), the key-sets path where its queries fall into groups that share
@@ -369,6 +398,8 @@ class Blocked(Backend):
     def not_supported_reasons(self, call: Call) -> list[str]:
         if call.q.device.type != "cpu":
             return [f"blocked runs PyTorch's CPU flash kernel; inputs are on {call.q.device.type} (use flex)"]
+        if _mod_needs_grad(call.score_mod, call.q.device):
+            return ["a score_mod with tensors that need a gradient (blocked passes gradients to q, k, v only)"]
         return []
 
     def path(self, call: Call) -> str:
