@@ -15,7 +15,7 @@ import attnzoo
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import score_chunks
 from attnzoo.mechanisms._ops import decay_floor
-from attnzoo.score_mods import bias_mod, bias_of, chain, softcap
+from attnzoo.score_mods import bias_mod, bias_of, chain, plain_bias, softcap
 from conftest import grads, make_qkv, padding_mask
 from tolerances import assert_same
 
@@ -86,9 +86,9 @@ def test_a_learned_bias_takes_the_reference_and_gets_its_gradient():
     weight = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     learned = bias_mod(lambda b, h, i, j: -weight * (i - j).abs(), "learned")
     q, k, v = make_qkv(B, H, N, N)
-    assert score_chunks.plain_bias(learned, q.device) is None
+    assert plain_bias(learned, q.device) is None
     with torch.no_grad():  # nothing to pass a gradient to: the chunks may run
-        assert score_chunks.plain_bias(learned, q.device) is not None
+        assert plain_bias(learned, q.device) is not None
     out = attnzoo.build("softmax")(q, k, v, score_mod=learned)
     (got,) = torch.autograd.grad(out.sum(), weight)
     want_out = reference_attention(q, k, v, score_mod=learned)
@@ -151,3 +151,66 @@ def test_a_learned_bias_on_a_pattern_mechanism_gets_its_gradient_from_the_refere
     assert_same(got, want)
     with pytest.raises(Exception, match="gradient"):
         attnzoo.attend(q, k, v, pattern=attnzoo.patterns.sliding_window(8, 8), score_mod=learned, backend="blocked")
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "causal"),
+    [
+        ("local", {"left": 20, "right": 10}, False),
+        ("local", {"left": 20, "right": 0}, True),
+        ("block_local", {"block": 16}, False),
+    ],
+)
+def test_windows_take_an_additive_bias_on_the_structured_path(name, config, causal):
+    # Stride-1 windows add the bias to their window mask (window_parts._with_bias): N = 150 (not
+    # a multiple of the block), batch row 0 padded from 130 on, against the reference with the
+    # same ALiBi, forward and gradients.
+    q, k, v = make_qkv(B, H, 150, 150)
+    mask = torch.ones(B, 150, dtype=torch.bool)
+    mask[0, 130:] = False
+    alibi = _alibi(q, 150)
+    attn = attnzoo.build(name, **config).double()
+    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=alibi)
+    assert attnzoo.last_choice().path == "structured"
+    want = attn.reference(q, k, v, causal=causal, key_mask=mask, score_mod=alibi)
+    assert_same(got, want)
+    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        assert_same(a, b, what="gradient")
+
+
+def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
+    # grouped K/V, a strided band (sub-sequences), a window with global tokens, a general
+    # score_mod: the tile path, still equal to the reference.
+    q = make_qkv(B, H, 64, 64)[0]
+    k, v = make_qkv(B, 1, 64, 64)[1:]
+    alibi = _alibi(q, 64)
+    general = lambda s, b, h, i, j: s - 0.1 * (i - j).abs()  # noqa: E731
+    cases = [
+        ("local", {"left": 8, "right": 8}, q, k, v, alibi),
+        ("dilated", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
+        ("longformer", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
+        ("local", {"left": 8, "right": 8}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), general),
+    ]
+    for name, config, qq, kk, vv, mod in cases:
+        attn = attnzoo.build(name, **config).double()
+        got = attn(qq, kk, vv, score_mod=mod)
+        assert attnzoo.last_choice().path == "tiles", name
+        kr, vr = kk.expand(B, H, 64, D), vv.expand(B, H, 64, D)
+        assert_same(got, attn.reference(qq, kr, vr, score_mod=mod), what=name)
+
+
+def test_a_window_bias_cuts_only_pairs_too_far_below_their_row():
+    # Pairs whose bias lies more than 2 R + 64 under the row's largest become -inf (the kernel's
+    # backward would take exp's slow path on them); a bias within reach is added as it is.
+    from attnzoo.backends.structured import Windows
+    from attnzoo.backends.window_parts import _with_bias
+
+    q = k = torch.full((1, 1, 32, 4), 0.5)  # |q| = |k| = 1: R = scale = 1, reach = 66
+    w = Windows(stride=1, block=8, start=-8, width=24)
+    steep = _with_bias(None, w, lambda b, h, i, j: -10.0 * (i - j).abs().double(), q, k, 1.0, 4)
+    gentle = _with_bias(None, w, lambda b, h, i, j: -1.0 * (i - j).abs().double(), q, k, 1.0, 4)
+    assert steep.shape == (1, 4, 8, 24)
+    assert bool(torch.isinf(steep).any()) and not bool(torch.isinf(gentle).any())
+    keys = (torch.arange(4).view(4, 1, 1) * 8 - 8 + torch.arange(24)).clamp(0, 31)  # ends clamped (masked in use)
+    distance = (torch.arange(32).view(4, 8, 1) - keys).abs()
+    assert torch.equal(torch.isinf(steep[0]), 10.0 * distance > 66 + 10.0 * distance.amin(-1, keepdim=True))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from attnzoo.spec import ScoreMod
@@ -98,3 +99,14 @@ def chain(*mods: ScoreMod | None) -> ScoreMod | None:
 
         chained.bias = summed  # type: ignore[attr-defined]
     return chained
+
+
+def plain_bias(score_mod: ScoreMod | None, device: torch.device) -> Bias | None:
+    """The bias of a ``score_mod`` that only adds one (``score_mods.bias_of``) and whose values
+    need no gradient here (a learned bias does while autograd records: the chunks would drop it);
+    None otherwise, and for None."""
+    bias = bias_of(score_mod)
+    if bias is None:
+        return None
+    probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    return None if torch.is_grad_enabled() and bias(probe, probe, probe, probe).requires_grad else bias

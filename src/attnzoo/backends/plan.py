@@ -22,6 +22,7 @@ from torch import Tensor
 from attnzoo.backends import structured
 from attnzoo.backends.call import Call, PlanCache, head_groups, masked_key_blocks
 from attnzoo.patterns.algebra import BlockList, Pattern, TileGrid, evaluate_tiles
+from attnzoo.score_mods import plain_bias
 
 #: How each tile is computed: no mask, causal, causal on reversed rows, or an explicit mask.
 KINDS = ("full", "tril", "triu", "mask")
@@ -109,17 +110,31 @@ STRUCTURES: PlanCache[tuple, structured.Structure | None] = PlanCache(maxsize=64
 def structure_for(call: Call) -> structured.Structure | None:
     """The structured plan for this call (cached by the pattern's value and the sizes), or None
     where the call needs the generic tile plan: a pattern without window structure, a
-    ``score_mod``, attention dropout (the flash kernel cannot take its seeded mask), value and
-    key head sizes that differ, or a dtype the CPU flash kernel does not run (cross-attention of
-    unequal lengths: ``structure`` returns None)."""
+    ``score_mod`` other than an additive bias on stride-1 windows (``_takes_bias``), attention
+    dropout (the flash kernel cannot take its seeded mask), value and key head sizes that differ,
+    or a dtype the CPU flash kernel does not run (cross-attention of unequal lengths:
+    ``structure`` returns None)."""
     q, v = call.q, call.v
-    if call.score_mod is not None or q.shape[-1] != v.shape[-1] or q.dtype not in FLASH_DTYPES:
+    if q.shape[-1] != v.shape[-1] or q.dtype not in FLASH_DTYPES or call.dropout is not None:
         return None
-    if call.dropout is not None:
+    if call.score_mod is not None and plain_bias(call.score_mod, q.device) is None:
         return None
     # A forward that no backward will follow runs on the blocks that suit the forward.
     train = torch.is_grad_enabled() and any(x.requires_grad for x in (q, call.k, v))
-    return _structure(call.pattern, *call.sizes(), train)
+    plan = _structure(call.pattern, *call.sizes(), train)
+    if call.score_mod is not None and not _takes_bias(plan, q.shape[1] == call.k.shape[1]):
+        return None
+    return plan
+
+
+def _takes_bias(plan: structured.Structure | None, one_kv_head_each: bool) -> bool:
+    """Whether the structured path adds an additive bias to ``plan`` (``window_parts._with_bias``):
+    one part of stride-1 windows (``local``, ``sliding_window``, ``block_local``) with a K/V head
+    per query head; other plans take the tile path with it."""
+    if plan is None or len(plan.parts) != 1 or not one_kv_head_each:
+        return False
+    heads, part = plan.parts[0]
+    return heads is None and isinstance(part, structured.Windows) and part.stride == 1 and part.width > 0
 
 
 @torch.compiler.assume_constant_result

@@ -19,14 +19,17 @@ from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import additive_mask, from_subsequences, subsequence_keys, to_subsequences
 from attnzoo.backends.grouped import blocks_to_rows, fold_rows, pad_rows, rows_to_blocks, unfold_rows
 from attnzoo.backends.structured import Windows
+from attnzoo.score_mods import Bias
 
 
 class Options(NamedTuple):
     """What every part of one call runs with besides q, k, v: the real keys ``key_valid (B, N)``
-    (None = all real) and the score scale."""
+    (None = all real), the score scale and an additive bias (``score_mods.plain_bias``: ALiBi;
+    only on plans of stride-1 windows, ``plan.structure_for``)."""
 
     key_valid: Tensor | None
     scale: float
+    bias: Bias | None = None
 
 
 # --- layout: heads, de-interleaving, windows ------------------------------------------------
@@ -76,6 +79,26 @@ def _window_mask(w: Windows, key_valid: Tensor | None, heads: int, blocks: int, 
     mask = padding if mask is None else mask + padding
     mask = mask.expand(key_valid.shape[0], blocks, w.block, w.width)
     return mask[:, None].expand(-1, heads, -1, -1, -1).flatten(0, 1)
+
+
+def _with_bias(mask: Tensor | None, w: Windows, bias: Bias, q: Tensor, k: Tensor, scale: float, blocks: int) -> Tensor:
+    """The window mask plus ``bias`` at every window pair: ``(B H, blocks, block, width)``. A
+    pair whose bias lies more than ``2 R + 64`` below the row's largest visible one (``R`` bounds
+    ``|scale q . k|``) would weigh under ``e^-64`` of that key: it is cut to ``-inf``, where
+    ALiBi's far pairs (-1000) left exponents below -87 that take ``exp``'s slow path in the
+    kernel's backward (6x slower), and the result moves by less than float32 can hold."""
+    batch, heads, n = q.shape[0], q.shape[1], q.shape[2]
+    rows = torch.arange(blocks * w.block, device=q.device)  # stride-1 windows: positions are rows
+    keys = w.start + (rows // w.block * w.block)[:, None] + torch.arange(w.width, device=q.device)
+    b = torch.arange(batch, device=q.device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
+    # positions past the ends (padding rows, keys before 0 or past N) are masked: clamped for the bias
+    values = bias(b, h, rows.clamp(max=n - 1).view(1, 1, -1, 1), keys.clamp(0, n - 1)[None, None]).to(q.dtype)
+    values = values.expand(batch, heads, -1, -1).reshape(batch * heads, blocks, w.block, w.width)
+    total = values if mask is None else mask + values  # the pattern's -inf stay -inf
+    reach = 2 * float(q.norm(dim=-1).amax() * k.norm(dim=-1).amax()) * scale + 64.0
+    top = total.amax(-1, keepdim=True)
+    return total.masked_fill_(total < torch.where(torch.isinf(top), 0.0, top) - reach, float("-inf"))
 
 
 def _dense_mask(w: Windows, key_valid: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
@@ -156,6 +179,8 @@ def part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> 
     qx = rows_to_blocks(qs, blocks, w.block, groups)  # [B' H_kv, blocks, G block, D]
     kx, vx = _key_windows(ks.flatten(0, 1), w, blocks), _key_windows(vs.flatten(0, 1), w, blocks)
     mask = _window_mask(w, valid, ks.shape[1], blocks, q.dtype)
+    if opts.bias is not None:
+        mask = _with_bias(mask, w, opts.bias, q, k, opts.scale, blocks)
     if mask is not None and groups > 1:
         mask = mask.repeat(1, 1, groups, 1)  # the band (and padding) once per group member's rows
     out, lse = flash_attention_cpu(qx, kx, vx, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]

@@ -25,6 +25,7 @@ from attnzoo.backends.grouped import (
 from attnzoo.backends.reference import normalize_scores
 from attnzoo.backends.structured import Merged, Structure, Windows, WithGlobals
 from attnzoo.backends.window_parts import Options, Saved, finite, part_backward, part_forward, part_lse
+from attnzoo.score_mods import plain_bias
 
 
 class _PartAttention(torch.autograd.Function):
@@ -274,7 +275,8 @@ def structured_attention(call: Call, plan: Structure) -> Tensor:
     """Exact attention of ``call`` over ``plan`` (see the module docstring). ``(B, H, N, D)`` in
     and out; rows with no visible key give zeros and zero gradient. K/V may have ``H_kv``
     heads dividing ``H`` where ``grouped.grouped_windows(plan, H / H_kv)`` (else ``H``)."""
-    q, k, v, opts = call.q, call.k, call.v, Options(call.key_mask, call.scale)
+    q, k, v = call.q, call.k, call.v
+    opts = Options(call.key_mask, call.scale, plain_bias(call.score_mod, q.device))  # a bias: plan.structure_for
     if len(plan.parts) == 1 and plan.parts[0][0] is None:
         return _run_part(plan.parts[0][1], q, k, v, opts)
     pieces, groups = [], q.shape[1] // k.shape[1]

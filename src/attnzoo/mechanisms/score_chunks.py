@@ -37,8 +37,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from attnzoo.mechanisms._ops import decay_floor, exp_floor
-from attnzoo.score_mods import Bias, bias_of
-from attnzoo.spec import ScoreMod
+from attnzoo.score_mods import Bias
 
 #: Scores (batch x head x row x key) of one chunk: 1M float32 (4 MiB). 0.25M took 19-52% longer
 #: at 1K-4K, 4M 17-72% longer at 1K-2K and the same at 4K (``benchmarks/ab-softcap-chunks-cpu.txt``).
@@ -82,17 +81,6 @@ def softmax_chunks(
     """
     rows = max(16, CHUNK_SCORES // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
     return _SoftmaxChunks.apply(q, k, v, key_mask, _Scores(scale, cap, bias, causal, rows))
-
-
-def plain_bias(score_mod: ScoreMod | None, device: torch.device) -> Bias | None:
-    """The bias of a ``score_mod`` that only adds one (``score_mods.bias_of``) and whose values
-    need no gradient here (a learned bias does while autograd records: the chunks would drop it);
-    None otherwise, and for None."""
-    bias = bias_of(score_mod)
-    if bias is None:
-        return None
-    probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-    return None if torch.is_grad_enabled() and bias(probe, probe, probe, probe).requires_grad else bias
 
 
 def _chunks(n_q: int, n_kv: int, rows: int, causal: bool) -> list[tuple[int, int, int]]:

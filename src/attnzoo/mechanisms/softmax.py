@@ -22,8 +22,9 @@ from attnzoo.backends.reference import reference_attention, visible_pairs
 from attnzoo.mechanisms._ops import compute_dtype, default_scale, dense_dropout
 from attnzoo.mechanisms.base import AttendArgs, Attention, Weighted
 from attnzoo.mechanisms.cache import KVCacheDecode
-from attnzoo.mechanisms.score_chunks import plain_bias, softmax_chunks
+from attnzoo.mechanisms.score_chunks import softmax_chunks
 from attnzoo.registry import Config, bounded, register
+from attnzoo.score_mods import plain_bias
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 

@@ -43,10 +43,10 @@ from attnzoo.mechanisms.diff_gated import (
     gated_output,
     lambda_init,
 )
-from attnzoo.mechanisms.score_chunks import plain_bias, softmax_chunks
+from attnzoo.mechanisms.score_chunks import softmax_chunks
 from attnzoo.mechanisms.softmax import sdpa_attention
 from attnzoo.registry import Config, bounded, register
-from attnzoo.score_mods import chain, softcap, softcap_scores
+from attnzoo.score_mods import chain, plain_bias, softcap, softcap_scores
 from attnzoo.spec import Capabilities, Complexity, ScoreMod
 
 __all__ = [
