@@ -10,14 +10,10 @@ repeats), in one process.
 from __future__ import annotations
 
 import sys
-import time
 
-import torch
-import torch.nn.functional as F
-from ab_timing import interleaved
+from ab_timing import alibi_ab
 
 import attnzoo
-from attnzoo.bench.monitor import release_mmap_threshold
 from attnzoo.mechanisms import softmax_variants as sv
 from attnzoo.mechanisms.softmax import SoftmaxAttention
 
@@ -34,23 +30,7 @@ def use(rule: str) -> None:
 def main() -> None:
     n, causal = int(sys.argv[1]), sys.argv[2] == "1"
     repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    release_mmap_threshold()
-    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
-    grad = torch.randn(1, 8, n, 64)
-    alibi = attnzoo.positional.ALiBi(8).score_mod(q, n)
-
-    def timed(fn):
-        start = time.perf_counter()
-        fn().backward(grad)
-        q.grad = k.grad = v.grad = None
-        return time.perf_counter() - start
-
-    built = {name: attnzoo.build(name) for name in ("softmax", "softcap")}
-    calls = {
-        f"{name}+alibi": (lambda a=attn: a(q, k, v, causal=causal, score_mod=alibi)) for name, attn in built.items()
-    }
-    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-    interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
+    alibi_ab(n, causal, {name: attnzoo.build(name) for name in ("softmax", "softcap")}, repeats, use)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,26 @@ def fwd_bwd_ab(
     interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
 
 
+def alibi_ab(n: int, causal: bool, built: dict[str, Any], repeats: int, use: Callable[[str], None]) -> None:
+    """``interleaved`` for forward+backward of the modules in ``built`` (name -> module) with
+    ALiBi as their ``score_mod`` (``positional.ALiBi(8)``), on ``(1, 8, n, 64)`` inputs, against
+    dense SDPA's without it, under the malloc thresholds ``attnzoo bench speed`` sets."""
+    release_mmap_threshold()
+    q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 8, n, 64)
+    alibi = attnzoo.positional.ALiBi(8).score_mod(q, n)
+
+    def timed(fn: Callable[[], torch.Tensor]) -> float:
+        start = time.perf_counter()
+        fn().backward(grad)
+        q.grad = k.grad = v.grad = None
+        return time.perf_counter() - start
+
+    calls = {f"{name}+alibi": (lambda a=a: a(q, k, v, causal=causal, score_mod=alibi)) for name, a in built.items()}
+    dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
+
+
 def module_at(rev: str, path: str) -> types.ModuleType:
     """The module in ``path`` (``src/attnzoo/...py``) as git revision ``rev`` had it, loaded apart
     from the package (its imports resolve to the current code): the old rule of an A/B."""
