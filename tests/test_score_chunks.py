@@ -159,27 +159,31 @@ def test_a_learned_bias_on_a_pattern_mechanism_gets_its_gradient_from_the_refere
         ("local", {"left": 20, "right": 10}, False),
         ("local", {"left": 20, "right": 0}, True),
         ("block_local", {"block": 16}, False),
+        ("dilated", {"left": 8, "right": 8, "dilation": 3}, False),
+        ("dilated", {"left": 8, "right": 0, "dilation": 3}, True),
     ],
 )
 def test_windows_take_an_additive_bias_on_the_structured_path(name, config, causal):
-    # Stride-1 windows add the bias to their window mask (window_parts._with_bias): N = 150 (not
-    # a multiple of the block), batch row 0 padded from 130 on, against the reference with the
-    # same ALiBi, forward and gradients.
+    # Window parts add the bias to their window mask (window_parts._with_bias), dilated ones on
+    # their 3 sub-sequences: N = 150 (not a multiple of the block), batch row 0 padded from 130
+    # on, against the reference with the same biases, forward and gradients.
     q, k, v = make_qkv(B, H, 150, 150)
     mask = torch.ones(B, 150, dtype=torch.bool)
     mask[0, 130:] = False
-    alibi = _alibi(q, 150)
+    # ALiBi reads only i - j; the second bias reads absolute positions and the batch row
+    absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.1 * (i % 7), "absolute")
+    mod = chain(_alibi(q, 150), absolute)
     attn = attnzoo.build(name, **config).double()
-    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=alibi)
+    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
     assert attnzoo.last_choice().path == "structured"
-    want = attn.reference(q, k, v, causal=causal, key_mask=mask, score_mod=alibi)
+    want = attn.reference(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
     assert_same(got, want)
     for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
         assert_same(a, b, what="gradient")
 
 
 def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
-    # grouped K/V, a strided band (sub-sequences), a window with global tokens, a general
+    # grouped K/V, dense sub-sequences (strided), a window with global tokens, a general
     # score_mod: the tile path, still equal to the reference.
     q = make_qkv(B, H, 64, 64)[0]
     k, v = make_qkv(B, 1, 64, 64)[1:]
@@ -187,7 +191,7 @@ def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
     general = lambda s, b, h, i, j: s - 0.1 * (i - j).abs()  # noqa: E731
     cases = [
         ("local", {"left": 8, "right": 8}, q, k, v, alibi),
-        ("dilated", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
+        ("strided", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
         ("longformer", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
         ("local", {"left": 8, "right": 8}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), general),
     ]

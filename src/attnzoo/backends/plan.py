@@ -110,7 +110,7 @@ STRUCTURES: PlanCache[tuple, structured.Structure | None] = PlanCache(maxsize=64
 def structure_for(call: Call) -> structured.Structure | None:
     """The structured plan for this call (cached by the pattern's value and the sizes), or None
     where the call needs the generic tile plan: a pattern without window structure, a
-    ``score_mod`` other than an additive bias on stride-1 windows (``_takes_bias``), attention
+    ``score_mod`` other than an additive bias on window parts (``_takes_bias``), attention
     dropout (the flash kernel cannot take its seeded mask), value and key head sizes that differ,
     or a dtype the CPU flash kernel does not run (cross-attention of unequal lengths:
     ``structure`` returns None)."""
@@ -129,12 +129,13 @@ def structure_for(call: Call) -> structured.Structure | None:
 
 def _takes_bias(plan: structured.Structure | None, one_kv_head_each: bool) -> bool:
     """Whether the structured path adds an additive bias to ``plan`` (``window_parts._with_bias``):
-    one part of stride-1 windows (``local``, ``sliding_window``, ``block_local``) with a K/V head
-    per query head; other plans take the tile path with it."""
+    one part of windows (``local``, ``sliding_window``, ``block_local``, and ``dilated`` on its
+    sub-sequences) with a K/V head per query head; other plans (dense sub-sequences, unions with
+    global tokens, head groups) take the tile path with it."""
     if plan is None or len(plan.parts) != 1 or not one_kv_head_each:
         return False
     heads, part = plan.parts[0]
-    return heads is None and isinstance(part, structured.Windows) and part.stride == 1 and part.width > 0
+    return heads is None and isinstance(part, structured.Windows) and part.width > 0
 
 
 @torch.compiler.assume_constant_result

@@ -25,7 +25,7 @@ from attnzoo.score_mods import Bias
 class Options(NamedTuple):
     """What every part of one call runs with besides q, k, v: the real keys ``key_valid (B, N)``
     (None = all real), the score scale and an additive bias (``score_mods.plain_bias``: ALiBi;
-    only on plans of stride-1 windows, ``plan.structure_for``)."""
+    only on plans of one window part, ``plan._takes_bias``)."""
 
     key_valid: Tensor | None
     scale: float
@@ -82,19 +82,22 @@ def _window_mask(w: Windows, key_valid: Tensor | None, heads: int, blocks: int, 
 
 
 def _with_bias(mask: Tensor | None, w: Windows, bias: Bias, q: Tensor, k: Tensor, scale: float, blocks: int) -> Tensor:
-    """The window mask plus ``bias`` at every window pair: ``(B H, blocks, block, width)``. A
-    pair whose bias lies more than ``2 R + 64`` below the row's largest visible one (``R`` bounds
-    ``|scale q . k|``) would weigh under ``e^-64`` of that key: it is cut to ``-inf``, where
-    ALiBi's far pairs (-1000) left exponents below -87 that take ``exp``'s slow path in the
-    kernel's backward (6x slower), and the result moves by less than float32 can hold."""
-    batch, heads, n = q.shape[0], q.shape[1], q.shape[2]
-    rows = torch.arange(blocks * w.block, device=q.device)  # stride-1 windows: positions are rows
-    keys = w.start + (rows // w.block * w.block)[:, None] + torch.arange(w.width, device=q.device)
-    b = torch.arange(batch, device=q.device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
+    """The window mask plus ``bias`` at every window pair, ``(B stride H, blocks, block, width)``
+    in ``to_subsequences``' layout (row ``i`` of batch row ``b stride + r`` is position ``i stride
+    + r``). A pair whose bias lies more than ``2 R + 64`` below the row's largest visible one
+    (``R`` bounds ``|scale q . k|``) would weigh under ``e^-64`` of that key: it is cut to
+    ``-inf``, where ALiBi's far pairs (-1000) left exponents below -87 that take ``exp``'s slow
+    path in the kernel's backward (6x slower), and the result moves by less than float32 holds."""
+    batch, heads, n, m, device = q.shape[0], q.shape[1], q.shape[2], w.stride, q.device
+    rows = torch.arange(blocks * w.block, device=device)  # within a sub-sequence
+    keys = w.start + (rows // w.block * w.block)[:, None] + torch.arange(w.width, device=device)
+    folded = torch.arange(batch * m, device=device).view(-1, 1, 1, 1)  # b stride + r
+    b, r = folded // m, folded % m
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
     # positions past the ends (padding rows, keys before 0 or past N) are masked: clamped for the bias
-    values = bias(b, h, rows.clamp(max=n - 1).view(1, 1, -1, 1), keys.clamp(0, n - 1)[None, None]).to(q.dtype)
-    values = values.expand(batch, heads, -1, -1).reshape(batch * heads, blocks, w.block, w.width)
+    q_idx, kv_idx = (rows.view(1, 1, -1, 1) * m + r).clamp(max=n - 1), (keys[None, None] * m + r).clamp(0, n - 1)
+    values = bias(b, h, q_idx, kv_idx).to(q.dtype).expand(batch * m, heads, -1, -1)
+    values = values.reshape(batch * m * heads, blocks, w.block, w.width)
     total = values if mask is None else mask + values  # the pattern's -inf stay -inf
     reach = 2 * float(q.norm(dim=-1).amax() * k.norm(dim=-1).amax()) * scale + 64.0
     top = total.amax(-1, keepdim=True)
