@@ -161,12 +161,17 @@ def test_a_learned_bias_on_a_pattern_mechanism_gets_its_gradient_from_the_refere
         ("block_local", {"block": 16}, False),
         ("dilated", {"left": 8, "right": 8, "dilation": 3}, False),
         ("dilated", {"left": 8, "right": 0, "dilation": 3}, True),
+        ("longformer", {}, False),
+        ("etc", {}, True),
+        ("sinks", {}, True),
+        ("star", {}, False),
     ],
 )
 def test_windows_take_an_additive_bias_on_the_structured_path(name, config, causal):
     # Window parts add the bias to their window mask (window_parts._with_bias), dilated ones on
-    # their 3 sub-sequences: N = 150 (not a multiple of the block), batch row 0 padded from 130
-    # on, against the reference with the same biases, forward and gradients.
+    # their 3 sub-sequences, unions with global tokens to their columns and rows too
+    # (windowed._bias_at): N = 150 (not a multiple of the block), batch row 0 padded from 130 on,
+    # against the reference with the same biases, forward and gradients.
     q, k, v = make_qkv(B, H, 150, 150)
     mask = torch.ones(B, 150, dtype=torch.bool)
     mask[0, 130:] = False
@@ -183,8 +188,8 @@ def test_windows_take_an_additive_bias_on_the_structured_path(name, config, caus
 
 
 def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
-    # grouped K/V, dense sub-sequences (strided), a window with global tokens, a general
-    # score_mod: the tile path, still equal to the reference.
+    # grouped K/V, dense sub-sequences (strided), random keys, a general score_mod: the tile
+    # path, still equal to the reference.
     q = make_qkv(B, H, 64, 64)[0]
     k, v = make_qkv(B, 1, 64, 64)[1:]
     alibi = _alibi(q, 64)
@@ -192,7 +197,7 @@ def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
     cases = [
         ("local", {"left": 8, "right": 8}, q, k, v, alibi),
         ("strided", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
-        ("longformer", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
+        ("random", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
         ("local", {"left": 8, "right": 8}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), general),
     ]
     for name, config, qq, kk, vv, mod in cases:
@@ -201,6 +206,26 @@ def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
         assert attnzoo.last_choice().path == "tiles", name
         kr, vr = kk.expand(B, H, 64, D), vv.expand(B, H, 64, D)
         assert_same(got, attn.reference(qq, kr, vr, score_mod=mod), what=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("columns", ["global_tokens", "key_columns"])
+def test_many_global_columns_take_the_bias_in_the_kernel_union(columns, causal):
+    # 38-40 global keys (>= windowed.KERNEL_COLUMNS): the columns run through the flash kernel
+    # with the bias in their mask; rows of global tokens with it too.
+    q, k, v = make_qkv(B, H, 150, 150)
+    mask = torch.ones(B, 150, dtype=torch.bool)
+    mask[0, 130:] = False
+    tokens = tuple(range(0, 120, 3)) if columns == "global_tokens" else tuple(range(0, 150, 4))
+    pattern = getattr(attnzoo.patterns, columns)(tokens) | attnzoo.patterns.sliding_window(8, 8)
+    mod = chain(_alibi(q, 150), bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.1 * (i % 7), "absolute"))
+    options = {"pattern": pattern, "causal": causal, "key_mask": mask, "score_mod": mod}
+    got = attnzoo.attend(q, k, v, **options)
+    assert attnzoo.last_choice().path == "structured"
+    want = attnzoo.attend(q, k, v, backend="reference", **options)
+    assert_same(got, want)
+    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        assert_same(a, b, what="gradient")
 
 
 def test_a_window_bias_cuts_only_pairs_too_far_below_their_row():

@@ -128,14 +128,19 @@ def structure_for(call: Call) -> structured.Structure | None:
 
 
 def _takes_bias(plan: structured.Structure | None, one_kv_head_each: bool) -> bool:
-    """Whether the structured path adds an additive bias to ``plan`` (``window_parts._with_bias``):
-    one part of windows (``local``, ``sliding_window``, ``block_local``, and ``dilated`` on its
-    sub-sequences) with a K/V head per query head; other plans (dense sub-sequences, unions with
-    global tokens, head groups) take the tile path with it."""
-    if plan is None or len(plan.parts) != 1 or not one_kv_head_each:
+    """Whether the structured path adds an additive bias to ``plan``: one part, for all heads, of
+    windows (``local``, ``sliding_window``, ``block_local``, ``dilated`` on its sub-sequences:
+    ``window_parts._with_bias``) or of such windows (or none) united with global tokens
+    (``longformer``, ``etc``, ``sinks``, ``star``, ``global``: ``windowed._bias_at`` on the columns
+    and rows), with a K/V head per query head; other plans (dense sub-sequences, head groups,
+    ``axial``'s merged parts) take the tile path with it."""
+    if plan is None or len(plan.parts) != 1 or not one_kv_head_each or plan.parts[0][0] is not None:
         return False
-    heads, part = plan.parts[0]
-    return heads is None and isinstance(part, structured.Windows) and part.width > 0
+    part = plan.parts[0][1]
+    windows = part.windows if isinstance(part, structured.WithGlobals) else part
+    if windows is None:
+        return isinstance(part, structured.WithGlobals)
+    return isinstance(windows, structured.Windows) and windows.width > 0
 
 
 @torch.compiler.assume_constant_result

@@ -56,10 +56,23 @@ def _column_allowed(part: WithGlobals, opts: Options, device: torch.device) -> T
     return allowed
 
 
+def _bias_at(opts: Options, q: Tensor, rows: Tensor, keys: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """``opts.bias`` at rows ``rows (n_r,)`` by keys ``keys (n_k,)`` (positions) for every batch
+    row and head of ``q``: ``(1 | B, H, n_r, n_k)``, or None without a bias."""
+    if opts.bias is None:
+        return None
+    b = torch.arange(q.shape[0], device=q.device).view(-1, 1, 1, 1)
+    h = torch.arange(q.shape[1], device=q.device).view(1, -1, 1, 1)
+    return opts.bias(b, h, rows.view(1, 1, -1, 1), keys.view(1, 1, 1, -1)).to(dtype)
+
+
 def _column_scores(part: WithGlobals, q: Tensor, kg: Tensor, opts: Options) -> Tensor:
-    """Scores of every row against the global keys ``kg (B, H_kv, g, D)`` (compute dtype):
-    ``(B, H, N, g)``, ``-inf`` where not allowed."""
+    """Scores of every row against the global keys ``kg (B, H_kv, g, D)`` (compute dtype), plus
+    the call's bias: ``(B, H, N, g)``, ``-inf`` where not allowed."""
     scores = grouped_matmul(q.to(kg.dtype), kg.transpose(-1, -2)) * opts.scale
+    rows = torch.arange(q.shape[2], device=q.device)
+    bias = _bias_at(opts, q, rows, part.tokens.to(q.device), scores.dtype)
+    scores = scores if bias is None else scores + bias
     return scores.masked_fill(~_column_allowed(part, opts, q.device), float("-inf"))
 
 
@@ -173,6 +186,9 @@ class _KernelUnionAttention(torch.autograd.Function):
         kg, vg = k[:, :, index].contiguous(), v[:, :, index].contiguous()  # [B, H, g, D]
         allowed = _column_allowed(part, opts, q.device)
         mask = additive_mask(allowed, q.dtype)
+        bias = _bias_at(opts, q, torch.arange(q.shape[2], device=q.device), index, q.dtype)
+        if bias is not None:  # the pattern's -inf stay -inf
+            mask = bias.expand(q.shape[0], -1, -1, -1) if mask is None else mask + bias
         out, lse = flash_attention_cpu(q, kg, vg, 0.0, False, attn_mask=mask, scale=opts.scale)[:2]
         lse = lse.masked_fill(~allowed.any(-1), float("-inf"))  # the kernel reports 0 for a row with no key
         saved = None
@@ -212,6 +228,8 @@ def _row_weights(part: WithGlobals, q: Tensor, k: Tensor, opts: Options) -> Tens
     index = part.tokens.to(q.device)
     cd = compute_dtype(q)
     scores = grouped_matmul(q[:, :, index].to(cd), k.to(cd).transpose(-1, -2)) * opts.scale
+    bias = _bias_at(opts, q, index, torch.arange(k.shape[2], device=q.device), cd)
+    scores = scores if bias is None else scores + bias
     allowed = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if part.causal:
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= index[:, None]
