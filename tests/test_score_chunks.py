@@ -228,6 +228,31 @@ def test_many_global_columns_take_the_bias_in_the_kernel_union(columns, causal):
         assert_same(a, b, what="gradient")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["sparse_transformer_fixed", "pattern"])
+def test_head_groups_read_their_heads_in_the_bias(name, causal):
+    # One part per head group (per_head): each part's bias sees the heads by their index in the
+    # call, which the second bias reads (-0.2 h) beside ALiBi's slopes; six heads.
+    q, k, v = make_qkv(B, 6, 150, 150)
+    mask = torch.ones(B, 150, dtype=torch.bool)
+    mask[0, 130:] = False
+    groups = [
+        attnzoo.patterns.sliding_window(8, 8),
+        attnzoo.patterns.global_tokens((0, 5)) | attnzoo.patterns.sliding_window(4, 0),
+        attnzoo.patterns.block_local(16),
+    ]
+    config = {"pattern": attnzoo.patterns.per_head(groups)} if name == "pattern" else {}
+    absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.2 * h, "absolute")
+    mod = chain(attnzoo.positional.ALiBi(6).score_mod(q, 150), absolute)
+    attn = attnzoo.build(name, **config).double()
+    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
+    assert attnzoo.last_choice().path == "structured"
+    want = attn.reference(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
+    assert_same(got, want)
+    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        assert_same(a, b, what="gradient")
+
+
 def test_a_window_bias_cuts_only_pairs_too_far_below_their_row():
     # Pairs whose bias lies more than 2 R + 64 under the row's largest become -inf (the kernel's
     # backward would take exp's slow path on them); a bias within reach is added as it is.

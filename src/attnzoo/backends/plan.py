@@ -128,15 +128,17 @@ def structure_for(call: Call) -> structured.Structure | None:
 
 
 def _takes_bias(plan: structured.Structure | None, one_kv_head_each: bool) -> bool:
-    """Whether the structured path adds an additive bias to ``plan``: one part, for all heads, of
-    windows (``local``, ``sliding_window``, ``block_local``, ``dilated`` on its sub-sequences:
-    ``window_parts._with_bias``) or of such windows (or none) united with global tokens
-    (``longformer``, ``etc``, ``sinks``, ``star``, ``global``: ``windowed._bias_at`` on the columns
-    and rows), with a K/V head per query head; other plans (dense sub-sequences, head groups,
-    ``axial``'s merged parts) take the tile path with it."""
-    if plan is None or len(plan.parts) != 1 or not one_kv_head_each or plan.parts[0][0] is not None:
-        return False
-    part = plan.parts[0][1]
+    """Whether the structured path adds an additive bias to ``plan``: parts (one per head group,
+    ``windowed._group_opts``) of windows (``local``, ``sliding_window``, ``block_local``,
+    ``dilated`` on its sub-sequences: ``window_parts._with_bias``) or of such windows (or none)
+    united with global tokens (``longformer``, ``etc``, ``sinks``, ``star``, ``global``,
+    ``sparse_transformer_fixed``: ``windowed._bias_at`` on the columns and rows), with a K/V head
+    per query head; other plans (dense sub-sequences, ``axial``'s merged parts) take the tile path
+    with it."""
+    return plan is not None and one_kv_head_each and all(_part_takes_bias(part) for _, part in plan.parts)
+
+
+def _part_takes_bias(part: structured.Windows | structured.WithGlobals | structured.Merged) -> bool:
     windows = part.windows if isinstance(part, structured.WithGlobals) else part
     if windows is None:
         return isinstance(part, structured.WithGlobals)

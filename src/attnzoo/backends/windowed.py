@@ -304,13 +304,26 @@ def structured_attention(call: Call, plan: Structure) -> Tensor:
         # and concatenated, each a view forward and one copy backward, where indexing the heads
         # out and back costs a gather, and in backward a zero-filled scatter and an add, per tensor.
         parts = zip(plan.parts, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1))
-        return torch.cat([_run_part(part, *qkv, opts) for (_, part), *qkv in parts], dim=1)
+        return torch.cat([_run_part(part, *qkv, _group_opts(opts, heads)) for (heads, part), *qkv in parts], dim=1)
     for heads, part in plan.parts:
         kv = heads if groups == 1 else part_kv_heads(heads, groups)  # not None: see grouped_windows
-        pieces.append((heads, _run_part(part, q[:, heads], k[:, kv], v[:, kv], opts)))
+        pieces.append((heads, _run_part(part, q[:, heads], k[:, kv], v[:, kv], _group_opts(opts, heads))))
     # Head groups are disjoint: put each group's rows back at its heads (differentiably).
     order = torch.cat([heads for heads, _ in pieces]).argsort()
     return torch.cat([piece for _, piece in pieces], dim=1)[:, order.to(q.device)]
+
+
+def _group_opts(opts: Options, heads: Tensor | None) -> Options:
+    """``opts`` for a head group's part: its bias reads the group's heads by their index in the
+    call (the part numbers them from 0)."""
+    if opts.bias is None or heads is None:
+        return opts
+    bias, index = opts.bias, heads
+
+    def group_bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return bias(b, index.to(h.device)[h], q_idx, kv_idx)
+
+    return opts._replace(bias=group_bias)
 
 
 def _head_runs(plan: Structure) -> list[int] | None:
