@@ -165,13 +165,16 @@ def test_a_learned_bias_on_a_pattern_mechanism_gets_its_gradient_from_the_refere
         ("etc", {}, True),
         ("sinks", {}, True),
         ("star", {}, False),
+        ("strided", {"stride": 6}, False),
+        ("strided", {"stride": 6}, True),
     ],
 )
 def test_windows_take_an_additive_bias_on_the_structured_path(name, config, causal):
     # Window parts add the bias to their window mask (window_parts._with_bias), dilated ones on
     # their 3 sub-sequences, unions with global tokens to their columns and rows too
-    # (windowed._bias_at): N = 150 (not a multiple of the block), batch row 0 padded from 130 on,
-    # against the reference with the same biases, forward and gradients.
+    # (windowed._bias_at), dense sub-sequences (strided) to theirs (_dense_with_bias): N = 150
+    # (not a multiple of the block), batch row 0 padded from 130 on, against the reference with
+    # the same biases, forward and gradients.
     q, k, v = make_qkv(B, H, 150, 150)
     mask = torch.ones(B, 150, dtype=torch.bool)
     mask[0, 130:] = False
@@ -187,16 +190,31 @@ def test_windows_take_an_additive_bias_on_the_structured_path(name, config, caus
         assert_same(a, b, what="gradient")
 
 
+@pytest.mark.parametrize("n", [150, 144])
+def test_causal_dense_sub_sequences_with_a_bias_and_no_padding(n):
+    # Without padding the causal rule of a dense part is is_causal, which a bias mask replaces:
+    # _dense_with_bias writes the triangle in (N = 144 divides by the stride, 150 does not).
+    q, k, v = make_qkv(B, H, n, n)
+    attn = attnzoo.build("strided", stride=6).double()
+    mod = _alibi(q, n)
+    got = attn(q, k, v, causal=True, score_mod=mod)
+    assert attnzoo.last_choice().path == "structured"
+    want = attn.reference(q, k, v, causal=True, score_mod=mod)
+    assert_same(got, want)
+    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        assert_same(a, b, what="gradient")
+
+
 def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
-    # grouped K/V, dense sub-sequences (strided), random keys, a general score_mod: the tile
-    # path, still equal to the reference.
+    # grouped K/V, random keys, logsparse's rows, a general score_mod: the tile path, still equal
+    # to the reference.
     q = make_qkv(B, H, 64, 64)[0]
     k, v = make_qkv(B, 1, 64, 64)[1:]
     alibi = _alibi(q, 64)
     general = lambda s, b, h, i, j: s - 0.1 * (i - j).abs()  # noqa: E731
     cases = [
         ("local", {"left": 8, "right": 8}, q, k, v, alibi),
-        ("strided", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
+        ("logsparse", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
         ("random", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
         ("local", {"left": 8, "right": 8}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), general),
     ]
@@ -229,7 +247,7 @@ def test_many_global_columns_take_the_bias_in_the_kernel_union(columns, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["sparse_transformer_fixed", "pattern"])
+@pytest.mark.parametrize("name", ["sparse_transformer_fixed", "sparse_transformer_strided", "pattern"])
 def test_head_groups_read_their_heads_in_the_bias(name, causal):
     # One part per head group (per_head): each part's bias sees the heads by their index in the
     # call, which the second bias reads (-0.2 h) beside ALiBi's slopes; six heads.

@@ -133,8 +133,9 @@ def _takes_bias(plan: structured.Structure | None, one_kv_head_each: bool) -> bo
     ``dilated`` on its sub-sequences: ``window_parts._with_bias``) or of such windows (or none)
     united with global tokens (``longformer``, ``etc``, ``sinks``, ``star``, ``global``,
     ``sparse_transformer_fixed``: ``windowed._bias_at`` on the columns and rows), with a K/V head
-    per query head; other plans (dense sub-sequences, ``axial``'s merged parts) take the tile path
-    with it."""
+    per query head, and of dense sub-sequences (``strided``, ``sparse_transformer_strided``'s strided
+    heads: ``window_parts._dense_with_bias``); other plans (``axial``'s merged parts, dense stride-1
+    parts) take the tile path with it."""
     return plan is not None and one_kv_head_each and all(_part_takes_bias(part) for _, part in plan.parts)
 
 
@@ -142,7 +143,8 @@ def _part_takes_bias(part: structured.Windows | structured.WithGlobals | structu
     windows = part.windows if isinstance(part, structured.WithGlobals) else part
     if windows is None:
         return isinstance(part, structured.WithGlobals)
-    return isinstance(windows, structured.Windows) and windows.width > 0
+    # dense parts on sub-sequences only: a dense stride-1 part's bias would be N x N
+    return isinstance(windows, structured.Windows) and (windows.width > 0 or windows.stride > 1)
 
 
 @torch.compiler.assume_constant_result

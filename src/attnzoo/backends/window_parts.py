@@ -99,9 +99,35 @@ def _with_bias(mask: Tensor | None, w: Windows, bias: Bias, q: Tensor, k: Tensor
     values = bias(b, h, q_idx, kv_idx).to(q.dtype).expand(batch * m, heads, -1, -1)
     values = values.reshape(batch * m * heads, blocks, w.block, w.width)
     total = values if mask is None else mask + values  # the pattern's -inf stay -inf
+    return _cut_far(total, q, k, scale)
+
+
+def _dense_with_bias(
+    mask: Tensor | None, w: Windows, bias: Bias, q: Tensor, k: Tensor, scale: float, padded: bool
+) -> Tensor:
+    """A dense sub-sequence part's mask plus ``bias`` (``(B stride, H, sub, sub)``, the pattern's
+    pair count), with the causal rule written in where ``_dense_mask`` left it to ``is_causal``,
+    and the far pairs cut as in ``_with_bias``."""
+    batch, heads, n, m, device = q.shape[0], q.shape[1], q.shape[2], w.stride, q.device
+    sub = -(-n // m)
+    folded = torch.arange(batch * m, device=device).view(-1, 1, 1, 1)  # b stride + r
+    b, r = folded // m, folded % m
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    at = torch.arange(sub, device=device)
+    q_idx, kv_idx = (at.view(1, 1, -1, 1) * m + r).clamp(max=n - 1), (at.view(1, 1, 1, -1) * m + r).clamp(max=n - 1)
+    total = bias(b, h, q_idx, kv_idx).to(q.dtype).expand(batch * m, heads, sub, sub)
+    if w.causal and w.allowed is None and not padded:  # else _dense_mask holds it
+        total = total.masked_fill(torch.ones(sub, sub, dtype=torch.bool, device=device).triu_(1), float("-inf"))
+    total = total if mask is None else total + mask  # the pattern's -inf stay -inf
+    return _cut_far(total, q, k, scale)
+
+
+def _cut_far(total: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """``total`` with every entry more than ``2 R + 64`` under its row's largest at ``-inf``
+    (``R`` bounds ``|scale q . k|``): see ``_with_bias``."""
     reach = 2 * float(q.norm(dim=-1).amax() * k.norm(dim=-1).amax()) * scale + 64.0
     top = total.amax(-1, keepdim=True)
-    return total.masked_fill_(total < torch.where(torch.isinf(top), 0.0, top) - reach, float("-inf"))
+    return total.masked_fill(total < torch.where(torch.isinf(top), 0.0, top) - reach, float("-inf"))
 
 
 def _dense_mask(w: Windows, key_valid: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
@@ -160,7 +186,7 @@ def part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> 
     """One part's rows ``(B, H, N, D_v)``; K/V may have ``H_kv`` heads dividing ``H`` (a group's
     query heads stacked as rows: ``grouped.rows_to_blocks``, ``grouped.fold_rows``), except
     for a dense part run with ``is_causal`` (``grouped.grouped_windows`` refuses those)."""
-    if _head_major(w, q, k, opts.key_valid):
+    if _head_major(w, q, k, opts.key_valid) and opts.bias is None:
         mask = None if w.allowed is None else w.allowed.to(q.dtype)[None, None]
         is_causal = w.causal and mask is None
         qs, ks, vs = (_deal(x, w.stride) for x in (q, k, v))
@@ -171,6 +197,8 @@ def part_forward(w: Windows, q: Tensor, k: Tensor, v: Tensor, opts: Options) -> 
     valid = subsequence_keys(opts.key_valid, q.shape[0], n, w.stride, q.device)
     if w.width == 0:  # dense
         mask = _dense_mask(w, valid, sub, q.dtype)
+        if opts.bias is not None:
+            mask = _dense_with_bias(mask, w, opts.bias, q, k, opts.scale, valid is not None)
         is_causal = w.causal and mask is None and w.allowed is None
         groups = qs.shape[1] // ks.shape[1]  # > 1 only without is_causal (grouped.grouped_windows)
         qs = fold_rows(qs, groups)  # [B', H_kv, G sub, D]
