@@ -23,9 +23,10 @@ on the generic tile plan in ``blocked.py``):
   with the diagonal removed (it is in the row), merged by log-sum-exp.
 - ``per_head([...])`` of the above: one part per head group.
 
-An additive bias (``score_mods.plain_bias``: ALiBi) joins the window mask on plans of one window
-part, sub-sequences included (``plan._takes_bias``, ``window_parts._with_bias``: ``B H N width``
-values); other plans take the tile path with it.
+An additive bias (``score_mods.plain_bias``: ALiBi) joins the window masks (``B H N width``
+values), dense sub-sequences' masks (the pattern's pair count), the global columns and rows, per
+head group (``plan._takes_bias``; ``window_parts._with_bias``, ``_dense_with_bias``,
+``windowed._bias_at``, ``_group_opts``); ``axial``'s merged parts take the tile path with it.
 
 This module builds the plans; ``attnzoo.backends.windowed`` runs them. Backward recomputes
 from q, k, v, the output and the log-sum-exp through the flash kernel's backward; key gradients

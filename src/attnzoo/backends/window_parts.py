@@ -25,7 +25,7 @@ from attnzoo.score_mods import Bias
 class Options(NamedTuple):
     """What every part of one call runs with besides q, k, v: the real keys ``key_valid (B, N)``
     (None = all real), the score scale and an additive bias (``score_mods.plain_bias``: ALiBi;
-    only on plans of one window part, ``plan._takes_bias``)."""
+    on the plans ``plan._takes_bias`` accepts; a head group's reads its heads, ``windowed._group_opts``)."""
 
     key_valid: Tensor | None
     scale: float
