@@ -99,3 +99,12 @@ def decode_all(attn: torch.nn.Module, state: object, q: torch.Tensor, k: torch.T
         out, state = attn.step(state, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
         outs.append(out)
     return torch.cat(outs, dim=2)
+
+
+def refused(what: str):
+    """A stand-in for a code path that must not run: calling it fails the test with ``what``."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(what)
+
+    return refuse

@@ -16,7 +16,7 @@ from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import score_chunks
 from attnzoo.mechanisms._ops import decay_floor
 from attnzoo.score_mods import bias_mod, bias_of, chain, plain_bias, softcap
-from conftest import grads, make_qkv, padding_mask
+from conftest import grads, make_qkv, padding_mask, refused
 from tolerances import assert_same
 
 B, H, N, D = 2, 3, 37, 8
@@ -26,8 +26,7 @@ def _alibi(q: torch.Tensor, n_kv: int):
     return attnzoo.positional.ALiBi(H).score_mod(q, n_kv)
 
 
-def _refused(*args, **kwargs):
-    raise AssertionError("softmax with an additive bias went to the dense reference")
+_refused = refused("softmax with an additive bias went to the dense reference")
 
 
 @pytest.mark.parametrize(("n_q", "causal"), [(N, False), (5, False), (45, False), (N, True), (5, True)])
@@ -153,6 +152,16 @@ def test_a_learned_bias_on_a_pattern_mechanism_gets_its_gradient_from_the_refere
         attnzoo.attend(q, k, v, pattern=attnzoo.patterns.sliding_window(8, 8), score_mod=learned, backend="blocked")
 
 
+def _structured_equals_reference(attn, q, k, v, **options) -> None:
+    """``attn`` on the structured path equals its reference, forward and gradients."""
+    got = attn(q, k, v, **options)
+    assert attnzoo.last_choice().path == "structured"
+    want = attn.reference(q, k, v, **options)
+    assert_same(got, want)
+    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        assert_same(a, b, what="gradient")
+
+
 @pytest.mark.parametrize(
     ("name", "config", "causal"),
     [
@@ -182,12 +191,7 @@ def test_windows_take_an_additive_bias_on_the_structured_path(name, config, caus
     absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.1 * (i % 7), "absolute")
     mod = chain(_alibi(q, 150), absolute)
     attn = attnzoo.build(name, **config).double()
-    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
-    assert attnzoo.last_choice().path == "structured"
-    want = attn.reference(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
-    assert_same(got, want)
-    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-        assert_same(a, b, what="gradient")
+    _structured_equals_reference(attn, q, k, v, causal=causal, key_mask=mask, score_mod=mod)
 
 
 @pytest.mark.parametrize("n", [150, 144])
@@ -197,12 +201,7 @@ def test_causal_dense_sub_sequences_with_a_bias_and_no_padding(n):
     q, k, v = make_qkv(B, H, n, n)
     attn = attnzoo.build("strided", stride=6).double()
     mod = _alibi(q, n)
-    got = attn(q, k, v, causal=True, score_mod=mod)
-    assert attnzoo.last_choice().path == "structured"
-    want = attn.reference(q, k, v, causal=True, score_mod=mod)
-    assert_same(got, want)
-    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-        assert_same(a, b, what="gradient")
+    _structured_equals_reference(attn, q, k, v, causal=True, score_mod=mod)
 
 
 def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
@@ -263,12 +262,7 @@ def test_head_groups_read_their_heads_in_the_bias(name, causal):
     absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.2 * h, "absolute")
     mod = chain(attnzoo.positional.ALiBi(6).score_mod(q, 150), absolute)
     attn = attnzoo.build(name, **config).double()
-    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
-    assert attnzoo.last_choice().path == "structured"
-    want = attn.reference(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
-    assert_same(got, want)
-    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-        assert_same(a, b, what="gradient")
+    _structured_equals_reference(attn, q, k, v, causal=causal, key_mask=mask, score_mod=mod)
 
 
 def test_a_window_bias_cuts_only_pairs_too_far_below_their_row():

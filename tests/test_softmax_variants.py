@@ -17,7 +17,7 @@ from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import score_chunks
 from attnzoo.mechanisms import softmax_variants as sv
 from attnzoo.score_mods import chain, softcap
-from conftest import grads, padding_mask
+from conftest import grads, padding_mask, refused
 from oracles_modern import (
     oracle_diff_lambda,
     oracle_differential_attention,
@@ -157,8 +157,7 @@ def test_softcap_over_several_query_chunks_with_a_position_bias(causal, monkeypa
         assert_same(a, b, what="chunked gradients")
 
 
-def _generic_path_refused(*args, **kwargs):
-    raise AssertionError("softcap without a score_mod took the generic chunked_attention path")
+_generic_path_refused = refused("softcap without a score_mod took the generic chunked_attention path")
 
 
 @pytest.mark.parametrize(("n_q", "causal"), [(N, False), (5, False), (45, False), (N, True), (5, True)])
