@@ -280,3 +280,19 @@ def test_a_window_bias_cuts_only_pairs_too_far_below_their_row():
     keys = (torch.arange(4).view(4, 1, 1) * 8 - 8 + torch.arange(24)).clamp(0, 31)  # ends clamped (masked in use)
     distance = (torch.arange(32).view(4, 8, 1) - keys).abs()
     assert torch.equal(torch.isinf(steep[0]), 10.0 * distance > 66 + 10.0 * distance.amin(-1, keepdim=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "config"), [("softcap", {"cap": 2.0}), ("softmax", {}), ("local", {"left": 20, "right": 0})]
+)
+def test_heads_as_a_transposed_view_get_their_gradients(name, config):
+    # A layer's heads are often a view of (B, N, H D) transposed: gradient buffers built like
+    # such inputs would be written through flattened copies and lost. Gradients of the packed x.
+    x = torch.randn(B, 150, 3 * H * D, dtype=torch.float64, requires_grad=True)
+    q, k, v = (t.reshape(B, 150, H, D).transpose(1, 2) for t in x.split(H * D, -1))
+    attn = attnzoo.build(name, **config).double()
+    mod = None if name == "softcap" else _alibi(q, 150)
+    got = attn(q, k, v, causal=True, score_mod=mod)
+    want = attn.reference(q, k, v, causal=True, score_mod=mod)
+    assert_same(got, want)
+    assert_same(*(grads(out, (x,))[0] for out in (got, want)), what="gradient of x")

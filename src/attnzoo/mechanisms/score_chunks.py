@@ -157,7 +157,9 @@ class _SoftmaxChunks(torch.autograd.Function):
         q, k, v, out, key_mask = ctx.saved_tensors
         cfg: _Scores = ctx.cfg
         offset, grad = k.shape[2] - q.shape[2], grad.contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # contiguous whatever the inputs' strides (a layer's heads are often a transposed view):
+        # the products below write into them through flattened views
+        dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         delta = (grad * out).sum(-1, keepdim=True)  # rowsum(dO O): the softmax's backward
         for start, stop, end in _chunks(q.shape[2], k.shape[2], cfg.rows, cfg.causal):
             if end == 0:
