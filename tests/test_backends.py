@@ -426,6 +426,15 @@ def test_sparse_rows_are_the_kept_pairs_their_transpose_and_their_slots(causal):
         assert torch.equal(as_rows.gather(1, table).masked_fill(~valid, 0), slots)
 
 
+def test_key_order_is_a_stable_sort_of_each_row():
+    from attnzoo.backends.sparse_rows import key_order
+
+    gen = torch.Generator().manual_seed(0)
+    col = torch.randint(0, 7, (3, 5000), generator=gen)  # ties everywhere: row order must stay
+    assert torch.equal(key_order(col, 7), torch.sort(col, dim=-1, stable=True).indices)
+    assert torch.equal(key_order(col[:1], 7), torch.sort(col[:1], dim=-1, stable=True).indices)
+
+
 def test_gathered_table_puts_each_rows_kept_keys_first_and_never_allocates_n_squared():
     table, valid = gathered._row_table(P.random(6, seed=3) & P.causal(), 40, 40)
     assert table.shape == valid.shape == (40, 6)

@@ -135,17 +135,42 @@ def test_largest_returns_the_k_largest_values_in_order_ties_and_infinities_inclu
     scores[0, 0, 3:] = float("-inf")
     scores[0, 1] = float("-inf")
     scores[1, 2, 7] = float("nan")
+    inf = float("inf")
+    want = scores.topk(k, dim=-1).values.nan_to_num(nan=inf)  # NaN ranks first, as +inf would
     values, idx = largest(scores, k)
-    assert torch.equal(values.nan_to_num(), scores.topk(k, dim=-1).values.nan_to_num())
-    assert torch.equal(scores.gather(-1, idx).nan_to_num(), values.nan_to_num())
-    assert torch.equal(idx.sort(-1).values.diff(dim=-1) > 0, torch.ones_like(idx[..., 1:], dtype=torch.bool))
+    assert torch.equal(values.nan_to_num(nan=inf), want)
+    for ordered in (True, False):  # unordered: the same values in some order, at their indices
+        values, idx = largest(scores, k, ordered=ordered)
+        assert torch.equal(values.nan_to_num(nan=inf).sort(-1, descending=True).values, want)
+        assert torch.equal(scores.gather(-1, idx).nan_to_num(), values.nan_to_num())
+        assert torch.equal(idx.sort(-1).values.diff(dim=-1) > 0, torch.ones_like(idx[..., 1:], dtype=torch.bool))
 
 
-def test_select_topk_on_long_rows_makes_the_rules_selection():
-    # Long rows take largest's two stages; integer scores tie across the cut in most rows.
+def test_cut_drops_the_smallest_and_says_when_it_splits_a_tie():
+    # k + 1 values in any order: ties at the cut, -inf (fewer than k + 1 visible), NaN (ranks
+    # above everything, so never the one dropped unless every value is NaN).
     gen = torch.Generator().manual_seed(0)
-    scores = torch.randint(-20, 21, (2, 3, 40, 700), generator=gen).float()
-    visible = torch.rand(2, 1, 40, 700, generator=gen) < 0.9
+    top = torch.randint(0, 5, (500, 9), generator=gen).double()
+    top[:50, 3] = float("nan")
+    top[50:100, :4] = float("-inf")
+    idx = torch.rand(500, 9, generator=gen).argsort(-1)
+    values, kept, ambiguous = topk_module._cut(top, idx)
+    ranked = top.nan_to_num(nan=float("inf")).sort(-1, descending=True).values
+    assert torch.equal(ambiguous, ranked[:, 8] == ranked[:, 7])
+    assert torch.equal(values.nan_to_num(nan=float("inf")).sort(-1, descending=True).values, ranked[:, :8])
+    assert torch.equal(top.gather(-1, idx.argsort(-1).gather(-1, kept)).nan_to_num(), values.nan_to_num())
+
+
+@pytest.mark.parametrize("n", [700, 100], ids=["two-stages", "one-stage"])
+def test_select_topk_makes_the_rules_selection(n):
+    # Long rows take largest's two stages; integer scores tie across the cut in most rows;
+    # distinct scores in some rows; a key whose scores are NaN; rows with fewer than k visible.
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(-20, 21, (2, 3, 40, n), generator=gen).float()
+    scores[1] = torch.randn(3, 40, n, generator=gen)
+    scores[:, :, :, 5] = float("nan")
+    visible = torch.rand(2, 1, 40, n, generator=gen) < 0.9
+    visible[:, :, :4, 20:] = False
     idx, valid = select_topk(scores, visible, 32)
     want_idx, want_valid = kept_indices(topk_mask(scores, visible, 32), 32)
     assert torch.equal(valid, want_valid)
