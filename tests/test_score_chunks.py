@@ -204,17 +204,47 @@ def test_causal_dense_sub_sequences_with_a_bias_and_no_padding(n):
     _structured_equals_reference(attn, q, k, v, causal=True, score_mod=mod)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("name", "config"), [("random", {"r": 12}), ("logsparse", {"levels": 6})])
+def test_keys_named_row_by_row_take_an_additive_bias_on_the_gathered_path(name, config, causal):
+    # The CSR path adds the bias at each listed pair (sparse_rows.pair_bias): N = 150, batch row
+    # 0 padded from 130 on, ALiBi and a bias of absolute positions, batch row and head, against
+    # the reference, forward and gradients.
+    q, k, v = make_qkv(B, H, 150, 150)
+    mask = torch.ones(B, 150, dtype=torch.bool)
+    mask[0, 130:] = False
+    absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.2 * h - 0.1 * (i % 7), "absolute")
+    mod = chain(_alibi(q, 150), absolute)
+    attn = attnzoo.build(name, **config).double()
+    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
+    assert attnzoo.last_choice().path == "gathered"
+    want = attn.reference(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
+    assert_same(got, want)
+    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        assert_same(a, b, what="gradient")
+
+
+def test_the_gathered_bias_sees_queries_end_aligned_to_the_keys():
+    # 40 queries over 150 keys: query row i is position i + 110 for the bias (spec's convention).
+    q = make_qkv(B, H, 40, 150)[0]
+    k, v = make_qkv(B, H, 150, 150)[1:]
+    mod = chain(_alibi(q, 150), bias_mod(lambda b, h, i, j: -0.05 * i, "rows"))
+    options = {"pattern": attnzoo.patterns.random(12) & attnzoo.patterns.causal(), "score_mod": mod}
+    got = attnzoo.attend(q, k, v, **options)
+    assert attnzoo.last_choice().path == "gathered"
+    assert_same(got, attnzoo.attend(q, k, v, backend="reference", **options))
+
+
 def test_plans_that_cannot_take_a_bias_run_the_tiles_with_it():
-    # grouped K/V, random keys, logsparse's rows, a general score_mod: the tile path, still equal
-    # to the reference.
+    # grouped K/V on a window plan, a general score_mod: the tile path, still equal to the
+    # reference.
     q = make_qkv(B, H, 64, 64)[0]
     k, v = make_qkv(B, 1, 64, 64)[1:]
     alibi = _alibi(q, 64)
     general = lambda s, b, h, i, j: s - 0.1 * (i - j).abs()  # noqa: E731
     cases = [
         ("local", {"left": 8, "right": 8}, q, k, v, alibi),
-        ("logsparse", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
-        ("random", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), alibi),
+        ("random", {}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), general),
         ("local", {"left": 8, "right": 8}, q, k.expand(B, H, 64, D), v.expand(B, H, 64, D), general),
     ]
     for name, config, qq, kk, vv, mod in cases:

@@ -5,7 +5,8 @@ backend's gathered path (``random(r)``: ``gathered.py``) and the selected-keys a
 Each query row lists up to ``k`` keys in slots ``idx, valid (M, k)``. ``sparse_rows`` turns the
 kept slots into a CSR structure (``SparseRows``: row by row with keys ascending, and the same
 pairs key by key). ``SparseRowsAttention`` then computes, per (batch, head): the scores of the
-listed pairs only (``torch.sparse.sampled_addmm``), the softmax over each row's slots, and the
+listed pairs only (``torch.sparse.sampled_addmm``), plus an additive bias at them if given
+(``pair_bias``), the softmax over each row's slots, and the
 output as CSR @ V; backward is the same sparse products (``dP`` sampled from ``dO V^T``,
 ``dQ = dS K``, and ``dK = dS^T Q``, ``dV = P^T dO`` through the transposed structure). Time and
 memory O(M k D); nothing is M x N. One (batch, head) at a time: the 2-D sparse kernels ran twice
@@ -22,6 +23,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from attnzoo.mechanisms._ops import decay_floor
+from attnzoo.score_mods import Bias
 
 
 class SparseRows(NamedTuple):
@@ -157,16 +161,37 @@ def by_key(values: Tensor, r: SparseRows) -> Tensor:
 StructureOf = Callable[[int, int], SparseRows]
 #: ``(structure, b)`` -> which of its pairs have a real key in batch row b ``(nnz,)``, or None (all).
 VisibleOf = Callable[[SparseRows, int], "Tensor | None"]
+#: ``(structure, b, h)`` -> an additive bias on its pairs' scores in batch row b, head h ``(nnz,)``.
+BiasOf = Callable[[SparseRows, int, int], Tensor]
+
+
+def pair_bias(bias: Bias, r: SparseRows, b: int, h: int, offset: int, dtype: torch.dtype) -> Tensor:
+    """``bias`` (``score_mods.plain_bias``: ALiBi) at the pairs of ``r`` in row order ``(nnz,)``,
+    for batch row ``b``, head ``h``; queries end-aligned to the keys (``q_idx = row + offset``,
+    ``offset = N_kv - N_q``), as ``spec``'s index convention has them."""
+    at = torch.tensor([b, h], device=r.col.device)
+    return bias(at[0], at[1], r.rows + offset, r.col).to(dtype).expand(r.col.shape)
 
 
 class SparseRowsAttention(torch.autograd.Function):
     """``q (B, H, M, D)``, ``k (B, H_kv, N, D)``, ``v (B, H_kv, N, D_v)`` (``H_kv`` dividing ``H``),
-    ``structure_of``, ``visible_of``, ``scale`` -> ``(out (B, H, M, D_v), *weights)``: one weights
-    tensor ``(nnz,)`` per (b, h) in ``b * H + h`` order, in its structure's row order, without
-    gradient."""
+    ``structure_of``, ``visible_of``, ``scale``, ``bias_of`` (None: no bias) -> ``(out (B, H, M,
+    D_v), *weights)``: one weights tensor ``(nnz,)`` per (b, h) in ``b * H + h`` order, in its
+    structure's row order, without gradient. A bias is a constant of the scores (no gradient
+    reaches it); with one, weights below ``eps^4`` are 0: ALiBi's far pairs left denormal
+    weights, and products over denormals run many times slower (``_ops.decay_floor``)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, structure_of: StructureOf, visible_of: VisibleOf, scale):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        structure_of: StructureOf,
+        visible_of: VisibleOf,
+        scale: float,
+        bias_of: BiasOf | None = None,
+    ):
         (batch, heads, m), groups = q.shape[:3], q.shape[1] // k.shape[1]
         out, weights = v.new_empty(batch, heads, m, v.shape[-1]), []
         with warnings.catch_warnings():  # torch's one-time notice that its CSR support is beta
@@ -177,7 +202,12 @@ class SparseRowsAttention(torch.autograd.Function):
                     r = structure_of(b, h)
                     if r is not seen[0]:  # heads sharing a structure share its padding verdict
                         seen = (r, visible_of(r, b))
-                    w = _row_softmax(r, _sampled(r, q[b, h], k[b, h // groups], scale), seen[1])
+                    scores = _sampled(r, q[b, h], k[b, h // groups], scale)
+                    if bias_of is None:
+                        w = _row_softmax(r, scores, seen[1])
+                    else:
+                        w = _row_softmax(r, scores.add_(bias_of(r, b, h)), seen[1])
+                        F.threshold_(w, math.exp(decay_floor(w.dtype)), 0.0)
                     out[b, h].addmm_(csr(r, w), v[b, h // groups], beta=0.0)  # beta 0: its garbage ignored
                     weights.append(w)
         ctx.save_for_backward(q, k, v, out, *weights)
@@ -201,4 +231,4 @@ class SparseRowsAttention(torch.autograd.Function):
                     d_q[b, h].addmm_(csr(r, d_scores), k[b, h // groups], beta=0.0, alpha=scale)
                     d_k[b, h // groups].addmm_(csr(r, by_key(d_scores, r), transposed=True), q[b, h], alpha=scale)
                     d_v[b, h // groups].addmm_(csr(r, by_key(p, r), transposed=True), g)
-        return d_q, d_k, d_v, None, None, None
+        return d_q, d_k, d_v, None, None, None, None
