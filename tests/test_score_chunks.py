@@ -176,12 +176,15 @@ def _structured_equals_reference(attn, q, k, v, **options) -> None:
         ("star", {}, False),
         ("strided", {"stride": 6}, False),
         ("strided", {"stride": 6}, True),
+        ("axial", {"h": 10, "w": 15}, False),
+        ("axial", {"h": 10, "w": 15}, True),
     ],
 )
 def test_windows_take_an_additive_bias_on_the_structured_path(name, config, causal):
     # Window parts add the bias to their window mask (window_parts._with_bias), dilated ones on
     # their 3 sub-sequences, unions with global tokens to their columns and rows too
-    # (windowed._bias_at), dense sub-sequences (strided) to theirs (_dense_with_bias): N = 150
+    # (windowed._bias_at), dense sub-sequences (strided) to theirs (_dense_with_bias), merged parts
+    # (axial's rows and columns) to each part's: N = 150
     # (not a multiple of the block), batch row 0 padded from 130 on, against the reference with
     # the same biases, forward and gradients.
     q, k, v = make_qkv(B, H, 150, 150)

@@ -134,12 +134,15 @@ def _takes_bias(plan: structured.Structure | None, one_kv_head_each: bool) -> bo
     united with global tokens (``longformer``, ``etc``, ``sinks``, ``star``, ``global``,
     ``sparse_transformer_fixed``: ``windowed._bias_at`` on the columns and rows), with a K/V head
     per query head, and of dense sub-sequences (``strided``, ``sparse_transformer_strided``'s strided
-    heads: ``window_parts._dense_with_bias``); other plans (``axial``'s merged parts, dense stride-1
-    parts) take the tile path with it."""
+    heads: ``window_parts._dense_with_bias``), and merged parts of those (``axial``'s row windows
+    and column sub-sequences: each part's mask holds the bias); plans with a dense stride-1 part
+    take the tile path with it."""
     return plan is not None and one_kv_head_each and all(_part_takes_bias(part) for _, part in plan.parts)
 
 
 def _part_takes_bias(part: structured.Windows | structured.WithGlobals | structured.Merged) -> bool:
+    if isinstance(part, structured.Merged):
+        return all(_part_takes_bias(w) for w in part.parts)
     windows = part.windows if isinstance(part, structured.WithGlobals) else part
     if windows is None:
         return isinstance(part, structured.WithGlobals)
