@@ -227,6 +227,25 @@ def test_keys_named_row_by_row_take_an_additive_bias_on_the_gathered_path(name, 
         assert_same(a, b, what="gradient")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_query_groups_take_an_additive_bias_on_the_key_sets_path(causal):
+    # block2d on a 10 x 15 image (groups at the edges, N = 150), batch row 0 padded from 130 on:
+    # the bias joins each group's mask (key_sets._bias_values), forward and gradients.
+    q, k, v = make_qkv(B, H, 150, 150)
+    mask = torch.ones(B, 150, dtype=torch.bool)
+    mask[0, 130:] = False
+    absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.2 * h - 0.1 * (i % 7), "absolute")
+    mod = chain(_alibi(q, 150), absolute)
+    attn = attnzoo.build("block2d", h=10, w=15, query_block=(4, 4), memory_margin=(2, 2)).double()
+    for key_mask in (mask, None):  # one kernel call per batch row with padding, one without
+        got = attn(q, k, v, causal=causal, key_mask=key_mask, score_mod=mod)
+        assert attnzoo.last_choice().path == "key_sets"
+        want = attn.reference(q, k, v, causal=causal, key_mask=key_mask, score_mod=mod)
+        assert_same(got, want)
+        for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+            assert_same(a, b, what="gradient")
+
+
 def test_the_gathered_bias_sees_queries_end_aligned_to_the_keys():
     # 40 queries over 150 keys: query row i is position i + 110 for the bias (spec's convention).
     q = make_qkv(B, H, 40, 150)[0]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from attnzoo.patterns import Pattern
 from attnzoo.patterns import causal as causal_pattern
+from attnzoo.score_mods import plain_bias
 from attnzoo.spec import MaskMod, ScoreMod
 
 if TYPE_CHECKING:  # a type only: mechanisms import the backends, never the other way round
@@ -140,11 +141,12 @@ def repeated_kv(call: Call) -> Call:
     return replace(call, k=call.k.repeat_interleave(groups, dim=1), v=call.v.repeat_interleave(groups, dim=1))
 
 
-def plain_softmax_reasons(call: Call, path: str) -> list[str]:
-    """Why a path that runs plain softmax attention (no score function, no dropout) cannot take
-    ``call``: ``path`` names it in the reasons, and says why it has no score_mod."""
+def plain_softmax_reasons(call: Call, path: str, *, bias: bool = False) -> list[str]:
+    """Why a path that runs plain softmax attention (no score function, no dropout; with
+    ``bias``, an additive bias: ``score_mods.plain_bias``) cannot take ``call``: ``path`` names it
+    in the reasons, and says why it has no score_mod."""
     reasons = []
-    if call.score_mod is not None:
+    if call.score_mod is not None and not (bias and plain_bias(call.score_mod, call.q.device) is not None):
         reasons.append(f"a score_mod ({path})")
     if call.dropout is not None:
         reasons.append("attention dropout")
@@ -162,6 +164,17 @@ def additive_mask(allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     if allowed is None:
         return None
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def cut_far(total: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """An additive mask plus bias ``total (..., S_k)`` for the CPU flash kernel, with every entry
+    more than ``2 R + 64`` under its row's largest at ``-inf`` (``R`` bounds ``|scale q . k|``):
+    such a key weighs under ``e^-64`` of the row's best whatever q and k are, so the result moves
+    by less than float32 holds; kept, ALiBi's far pairs (-1000) leave exponents below -87 that
+    take ``exp``'s slow path in the kernel's backward (6x slower: ``window_parts._with_bias``)."""
+    reach = 2 * float(q.detach().norm(dim=-1).amax() * k.detach().norm(dim=-1).amax()) * scale + 64.0
+    top = total.amax(-1, keepdim=True)
+    return total.masked_fill(total < torch.where(torch.isinf(top), 0.0, top) - reach, float("-inf"))
 
 
 def gather_rows(x: Tensor, index: Tensor, *, zero_row: bool = False) -> Tensor:

@@ -22,7 +22,6 @@ from 0.19x SDPA on the tile path to 1.79x (``benchmarks/ab-gathered-bias-cpu.txt
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -83,8 +82,7 @@ def row_plan(call: Call) -> SparseRows | None:
 def not_gathered_reasons(call: Call) -> list[str]:
     """Why the gathered path cannot run ``call`` (empty: it can). It takes an additive bias
     (``score_mods.plain_bias``: ALiBi), added to each pair's score; no other ``score_mod``."""
-    plain = call if plain_bias(call.score_mod, call.q.device) is None else dataclasses.replace(call, score_mod=None)
-    reasons = plain_softmax_reasons(plain, "the gathered path takes an additive bias only (score_mods.bias_mod)")
+    reasons = plain_softmax_reasons(call, "the gathered path takes an additive bias only", bias=True)
     if row_plan(call) is None:
         reasons.append(
             "the pattern does not name its keys row by row (a patterns.RowKeyed, or its intersections; a graph "

@@ -10,8 +10,11 @@ one ``scaled_dot_product_attention`` call runs every group at once, ``(B H, G, S
 ``(B H, G, S_k, D)``: on the CPU the flash kernel, forward and backward, with an additive mask
 only where some slot or pair is not allowed (a group at the image's edge, ``causal()``, padded
 keys). The gathers' backward adds the keys' gradients back (``index_add_``). O(N S_k D) time,
-O(N S_k) memory at most (the mask of an intersection); nothing is N x N. A row that sees no key
-comes out 0 (the kernel's answer to a masked row, checked by the tests).
+O(N S_k) memory at most (the mask of an intersection, or of a bias); nothing is N x N. A row
+that sees no key comes out 0 (the kernel's answer to a masked row, checked by the tests).
+
+An additive bias (``score_mods.plain_bias``: ALiBi) joins the mask, ``(B H, G, S_q, S_k)``, its
+far pairs cut (``call.cut_far``); no other ``score_mod``.
 """
 
 from __future__ import annotations
@@ -22,10 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.backends.call import Call, PlanCache, additive_mask, compute_dtype, plain_softmax_reasons, rows_at
+from attnzoo.backends.call import (
+    Call,
+    PlanCache,
+    additive_mask,
+    compute_dtype,
+    cut_far,
+    plain_softmax_reasons,
+    rows_at,
+)
 from attnzoo.patterns import Pattern
 from attnzoo.patterns.algebra import Intersection
 from attnzoo.patterns.atomic import GroupKeyed, KeySets
+from attnzoo.score_mods import Bias, plain_bias
 
 
 class KeySetPlan(NamedTuple):
@@ -91,10 +103,22 @@ def key_set_plan(call: Call) -> KeySetPlan | None:
 
 def not_key_set_reasons(call: Call) -> list[str]:
     """Why the key-sets path cannot run ``call`` (empty: it can)."""
-    reasons = plain_softmax_reasons(call, "the key-sets path runs the flash kernel")
+    reasons = plain_softmax_reasons(call, "the key-sets path takes an additive bias only", bias=True)
     if key_set_plan(call) is None:
         reasons.append("the pattern has no query groups that share their keys (a patterns.GroupKeyed)")
     return reasons
+
+
+def _bias_values(bias: Bias, plan: KeySetPlan, call: Call, dtype: torch.dtype) -> Tensor:
+    """``bias`` at every group's pairs, ``(B, H, G, S_q, S_k)``: queries end-aligned to the keys
+    (``q_idx = row + N_kv - N_q``, ``spec``'s convention); empty slots read position 0 (masked)."""
+    (groups, rows, keys), device = plan.shape, call.q.device
+    (b, h, n_q), n_kv = call.q.shape[:3], call.k.shape[2]
+    q_idx = (plan.rows.to(device) + (n_kv - n_q)).view(1, 1, groups, rows, 1)
+    kv_idx = plan.keys.to(device).view(1, 1, groups, 1, keys)
+    batch = torch.arange(b, device=device).view(-1, 1, 1, 1, 1)
+    head = torch.arange(h, device=device).view(1, -1, 1, 1, 1)
+    return bias(batch, head, q_idx, kv_idx).to(dtype).expand(b, h, groups, rows, keys)
 
 
 def key_set_attention(call: Call) -> Tensor:
@@ -110,19 +134,23 @@ def key_set_attention(call: Call) -> Tensor:
 
     qx, kx, vx = grouped(q, plan.rows.to(q.device), rows), *(grouped(x, plan.keys.to(q.device), keys) for x in (k, v))
     allowed = None if plan.allowed is None else plan.allowed.to(q.device)[None]  # [1, G, 1 | S_q, S_k]
+    bias = plain_bias(call.score_mod, q.device)
+    biases = None if bias is None else _bias_values(bias, plan, call, dtype)  # [B, H, G, S_q, S_k]
+
+    def attend(part: slice, allowed: Tensor | None, at: int | slice) -> Tensor:  # batch rows `part` of qx
+        mask = additive_mask(allowed, dtype)
+        if biases is not None:
+            values = biases[at].reshape(-1, *biases.shape[-3:])  # [B H | H, G, S_q, S_k]
+            mask = cut_far(values if mask is None else mask + values, qx[part], kx[part], call.scale)
+        return F.scaled_dot_product_attention(qx[part], kx[part], vx[part], attn_mask=mask, scale=call.scale)
+
     if call.key_mask is None:
-        out = F.scaled_dot_product_attention(qx, kx, vx, attn_mask=additive_mask(allowed, dtype), scale=call.scale)
+        out = attend(slice(None), allowed, slice(None))
     else:  # one call per batch row: its real keys in each group, [1, G, 1, S_k], not repeated per head
         outs = []
         for i, real in enumerate(call.key_mask):
             mask = real.index_select(0, plan.keys.to(q.device)).view(1, groups, 1, keys)
-            mask = mask if allowed is None else mask & allowed
-            part = slice(i * h, (i + 1) * h)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    qx[part], kx[part], vx[part], attn_mask=additive_mask(mask, dtype), scale=call.scale
-                )
-            )
+            outs.append(attend(slice(i * h, (i + 1) * h), mask if allowed is None else mask & allowed, i))
         out = torch.cat(outs)
     out = rows_at(out.view(b, h, groups * rows, -1), plan.where.to(q.device))  # each query's slot
     return out.to(call.q.dtype)

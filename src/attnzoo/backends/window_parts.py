@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
-from attnzoo.backends.call import additive_mask, from_subsequences, subsequence_keys, to_subsequences
+from attnzoo.backends.call import additive_mask, cut_far, from_subsequences, subsequence_keys, to_subsequences
 from attnzoo.backends.grouped import blocks_to_rows, fold_rows, pad_rows, rows_to_blocks, unfold_rows
 from attnzoo.backends.structured import Windows
 from attnzoo.score_mods import Bias
@@ -99,7 +99,7 @@ def _with_bias(mask: Tensor | None, w: Windows, bias: Bias, q: Tensor, k: Tensor
     values = bias(b, h, q_idx, kv_idx).to(q.dtype).expand(batch * m, heads, -1, -1)
     values = values.reshape(batch * m * heads, blocks, w.block, w.width)
     total = values if mask is None else mask + values  # the pattern's -inf stay -inf
-    return _cut_far(total, q, k, scale)
+    return cut_far(total, q, k, scale)
 
 
 def _dense_with_bias(
@@ -119,15 +119,7 @@ def _dense_with_bias(
     if w.causal and w.allowed is None and not padded:  # else _dense_mask holds it
         total = total.masked_fill(torch.ones(sub, sub, dtype=torch.bool, device=device).triu_(1), float("-inf"))
     total = total if mask is None else total + mask  # the pattern's -inf stay -inf
-    return _cut_far(total, q, k, scale)
-
-
-def _cut_far(total: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
-    """``total`` with every entry more than ``2 R + 64`` under its row's largest at ``-inf``
-    (``R`` bounds ``|scale q . k|``): see ``_with_bias``."""
-    reach = 2 * float(q.norm(dim=-1).amax() * k.norm(dim=-1).amax()) * scale + 64.0
-    top = total.amax(-1, keepdim=True)
-    return total.masked_fill(total < torch.where(torch.isinf(top), 0.0, top) - reach, float("-inf"))
+    return cut_far(total, q, k, scale)
 
 
 def _dense_mask(w: Windows, key_valid: Tensor | None, n: int, dtype: torch.dtype) -> Tensor | None:
