@@ -10,27 +10,9 @@ repeats). Old: both paths' reasons (``call.plain_softmax_reasons``) refuse every
 
 from __future__ import annotations
 
-import sys
+from ab_timing import alibi_swap_main
 
-from ab_timing import alibi_ab
-
-import attnzoo
 from attnzoo.backends import call
-from attnzoo.bench.speed import parse_mechanism
-
-PLAIN_BIAS = call.plain_bias
-
-
-def use(rule: str) -> None:
-    call.plain_bias = PLAIN_BIAS if rule == "new" else (lambda score_mod, device: None)
-
-
-def main() -> None:
-    n, causal, names = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3].split(";")
-    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 5
-    built = {text: attnzoo.build(name, **config) for text in names for name, config in [parse_mechanism(text)]}
-    alibi_ab(n, causal, built, repeats, use)
-
 
 if __name__ == "__main__":
-    main()
+    alibi_swap_main(call, "plain_bias", lambda score_mod, device: None)

@@ -99,6 +99,19 @@ def alibi_ab(n: int, causal: bool, built: dict[str, Any], repeats: int, use: Cal
     interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
 
 
+def alibi_swap_main(module: Any, attr: str, old: Any) -> None:
+    """The ``main`` of an A/B script of ALiBi on mechanisms that swaps ``module.attr`` between
+    ``old`` and the value it has now: ``N CAUSAL(0|1) NAME[;NAME...] [REPEATS]`` from the command
+    line (names with their configs, ``axial:h=64,w=64``, as ``bench speed`` reads them), timed
+    forward+backward by ``alibi_ab`` (5 repeats by default)."""
+    rules = {"old": old, "new": getattr(module, attr)}
+    use = lambda rule: setattr(module, attr, rules[rule])  # noqa: E731
+    n, causal, names = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3].split(";")
+    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 5
+    built = {text: attnzoo.build(name, **config) for text in names for name, config in [parse_mechanism(text)]}
+    alibi_ab(n, causal, built, repeats, use)
+
+
 def module_at(rev: str, path: str) -> types.ModuleType:
     """The module in ``path`` (``src/attnzoo/...py``) as git revision ``rev`` had it, loaded apart
     from the package (its imports resolve to the current code): the old rule of an A/B."""

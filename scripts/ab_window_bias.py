@@ -3,32 +3,14 @@ against the structured path with the bias in the window mask (new, ``window_part
 in one process; each pair timed forward+backward interleaved with dense SDPA's (no bias; B=1,
 H=8, D=64, median of the repeats).
 
-    python scripts/ab_window_bias.py N CAUSAL(0|1) NAME[,NAME...] [REPEATS]
+    python scripts/ab_window_bias.py N CAUSAL(0|1) NAME[;NAME...] [REPEATS]
 """
 
 from __future__ import annotations
 
-import sys
+from ab_timing import alibi_swap_main
 
-from ab_timing import alibi_ab
-
-import attnzoo
 from attnzoo.backends import plan
-from attnzoo.bench.speed import parse_mechanism
-
-TAKES_BIAS = plan._takes_bias
-
-
-def use(rule: str) -> None:
-    plan._takes_bias = TAKES_BIAS if rule == "new" else (lambda structure, one_kv_head_each: False)
-
-
-def main() -> None:
-    n, causal, names = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3].split(";")
-    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 5
-    built = {text: attnzoo.build(name, **config) for text in names for name, config in [parse_mechanism(text)]}
-    alibi_ab(n, causal, built, repeats, use)
-
 
 if __name__ == "__main__":
-    main()
+    alibi_swap_main(plan, "_takes_bias", lambda structure, one_kv_head_each: False)

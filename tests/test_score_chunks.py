@@ -10,12 +10,14 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 
 import attnzoo
 from attnzoo.backends.reference import reference_attention
 from attnzoo.mechanisms import score_chunks
 from attnzoo.mechanisms._ops import decay_floor
 from attnzoo.score_mods import bias_mod, bias_of, chain, plain_bias, softcap
+from attnzoo.spec import ScoreMod
 from conftest import grads, make_qkv, padding_mask, refused
 from tolerances import assert_same
 
@@ -152,10 +154,10 @@ def test_a_learned_bias_on_a_pattern_mechanism_gets_its_gradient_from_the_refere
         attnzoo.attend(q, k, v, pattern=attnzoo.patterns.sliding_window(8, 8), score_mod=learned, backend="blocked")
 
 
-def _structured_equals_reference(attn, q, k, v, **options) -> None:
-    """``attn`` on the structured path equals its reference, forward and gradients."""
+def _path_equals_reference(attn, q, k, v, path: str = "structured", **options) -> None:
+    """``attn`` on the ``path`` of the blocked backend equals its reference, forward and gradients."""
     got = attn(q, k, v, **options)
-    assert attnzoo.last_choice().path == "structured"
+    assert attnzoo.last_choice().path == path
     want = attn.reference(q, k, v, **options)
     assert_same(got, want)
     for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
@@ -194,7 +196,7 @@ def test_windows_take_an_additive_bias_on_the_structured_path(name, config, caus
     absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.1 * (i % 7), "absolute")
     mod = chain(_alibi(q, 150), absolute)
     attn = attnzoo.build(name, **config).double()
-    _structured_equals_reference(attn, q, k, v, causal=causal, key_mask=mask, score_mod=mod)
+    _path_equals_reference(attn, q, k, v, causal=causal, key_mask=mask, score_mod=mod)
 
 
 @pytest.mark.parametrize("n", [150, 144])
@@ -204,7 +206,17 @@ def test_causal_dense_sub_sequences_with_a_bias_and_no_padding(n):
     q, k, v = make_qkv(B, H, n, n)
     attn = attnzoo.build("strided", stride=6).double()
     mod = _alibi(q, n)
-    _structured_equals_reference(attn, q, k, v, causal=True, score_mod=mod)
+    _path_equals_reference(attn, q, k, v, causal=True, score_mod=mod)
+
+
+def _padded_and_biased() -> tuple[Tensor, Tensor, Tensor, Tensor, ScoreMod]:
+    """q, k, v at N = 150, a key mask padding batch row 0 from 130 on, and ALiBi chained with a
+    bias of absolute positions, batch row and head (ALiBi alone reads only i - j)."""
+    q, k, v = make_qkv(B, H, 150, 150)
+    mask = torch.ones(B, 150, dtype=torch.bool)
+    mask[0, 130:] = False
+    absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.2 * h - 0.1 * (i % 7), "absolute")
+    return q, k, v, mask, chain(_alibi(q, 150), absolute)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -213,37 +225,19 @@ def test_keys_named_row_by_row_take_an_additive_bias_on_the_gathered_path(name, 
     # The CSR path adds the bias at each listed pair (sparse_rows.pair_bias): N = 150, batch row
     # 0 padded from 130 on, ALiBi and a bias of absolute positions, batch row and head, against
     # the reference, forward and gradients.
-    q, k, v = make_qkv(B, H, 150, 150)
-    mask = torch.ones(B, 150, dtype=torch.bool)
-    mask[0, 130:] = False
-    absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.2 * h - 0.1 * (i % 7), "absolute")
-    mod = chain(_alibi(q, 150), absolute)
+    q, k, v, mask, mod = _padded_and_biased()
     attn = attnzoo.build(name, **config).double()
-    got = attn(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
-    assert attnzoo.last_choice().path == "gathered"
-    want = attn.reference(q, k, v, causal=causal, key_mask=mask, score_mod=mod)
-    assert_same(got, want)
-    for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-        assert_same(a, b, what="gradient")
+    _path_equals_reference(attn, q, k, v, "gathered", causal=causal, key_mask=mask, score_mod=mod)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_query_groups_take_an_additive_bias_on_the_key_sets_path(causal):
     # block2d on a 10 x 15 image (groups at the edges, N = 150), batch row 0 padded from 130 on:
     # the bias joins each group's mask (key_sets._bias_values), forward and gradients.
-    q, k, v = make_qkv(B, H, 150, 150)
-    mask = torch.ones(B, 150, dtype=torch.bool)
-    mask[0, 130:] = False
-    absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.2 * h - 0.1 * (i % 7), "absolute")
-    mod = chain(_alibi(q, 150), absolute)
+    q, k, v, mask, mod = _padded_and_biased()
     attn = attnzoo.build("block2d", h=10, w=15, query_block=(4, 4), memory_margin=(2, 2)).double()
     for key_mask in (mask, None):  # one kernel call per batch row with padding, one without
-        got = attn(q, k, v, causal=causal, key_mask=key_mask, score_mod=mod)
-        assert attnzoo.last_choice().path == "key_sets"
-        want = attn.reference(q, k, v, causal=causal, key_mask=key_mask, score_mod=mod)
-        assert_same(got, want)
-        for a, b in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-            assert_same(a, b, what="gradient")
+        _path_equals_reference(attn, q, k, v, "key_sets", causal=causal, key_mask=key_mask, score_mod=mod)
 
 
 def test_the_gathered_bias_sees_queries_end_aligned_to_the_keys():
@@ -314,7 +308,7 @@ def test_head_groups_read_their_heads_in_the_bias(name, causal):
     absolute = bias_mod(lambda b, h, i, j: -0.02 * j - 0.3 * b - 0.2 * h, "absolute")
     mod = chain(attnzoo.positional.ALiBi(6).score_mod(q, 150), absolute)
     attn = attnzoo.build(name, **config).double()
-    _structured_equals_reference(attn, q, k, v, causal=causal, key_mask=mask, score_mod=mod)
+    _path_equals_reference(attn, q, k, v, causal=causal, key_mask=mask, score_mod=mod)
 
 
 def test_a_window_bias_cuts_only_pairs_too_far_below_their_row():
