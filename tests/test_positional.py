@@ -123,6 +123,25 @@ def test_every_encoding_decodes_step_by_step_like_the_full_forward(name):
     assert_same(torch.cat(outs, dim=1), full)
 
 
+@pytest.mark.parametrize(
+    ("mechanism", "config"),
+    [("local", {"left": 4, "right": 0}), ("logsparse", {}), ("strided", {"stride": 3}), ("longformer", {"left": 4})],
+)
+def test_pattern_mechanisms_decode_with_alibi_like_their_forward(mechanism, config):
+    # The forward takes ALiBi on the structured or gathered path, a step through the pattern
+    # decode caches (pattern_decode: the score_mod at absolute positions): they must agree.
+    torch.manual_seed(0)
+    lm = attnzoo.nn.CausalLM(20, 32, 2, 4, mechanism=mechanism, positional="alibi", **config).double().eval()
+    tokens = torch.randint(0, 20, (2, 11))
+    full = lm(tokens)
+    logits, state = lm.step(tokens[:, :3], lm.init_state(2))
+    outs = [logits]
+    for t in range(3, 11):
+        logits, state = lm.step(tokens[:, t : t + 1], state)
+        outs.append(logits)
+    assert_same(torch.cat(outs, dim=1), full)
+
+
 @pytest.mark.parametrize("name", POSITIONALS)
 def test_every_encoding_changes_the_layer_and_trains(name):
     torch.manual_seed(0)
