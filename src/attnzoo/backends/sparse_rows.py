@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import decay_floor
+from attnzoo.mechanisms._ops import flush_small_weights_
 from attnzoo.score_mods import Bias
 
 
@@ -178,8 +178,7 @@ class SparseRowsAttention(torch.autograd.Function):
     ``structure_of``, ``visible_of``, ``scale``, ``bias_of`` (None: no bias) -> ``(out (B, H, M,
     D_v), *weights)``: one weights tensor ``(nnz,)`` per (b, h) in ``b * H + h`` order, in its
     structure's row order, without gradient. A bias is a constant of the scores (no gradient
-    reaches it); with one, weights below ``eps^4`` are 0: ALiBi's far pairs left denormal
-    weights, and products over denormals run many times slower (``_ops.decay_floor``)."""
+    reaches it); with one, weights below ``eps^4`` are 0 (``_ops.flush_small_weights_``)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -207,7 +206,7 @@ class SparseRowsAttention(torch.autograd.Function):
                         w = _row_softmax(r, scores, seen[1])
                     else:
                         w = _row_softmax(r, scores.add_(bias_of(r, b, h)), seen[1])
-                        F.threshold_(w, math.exp(decay_floor(w.dtype)), 0.0)
+                        flush_small_weights_(w)
                     out[b, h].addmm_(csr(r, w), v[b, h // groups], beta=0.0)  # beta 0: its garbage ignored
                     weights.append(w)
         ctx.save_for_backward(q, k, v, out, *weights)

@@ -32,11 +32,10 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from attnzoo.mechanisms._ops import decay_floor, exp_floor
+from attnzoo.mechanisms._ops import exp_floor, flush_small_weights_
 from attnzoo.score_mods import Bias
 
 #: Scores (batch x head x row x key) of one chunk: 1M float32 (4 MiB). 0.25M took 19-52% longer
@@ -127,8 +126,8 @@ def _weights(
     if cfg.bias is not None or (cfg.cap is not None and 2 * cfg.cap > -exp_floor(weights.dtype)):
         # Scores that spread wider than exp's normal range (ALiBi's far pairs: -1000) leave weights
         # so small that the products after them run over denormals (P V 7.5x slower at 2K); a
-        # weight below eps^4 (decay_floor) is 0, far under the dtype's rounding of the row.
-        F.threshold_(weights, math.exp(decay_floor(weights.dtype)), 0.0)
+        # weight below eps^4 is 0 (_ops.flush_small_weights_), far under the rounding of the row.
+        flush_small_weights_(weights)
     return t, weights
 
 
