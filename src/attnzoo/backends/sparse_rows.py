@@ -93,8 +93,9 @@ def key_order(col: Tensor, n: int) -> Tensor:
     ``torch.sort(col, stable=True)``'s indices. Done as one stable sort of a flat int32 tensor
     ``col + g n``, where torch sorts by radix: 4.9 -> 1.4 ms for ``topk``'s 8 heads at 512 (k =
     32), 39 -> 16 at 4K, against the row-wise int64 sort; ``topk`` fwd+bwd 3-7% faster, ``dsa``
-    6-11% (``benchmarks/ab-key-order-cpu.txt``). Below 2^15 entries torch does not take its radix
-    path, and the row-wise sort was as fast (0.24 against 0.29 ms for 8K entries)."""
+    6-11% at 512-4K, within noise at 16K (``benchmarks/ab-key-order-cpu.txt``). Below 2^15
+    entries torch does not take its radix path, and the row-wise sort was as fast (0.24 against
+    0.29 ms for 8K entries)."""
     g, nnz = col.shape
     if g * n >= 2**31 or g * nnz < 2**15:
         return torch.sort(col, dim=-1, stable=True).indices
