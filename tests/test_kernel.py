@@ -495,10 +495,66 @@ def test_the_causal_chunk_is_64_on_the_cpu_and_longer_for_wide_maps_elsewhere(mo
     assert kernel.causal_chunk(32, 256, torch.device("meta")) == 32
     chunks = []
     sums = kernel._causal_sums
-    monkeypatch.setattr(kernel, "_causal_sums", lambda *a: chunks.append(a[5]) or sums(*a))
+    monkeypatch.setattr(kernel, "_causal_sums", lambda *a, **kw: chunks.append(a[5]) or sums(*a, **kw))
     q = torch.randn(1, 2, 300, 16)
     for device, config, want in (("cpu", {}, 64), ("meta", {}, 256), ("meta", {"chunk": 32}, 32)):
         attn = attnzoo.build("rfa", heads=2, head_dim=16, features=64, **config).to(device)  # sin and cos: m = 128
         chunks.clear()
         attn(*(q.to(device),) * 3, causal=True)
         assert chunks and set(chunks) == {want}, (device, config)
+
+
+class _MatmulDenormals(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the denormal entries of every matrix product's operands and result, and their size."""
+
+    PRODUCTS = (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.addmm)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.denormal = self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in self.PRODUCTS:
+            for t in (*args, out):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    a = t.abs()
+                    self.denormal += int(((a > 0) & (a < torch.finfo(t.dtype).tiny)).sum())
+                    self.total += t.numel()
+        return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_on_large_inputs_keeps_denormals_out_of_its_products_and_its_answer(causal):
+    # q, k 10x larger than unit variance (a trained model's can be): the features spread over
+    # exponents far below 0. Below eps^2 of their maximum they are 0 (_ops.feature_floor), and
+    # causal, the states' tiny entries too (_ops.flush_tiny_): with the floor at float32's
+    # smallest normal thousands of denormals reached the products (several times slower on a
+    # CPU); now at most one entry in 10^4. The answer is float64's (whose floor is at -72) to
+    # float32's rounding of exponents near 100.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 512, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k = q * 10, k * 10
+    attn = attnzoo.build("performer", seed=0)
+    x32 = [t.float().requires_grad_() for t in (q, k, v)]
+    count = _MatmulDenormals()
+    with count:
+        out = attn(*x32, causal=causal)
+        out.sum().backward()
+    assert count.total > 10**6 and count.denormal <= count.total // 10**4
+    want = attn(q, k, v, causal=causal)
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_causal_performer_flushes_its_states_only_where_a_feature_was_flushed_and_the_maximum_rose():
+    # The flush (KeyFeatures.sparse) costs a pass over every state: unit-variance keys at
+    # N = 512 never need it; keys 10x larger do (features at 0, a running maximum that rises by
+    # more than 31.8). Non-causal keys never carry the flag.
+    from attnzoo.mechanisms.kernel_performer import favor_keys
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 4, 512, 64, generator=g) * 64**-0.25
+    w = torch.randn(128, 64, generator=g)
+    assert not favor_keys(k, w, None, causal=True).sparse
+    assert favor_keys(10 * k, w, None, causal=True).sparse
+    assert not favor_keys(10 * k, w, None, causal=False).sparse

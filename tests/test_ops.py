@@ -110,3 +110,30 @@ def test_the_chunkwise_cores_decay_factors_are_never_denormal(dtype):
     for x in factors:
         assert x.dtype == dtype and ((x == 0) | (x >= least)).all()
     assert any((x == 0).any() for x in factors) and any(((x > 0) & (x < 1e-3)).any() for x in factors)
+
+
+def test_floored_exp_with_a_floor_above_the_dtypes_zeroes_below_it_the_same_on_either_path():
+    # A floor of its own (Performer's eps^2): results below exp(floor) are 0 (up to e^(1/2) times
+    # it, the flush's margin) whether or not some exponent also falls below float32's -87 (the
+    # clamped path), and everything above is exp itself.
+    from attnzoo.mechanisms._ops import feature_floor, floored_exp_
+
+    floor = feature_floor(torch.float32)
+    assert -32 < floor < -31
+    x = torch.linspace(-60, 0, 601)
+    plain = floored_exp_(x.clone(), floor)
+    with_deep = floored_exp_(torch.cat([x, torch.tensor([-200.0])]), floor)[:-1]  # the clamped path
+    assert torch.equal(plain, with_deep)
+    keep = x > floor + 0.5
+    assert torch.equal(plain[keep], x[keep].exp()) and (plain[~keep] == 0).all()
+    assert torch.equal(floored_exp_(x.clone(), -300.0), floored_exp_(x.clone()))  # below -87 counts as -87
+
+
+def test_flush_tiny_zeroes_what_a_kept_feature_would_make_denormal_and_keeps_the_rest():
+    from attnzoo.mechanisms._ops import flush_tiny_
+
+    info = torch.finfo(torch.float32)
+    cut = info.tiny / info.eps**3
+    x = torch.tensor([0.0, 1e-40, -1e-30, 0.5 * cut, -0.99 * cut, 1.01 * cut, -2 * cut, 1e-10, -3.0])
+    want = torch.where(x.abs() < cut, 0.0, x)
+    assert torch.equal(flush_tiny_(x.clone()), want) and (want[5:] != 0).all()

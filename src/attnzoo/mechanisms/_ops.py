@@ -124,30 +124,49 @@ def decay_floor(dtype: torch.dtype) -> float:
     return 4 * math.log(torch.finfo(dtype).eps)  # results within e^(1/2) of it are 0 too (flushed_exp_)
 
 
-def floored_exp_(x: Tensor) -> Tensor:
-    """``x.exp_()`` with every value that would fall below ``exp(exp_floor)`` (the dtype's smallest
-    normal; where any does, up to ``e^(1/2)`` times that: ``flushed_exp_``) made exactly 0, as
-    underflow and ``exp(-inf)`` give, in place (``x`` must be a
+def feature_floor(dtype: torch.dtype) -> float:
+    """The lowest exponent of a random feature ``exp(w^T x - stabiliser)`` that Performer keeps:
+    ``2 ln(eps)`` of ``dtype`` (-31.8 in float32, -72.1 in float64), a feature below ``eps^2`` of
+    its stabiliser's maximum being 0. With every feature at most ``1/sqrt(m)``, the features so
+    dropped move a row's denominator ``phi(q)^T z`` by less than ``2 N eps^2`` (2.8e-14 N in
+    float32) and its numerator by that times ``max |v|``: below the ``eps`` (1e-6) the
+    denominator already adds, for N up to a few million. At float32's smallest normal instead
+    (``exp_floor``), two small features multiply into the denormal range in the products that
+    follow (``phi(q) S``, the gradients through them): ``performer`` fed q, k 10x larger than unit
+    variance ran its fwd+bwd at 2K in 89 ms, against 33 with this floor and 32 at unit variance,
+    its outputs equal to float32's rounding (``benchmarks/ab-feature-floor-cpu.txt``)."""
+    return 2 * math.log(torch.finfo(dtype).eps)
+
+
+def floored_exp_(x: Tensor, floor: float | None = None) -> Tensor:
+    """``x.exp_()`` with every value that would fall below ``exp(floor)`` (default ``exp_floor``,
+    the dtype's smallest normal; where any does, up to ``e^(1/2)`` times that: ``flushed_exp_``)
+    made exactly 0, as underflow and ``exp(-inf)`` give, in place (``x`` must be a
     temporary no other node needs); differentiable (twice), the gradient ``grad * exp(x)`` (0
-    where flushed: the true one is below 1e-38 times ``grad``).
+    where flushed: the true one is below ``exp(floor + 1/2)`` times ``grad``). A ``floor`` below
+    ``exp_floor`` counts as ``exp_floor``.
 
     On CPU one reduction decides: where no exponent is below the floor (the usual case) this is
     ``exp_``; where some are, they are clamped to it before ``exp`` and the results at the floor
     set to 0 after (``threshold_``), so ``exp`` stays on its vector path and no denormal reaches
     the products that follow. Not a floor alone: two features at the floor multiply to a denormal.
+    Elsewhere (other devices, ``torch.compile``) it is ``exp_``: no host read, and denormals cost
+    a GPU nothing; the results differ by less than ``exp(floor + 1/2)``.
     Performer's features of queries and keys 10x larger than unit variance made its fwd+bwd at
     4K several times slower without it, most of it in matrix products over denormals
     (``benchmarks/ab-floored-exp-cpu.txt``)."""
-    return _FloorExp.apply(x)
+    return _FloorExp.apply(x, exp_floor(x.dtype) if floor is None else max(floor, exp_floor(x.dtype)))
 
 
 class _FloorExp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
-        floor = exp_floor(x.dtype)
+    def forward(ctx: Any, x: Tensor, floor: float) -> Tensor:  # type: ignore[override]
         eager_cpu = x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling()
-        if eager_cpu and bool(x.amin() < floor):
+        low = float(x.amin()) if eager_cpu else 0.0
+        if low < exp_floor(x.dtype):  # clamped first: exp leaves its vector path below it
             flushed_exp_(x, floor)
+        elif low < floor:  # the same results, one pass fewer
+            F.threshold_(x.exp_(), math.exp(floor + 0.5), 0.0)
         else:
             x.exp_()
         ctx.mark_dirty(x)
@@ -155,9 +174,9 @@ class _FloorExp(torch.autograd.Function):
         return x
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         (out,) = ctx.saved_tensors
-        return grad * out
+        return grad * out, None
 
 
 def lower_decay_exp_(gap: Tensor) -> Tensor:
@@ -175,6 +194,19 @@ def flushed_exp_(x: Tensor, floor: float) -> Tensor:
     set to 0: on ``exp``'s vector path, and no denormal made. (The margin keeps the clamped
     values below the threshold whatever the last bit of ``exp`` in the tensor's dtype.)"""
     return F.threshold_(x.clamp_(min=floor).exp_(), math.exp(floor + 0.5), 0.0)
+
+
+def flush_tiny_(x: Tensor) -> Tensor:
+    """Entries of ``x`` below ``tiny / eps^3`` of its dtype in magnitude (7e-18 in float32) set to 0,
+    in place: sums of features times values (Performer's states, causal or merged over blocks)
+    whose entries the later keys add nothing to are rescaled through the denormal range on their
+    way to 0, and every product they then enter runs many times slower (causal ``performer`` fed
+    q, k 10x larger than unit variance: 328 against 106 ms fwd+bwd at 4K). Times a feature kept by
+    ``feature_floor`` (0, or at least ``eps^2 / sqrt(m)``) such an entry would make a denormal;
+    it moves an output by less than 1e-10 of ``max |v|`` even where the denominator is its own
+    ``eps``, and otherwise by far less."""
+    info = torch.finfo(x.dtype)
+    return x.masked_fill_(x.abs() < info.tiny / info.eps**3, 0.0)
 
 
 def flush_small_weights_(weights: Tensor) -> Tensor:

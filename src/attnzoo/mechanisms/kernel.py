@@ -32,6 +32,7 @@ from einops import rearrange
 from torch import Tensor
 
 from attnzoo.backends.grouped import fold_rows, unfold_rows
+from attnzoo.mechanisms._ops import feature_floor, floored_exp_, flush_tiny_
 from attnzoo.mechanisms.base import AttendArgs
 from attnzoo.mechanisms.kernel_chunks import decayed_chunks
 
@@ -85,12 +86,16 @@ class KeyFeatures(NamedTuple):
             (RFA's ``1 - g_t`` in ``S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T``). The true
             features are ``phi * weight``; the core applies it to the key's value row instead
             (E + 1 numbers, where phi has m).
+        sparse: causal only: some features were flushed to 0 (Performer's below
+            ``_ops.feature_floor``): the decayed core then flushes its states' tiny entries
+            (``_ops.flush_tiny_``), which decay through the denormal range where no key adds to them.
     """
 
     phi: Tensor
     log_decay: Tensor | None = None
     c: Tensor | None = None
     weight: Tensor | None = None
+    sparse: bool = False
 
 
 class PairWeights(NamedTuple):
@@ -247,7 +252,8 @@ def _causal(
         out1, s1 = _one_token(phi_q, phi_k, v1, log_decay, s0)
     else:
         chunk = causal_chunk(maps.chunk, phi_k.shape[-1], phi_k.device)
-        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, chunk, _pairs(maps, q, k, real, shift))
+        pairs = _pairs(maps, q, k, real, shift)
+        out1, s1 = _causal_sums(phi_q, phi_k, v1, log_decay, s0, chunk, pairs, flush=f.sparse)
     out = normalise(out1[:, :, shift:, :-1], out1[:, :, shift:, -1], maps.normalizer, maps.eps)
     return out, KernelState(s1[..., :-1], s1[..., -1], f.c if f.c is not None else c0)
 
@@ -288,6 +294,8 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: Feature
         f = maps.key_features(kb, part, causal=False, c0=None)
         phi = f.phi if part is None else torch.where(part[..., None], f.phi, 0.0)
         s1, c = _merge(s1, c, phi.transpose(-1, -2) @ torch.cat([vb, torch.ones_like(vb[..., :1])], -1), f.c)
+    if len(parts) > 1:  # merged sums rescaled by ratios down to eps^2 (``_merge``): see flush_tiny_
+        s1 = flush_tiny_(s1)
     if maps.normalizer == "keys":  # each feature's weights over the keys sum to 1 (0 if it has none)
         z = s1[..., -1:]
         s1 = torch.cat([s1[..., :-1] / torch.where(z > 0, z, 1.0), z], dim=-1)
@@ -308,7 +316,9 @@ def block_positions(q: Tensor, features: int) -> int:
 
 def _merge(s: Tensor | None, c: Tensor | None, s_b: Tensor, c_b: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """Add block sums ``s_b`` at log-offset ``c_b`` to ``s`` at ``c``, rescaled to the larger
-    offset (as online softmax does); -inf offsets mark empty sums."""
+    offset (as online softmax does); -inf offsets mark empty sums. A ratio below ``eps^2`` is 0
+    (``_ops.feature_floor``: the block's features are all below that share of the larger
+    offset's), not a factor that would leave the sums denormal (Performer's large inputs)."""
     if s is None:
         return s_b, c_b
     if c_b is None:
@@ -317,7 +327,8 @@ def _merge(s: Tensor | None, c: Tensor | None, s_b: Tensor, c_b: Tensor | None) 
     top_safe = torch.where(torch.isfinite(top), top, 0.0)
 
     def ratio(x: Tensor) -> Tensor:
-        return torch.where(torch.isfinite(x), x - top_safe, -math.inf).exp()[..., None]
+        gap = torch.where(torch.isfinite(x), x - top_safe, -math.inf)
+        return floored_exp_(gap, feature_floor(gap.dtype))[..., None]
 
     return s * ratio(c) + s_b * ratio(c_b), top
 
@@ -330,10 +341,13 @@ def _causal_sums(
     s0: Tensor | None,
     chunk: int,
     pairs: PairWeights | None = None,
+    *,
+    flush: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Chunkwise ``sum_{j <= i} decay(j, i) (q_i . k_j) v_j`` and the final ``sum_j k_j v_j^T``.
     ``pairs``: the products ``q_i . k_j`` inside a chunk computed another way (``PairWeights``;
-    without a decay). With a decay the chunks run on ``kernel_chunks.decayed_chunks``.
+    without a decay). With a decay the chunks run on ``kernel_chunks.decayed_chunks`` (``flush``:
+    its states' tiny entries set to 0, see ``KeyFeatures.sparse``).
 
     Inside a chunk the pairs are a masked ``(L, L)`` product; the sums over earlier chunks come
     from the state at each chunk's start (a cumulative sum, or with a decay a scan over chunks).
@@ -359,7 +373,8 @@ def _causal_sums(
         if pairs is not None:
             raise ValueError("_causal_sums: pair weights with a decay are not implemented (no mechanism has both)")
         log_decay = rearrange(F.pad(log_decay, (0, pad)), "b h (c l) -> b h c l", l=size)
-        out, final = decayed_chunks(q, k, v, log_decay, k.new_zeros(b, h, m, v.shape[-1]) if s0 is None else s0)
+        s0 = k.new_zeros(b, h, m, v.shape[-1]) if s0 is None else s0
+        out, final = decayed_chunks(q, k, v, log_decay, s0, flush=flush)
     else:
         tril = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
         # [B, H_kv, C, G L, L]

@@ -25,18 +25,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import decay_floor, flushed_exp_, lower_decay_exp_, scan_grads, scan_states
+from attnzoo.mechanisms._ops import (
+    decay_floor,
+    flush_tiny_,
+    flushed_exp_,
+    lower_decay_exp_,
+    scan_grads,
+    scan_states,
+)
 
 
-def decayed_chunks(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
-    """The decayed chunkwise sums (module docstring) and the state after the last chunk.
+def decayed_chunks(
+    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor, *, flush: bool = False
+) -> tuple[Tensor, Tensor]:
+    """The decayed chunkwise sums (module docstring) and the state after the last chunk. ``flush``:
+    the states' entries below ``tiny / eps^2`` are 0 (``_ops.flush_tiny_``), for features that
+    can be exactly 0 (Performer's large inputs), where an entry no chunk adds to decays through
+    the denormal range.
 
     Shapes:
         q ``(B, H, C, G L, m)`` (the ``G`` query heads of a K/V head as rows of its chunks),
         k ``(B, H, C, L, m)``, v ``(B, H, C, L, E)``, log_decay ``(B, H, C, L)`` (each <= 0),
         s0 ``(B, H, m, E)`` -> out ``(B, H, C, G L, E)``, final ``(B, H, m, E)``.
     """
-    return _DecayedChunks.apply(q, k, v, log_decay, s0)
+    return _DecayedChunks.apply(q, k, v, log_decay, s0, flush)
 
 
 def _factors(log_decay: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -75,12 +87,16 @@ def _by_group(x: Tensor, size: int) -> Tensor:
 
 class _DecayedChunks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor, flush: bool
+    ) -> tuple[Tensor, Tensor]:
         size = k.shape[-2]
         pair, to_end, rise, gates = _factors(log_decay, q.dtype)
         weights = (_by_group(q @ k.mT, size) * pair[:, :, :, None]).flatten(-3, -2)  # [B, H, C, G L, L]
         v_end = v * to_end[..., None]
         states, final = scan_states(k.mT @ v_end, gates, s0)  # [B, H, C, m, E]
+        if flush:
+            flush_tiny_(states)
         across = q @ states  # [B, H, C, G L, E]
         out = (_by_group(across, size) * rise[:, :, :, None, :, None]).flatten(-3, -2)
         _into(out).baddbmm_(_flat(weights), _flat(v))
@@ -105,7 +121,7 @@ class _DecayedChunks(torch.autograd.Function):
         dv = d_v_end * to_end[..., None]
         _into(dv).baddbmm_(_flat(weights.mT), _flat(grad))
         d_log = _log_decay_grad(d_pair, (d_v_end * v_end).sum(-1), d_rise * rise, d_gates * gates)
-        return dq, dk, dv, d_log, d_s0
+        return dq, dk, dv, d_log, d_s0, None
 
 
 def _log_decay_grad(d_pair: Tensor, d_end: Tensor, d_rise: Tensor, d_gate: Tensor) -> Tensor:

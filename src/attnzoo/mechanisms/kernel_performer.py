@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnzoo.mechanisms._ops import floored_exp_
+from attnzoo.mechanisms._ops import feature_floor, floored_exp_
 from attnzoo.mechanisms.kernel import KeyFeatures
 from attnzoo.mechanisms.kernel_features import (
     DRAWS_NOTE,
@@ -92,9 +92,9 @@ def favor_query(q: Tensor, w: Tensor) -> Tensor:
     shift = _max_exponent(q, qw, w)[..., None] + math.log(w.shape[0]) / 2
     # In place: matmul does not save its output for backward. add_ of a negated shift, not
     # sub_: sub_'s backward negates the whole (B, H, N, m) gradient to reduce it to the shift's.
-    # floored_exp_: a feature below float32's smallest normal is 0 (large queries spread their
-    # exponents past -87, where exp and every product after it slow down).
-    return floored_exp_(qw.add_(-shift))
+    # A feature below eps^2 of the row's largest is 0 (``_ops.feature_floor``): large queries
+    # spread their exponents far below it, where exp and the products after it slow down.
+    return floored_exp_(qw.add_(-shift), feature_floor(qw.dtype))
 
 
 def favor_keys(k: Tensor, w: Tensor, real: Tensor | None, *, causal: bool, c0: Tensor | None = None) -> KeyFeatures:
@@ -140,7 +140,21 @@ def favor_keys(k: Tensor, w: Tensor, real: Tensor | None, *, causal: bool, c0: T
     shift = half_norm + torch.where(torch.isfinite(c), c, 0.0) + math.log(w.shape[0]) / 2
     if real is not None:
         shift = torch.where(real, shift, math.inf)
-    return KeyFeatures(floored_exp_(kw.add_(-shift[..., None])), log_decay, out_c)  # see favor_query
+    exponents, floor = kw.add_(-shift[..., None]), feature_floor(kw.dtype)
+    sparse = causal and _states_may_vanish(exponents, log_decay, floor)
+    return KeyFeatures(floored_exp_(exponents, floor), log_decay, out_c, sparse=sparse)  # see favor_query
+
+
+def _states_may_vanish(exponents: Tensor, log_decay: Tensor, floor: float) -> bool:
+    """``KeyFeatures.sparse`` for causal FAVOR+ keys on the CPU: the running maximum rose by more
+    than ``-floor`` over the call (the states' decays multiply to below ``eps^2``) and some
+    feature is flushed to 0 (an exponent below ``floor``). Only then can a state's entry that
+    no key adds to decay through the denormal range; unit-variance inputs at 4K rarely pass the
+    first test, and there the flush would cost ~5% of the step for nothing."""
+    if exponents.device.type != "cpu" or torch.compiler.is_compiling() or not exponents.numel():
+        return False
+    rise = log_decay.detach().sum(-1).amin()  # the most negative total log decay of a (batch, head)
+    return bool(rise < floor) and bool(exponents.detach().amin() < floor)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,8 +188,9 @@ class PerformerConfig(RandomFeatureConfig):
         FEATURES_NOTE,
         "q and k are scaled by D^-1/4, so phi(q).phi(k) estimates exp(q.k / sqrt(D))",
         "stabilisers: per query row max; keys: max over real keys (causal: running max, carried in the state)",
-        "a feature below the dtype's smallest normal (exponent < -87 in float32) is 0, not a denormal: "
-        "exp and every product after it stay fast for large q, k",
+        "a feature below eps^2 of its stabiliser's maximum (exponent < -31.8 in float32) is 0 on the CPU: "
+        "it moves a row's denominator by less than 2 N eps^2, below the eps it adds; exp and the products after it "
+        "stay fast (no denormals) for large q, k",
     ),
     causal=True,
 )
