@@ -34,6 +34,26 @@ def test_masked_softmax_equals_normalize_scores_forward_and_gradients():
     torch.autograd.gradgradcheck(lambda s: masked_softmax(s, visible), (finite,))
 
 
+def test_masked_softmax_weights_below_eps4_are_zero_with_zero_gradient_and_the_rest_unchanged():
+    # Peaky float32 scores (a trained model's large q, k): softmax leaves weights from 1 down to
+    # denormals; below eps^4 they are 0 (no denormal reaches the products after them).
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(2, 3, 8, 40, generator=g) * 40
+    visible = torch.ones(1, 1, 1, 40, dtype=torch.bool)
+    x = scores.clone().requires_grad_()
+    got = masked_softmax(x, visible)
+    want = torch.softmax(scores, -1)
+    small = want < torch.finfo(torch.float32).eps ** 4
+    assert small.any() and ((want > 0) & (want < torch.finfo(torch.float32).tiny)).any()  # denormals there
+    assert (got[small] == 0).all() and torch.equal(got[~small], want[~small])
+    grad = torch.randn(scores.shape, generator=g)
+    (d,) = torch.autograd.grad(got, x, grad)
+    s64 = scores.double().requires_grad_()
+    (d_want,) = torch.autograd.grad(torch.softmax(s64, -1), s64, grad.double())
+    assert (d[small] == 0).all()
+    torch.testing.assert_close(d.double(), d_want, atol=1e-5, rtol=1e-4)  # what was flushed: below 1e-27
+
+
 @pytest.mark.parametrize("eps", [1e-12, 1e-3])
 def test_unit_equals_f_normalize_forward_and_gradients_with_zero_and_clamped_rows(eps):
     torch.manual_seed(0)
