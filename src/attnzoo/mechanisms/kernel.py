@@ -86,9 +86,10 @@ class KeyFeatures(NamedTuple):
             (RFA's ``1 - g_t`` in ``S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T``). The true
             features are ``phi * weight``; the core applies it to the key's value row instead
             (E + 1 numbers, where phi has m).
-        sparse: causal only: some features were flushed to 0 (Performer's below
-            ``_ops.feature_floor``): the decayed core then flushes its states' tiny entries
-            (``_ops.flush_tiny_``), which decay through the denormal range where no key adds to them.
+        sparse: causal only: the states' entries may decay through the denormal range (some
+            features flushed to 0, Performer's below ``_ops.feature_floor``, and decays that
+            multiply to below that floor): the decayed core then sets their tiny entries to 0
+            (``_ops.flush_tiny_``).
     """
 
     phi: Tensor
@@ -294,7 +295,7 @@ def _blocked(q: Tensor, k: Tensor, v: Tensor, real: Tensor | None, maps: Feature
         f = maps.key_features(kb, part, causal=False, c0=None)
         phi = f.phi if part is None else torch.where(part[..., None], f.phi, 0.0)
         s1, c = _merge(s1, c, phi.transpose(-1, -2) @ torch.cat([vb, torch.ones_like(vb[..., :1])], -1), f.c)
-    if len(parts) > 1:  # merged sums rescaled by ratios down to eps^2 (``_merge``): see flush_tiny_
+    if len(parts) > 1 and c is not None:  # sums rescaled by ratios down to eps^2 (``_merge``): see flush_tiny_
         s1 = flush_tiny_(s1)
     if maps.normalizer == "keys":  # each feature's weights over the keys sum to 1 (0 if it has none)
         z = s1[..., -1:]

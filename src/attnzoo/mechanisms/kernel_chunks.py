@@ -39,7 +39,7 @@ def decayed_chunks(
     q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor, *, flush: bool = False
 ) -> tuple[Tensor, Tensor]:
     """The decayed chunkwise sums (module docstring) and the state after the last chunk. ``flush``:
-    the states' entries below ``tiny / eps^2`` are 0 (``_ops.flush_tiny_``), for features that
+    the states' entries below ``tiny / eps^3`` are 0 (``_ops.flush_tiny_``), for features that
     can be exactly 0 (Performer's large inputs), where an entry no chunk adds to decays through
     the denormal range.
 
