@@ -242,3 +242,21 @@ def test_a_default_sized_per_n_fits_as_one_mechanism():
     setting = speed.Setting(mechanisms=(("axial", {}),), sizes=(36, 64), heads=2, dim=8, repeats=1)
     fits = [r for r in speed.run(setting) if r["kind"] == "fit"]
     assert len(fits) == 1 and fits[0]["sizes"] == [36, 64] and fits[0]["config"] == {}
+
+
+def test_input_scale_multiplies_q_and_k_for_both_sides_and_is_recorded():
+    # A trained model's q, k are often several times unit variance: --input-scale times them
+    # that way (v stays unit variance), for SDPA and the mechanism alike, and says so in the rows.
+    setting = speed.Setting(mechanisms=(("local", {"left": 4, "right": 4}),), sizes=(64,), heads=2, dim=8, repeats=1)
+    scaled = speed.Setting(**{**setting.__dict__, "input_scale": 10.0})
+    torch.manual_seed(0)
+    base = speed._inputs(setting, 4096, False)
+    torch.manual_seed(0)
+    big = speed._inputs(scaled, 4096, False)
+    assert torch.equal(big[0], 10 * base[0]) and torch.equal(big[1], 10 * base[1]) and torch.equal(big[2], base[2])
+    rows = list(speed.run(scaled))
+    assert [r.get("input_scale") for r in rows[1:]] == [10.0, 10.0] and rows[-1]["correct"]
+    assert "input_scale" not in list(speed.run(setting))[-1]
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"input_scale \(--input-scale\) must be a finite number > 0"):
+            speed.Setting(mechanisms=(), input_scale=bad)

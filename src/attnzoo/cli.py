@@ -159,6 +159,7 @@ def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
         backward=not args.no_backward,
         sdpa_max_n=args.sdpa_max_n,
         device=args.device,
+        input_scale=args.input_scale,
         extra={"command": "attnzoo " + " ".join(sys.argv[1:] if args.argv is None else args.argv)},
     )
     table = Table(title="attnzoo bench speed (ratios are against dense SDPA in the same run)")
@@ -354,6 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--no-backward", action="store_true", help="time the forward only")
     sp.add_argument("--sdpa-max-n", type=int, default=16384, help="skip the dense SDPA reference above this N")
     sp.add_argument("--device", default="cpu", help="cpu (default) or cuda: where inputs and modules live")
+    sp.add_argument(
+        "--input-scale",
+        type=float,
+        default=1.0,
+        help="q and k are unit-variance Gaussians times this, for SDPA and the mechanism alike (default 1); "
+        "a trained model's are often several times larger, and peaky scores slow some kernels",
+    )
     sp.add_argument("--out", help="write JSON lines here")
     dp = bench.add_parser("decode", help="time of one decoding step and the state's size at given positions")
     _mechanism_option(dp, "every causal attention mechanism")

@@ -59,9 +59,15 @@ class Setting:
     sdpa_max_n: int = 16384
     #: where inputs and modules live: "cpu" or "cuda" (timings then synchronize the device).
     device: str = "cpu"
+    #: q and k are unit-variance Gaussians times this (SDPA's and the mechanism's alike; v stays
+    #: unit variance): a trained model's are often several times larger, and peaky scores slow
+    #: some kernels down (denormal weights, features or sums; torch's CPU flash backward).
+    input_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.input_scale, int | float) and math.isfinite(self.input_scale) and self.input_scale > 0):
+            raise ValueError(f"input_scale (--input-scale) must be a finite number > 0, got {self.input_scale!r}")
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
@@ -198,8 +204,10 @@ def matmul_gflops(n: int = 2048, repeats: int = 3, device: str = "cpu") -> float
 
 
 def _inputs(setting: Setting, n: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v)``, each ``(B, H, n, D)``: unit-variance Gaussians, q and k times ``input_scale``."""
     shape = (setting.batch, setting.heads, n, setting.dim)
-    return tuple(torch.randn(shape, device=setting.device).requires_grad_(requires_grad) for _ in range(3))
+    scales = (setting.input_scale, setting.input_scale, 1.0)
+    return tuple((torch.randn(shape, device=setting.device) * s).requires_grad_(requires_grad) for s in scales)
 
 
 def _build(name: str, config: dict[str, Any], backend: str, device: str = "cpu") -> torch.nn.Module:
@@ -227,7 +235,14 @@ def check(
     ``implied_attention(q, k) @ v`` (the matrix its reference computes), or its ``reference``
     where the output is not ``weights @ v`` (``Capabilities.weights_apply_to_v``)."""
     fast = _build(name, config, backend, setting.device).eval()
-    small = Setting(mechanisms=(), batch=1, heads=setting.heads, dim=setting.dim, device=setting.device)
+    small = Setting(
+        mechanisms=(),
+        batch=1,
+        heads=setting.heads,
+        dim=setting.dim,
+        device=setting.device,
+        input_scale=setting.input_scale,
+    )
     q, k, v = _inputs(small, n, False)
     with torch.no_grad():
         out = fast(q, k, v, causal=causal)
@@ -280,6 +295,8 @@ def run_one(name: str, config: dict[str, Any], backend: str, n: int, setting: Se
         "dim": setting.dim,
         "causal": causal,
     }
+    if setting.input_scale != 1:
+        row["input_scale"] = setting.input_scale
     if attnzoo.describe(name).capabilities.kind == "mixer":
         return _run_mixer(row, name, config, n, setting, causal)
     module = _build(name, config, backend, setting.device).eval()
@@ -367,6 +384,7 @@ def sdpa_row(n: int, setting: Setting, causal: bool) -> dict[str, Any]:
             "kind": "sdpa",
             "n": n,
             "causal": causal,
+            **({"input_scale": setting.input_scale} if setting.input_scale != 1 else {}),
             "forward_s": median_time(lambda: _sdpa(q, k, v, causal), setting.repeats),
             "peak_forward_bytes": peak_memory(lambda: _sdpa(q, k, v, causal), setting.device),
         }
