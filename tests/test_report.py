@@ -271,3 +271,17 @@ def test_a_later_measurement_supersedes_a_file_that_sorts_later(tmp_path):
         rows += results.load_run(tmp_path / name, origin="uncommitted").rows
     chosen = pick.one_per(rows, lambda r: r["mechanism"])
     assert chosen["random"]["speedup_forward_backward_vs_sdpa"] == 2.0
+
+
+def test_speed_rows_on_scaled_inputs_are_left_out_of_the_report(tmp_path):
+    # bench speed --input-scale times another experiment (q, k several times unit variance):
+    # its rows must not stand in for the unit-variance figures, even from the same machine.
+    plain = [META, speed("softmax", 1024, 1.0, 1), speed("linear", 1024, 3.25, 1)]
+    scaled = [META, speed("linear", 1024, 7.75, 1, input_scale=10.0), speed("lsh", 1024, 5.5, 1, input_scale=10.0)]
+    runs = [
+        results.load_run(write(tmp_path / name, rows), origin="fresh")
+        for name, rows in (("a.jsonl", plain), ("b.jsonl", scaled))
+    ]
+    index, failed = report.render(runs, tmp_path / "out", gallery=False)
+    page = index.read_text()
+    assert failed == [] and "<th>linear</th>" in page and "lsh" not in page and "b.jsonl, 2026" not in page

@@ -56,8 +56,10 @@ SECTIONS = (
 
 def page(runs: list[Run], image: Callable, gallery: bool) -> str:
     """The whole HTML page. Optional sections without rows (profile, fidelity) are left out and
-    named at the top. Raises ValueError when speed rows come from several machines."""
-    train, speed, sdpa = of_kind(runs, "train"), of_kind(runs, "speed"), of_kind(runs, "sdpa")
+    named at the top. Raises ValueError when speed rows come from several machines. Speed rows
+    timed on scaled inputs (``bench speed --input-scale``) are another experiment: left out."""
+    train = of_kind(runs, "train")
+    speed, sdpa = ([r for r in of_kind(runs, kind) if r.get("input_scale", 1) == 1] for kind in ("speed", "sdpa"))
     pick.check_one_machine(speed + sdpa)
     table = pick.accuracy_table(train)
     profile, fidelity = of_kind(runs, "profile"), of_kind(runs, "fidelity")
