@@ -37,13 +37,13 @@ live in ``plan.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
+from attnzoo._compat import cpu_has_amx_tiles, flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Backend, Call, additive_mask, compute_dtype
 from attnzoo.backends.gathered import gathered_attention, not_gathered_reasons
 from attnzoo.backends.grouped import grouped_windows
@@ -403,6 +403,7 @@ class Blocked(Backend):
         return []
 
     def path(self, call: Call) -> str:
+        call = in_kernel_dtype(call)
         if structure_for(call) is not None:
             return "structured"
         if not not_key_set_reasons(call):
@@ -411,15 +412,32 @@ class Blocked(Backend):
 
     def grouped_kv(self, call: Call) -> bool:
         """Grouped-query K/V as they are on most structured plans (``grouped.grouped_windows``)."""
-        structure = structure_for(call)
+        structure = structure_for(in_kernel_dtype(call))
         return structure is not None and grouped_windows(structure, call.q.shape[1] // call.k.shape[1])
 
     def run(self, call: Call) -> Tensor:
+        dtype, call = call.q.dtype, in_kernel_dtype(call)
         structure = structure_for(call)
         if structure is not None:
-            return structured_attention(call, structure)
-        if not not_key_set_reasons(call):
-            return key_set_attention(call)
-        if not not_gathered_reasons(call):
-            return gathered_attention(call)
-        return blocked_attention(call, plan_for(call))
+            out = structured_attention(call, structure)
+        elif not not_key_set_reasons(call):
+            out = key_set_attention(call)
+        elif not not_gathered_reasons(call):
+            out = gathered_attention(call)
+        else:
+            out = blocked_attention(call, plan_for(call))
+        return out.to(dtype)
+
+
+def in_kernel_dtype(call: Call) -> Call:
+    """``call`` with half-precision q, k, v (bfloat16, float16) in float32, where the CPU has no
+    AMX tiles (``_compat.cpu_has_amx_tiles``). There torch's CPU flash kernel runs bfloat16 2-9x
+    slower than float32 (``local`` at 1K 25.7 against 10.5 ms fwd+bwd, ``strided`` 23.9 against
+    2.7, on this AVX-512 Xeon: ``benchmarks/ab-half-in-float32-cpu.txt``) and float16 not at all
+    (the tile path's explicit scores instead); the backend accumulates in float32 either way
+    (``call.compute_dtype``, float32 for both), and the casts are exact one way and the output's rounding the
+    other. With AMX tiles the half-precision kernel is kept: its matrix engine may well make it
+    the faster one there (not measured: no such CPU here)."""
+    if call.q.dtype not in (torch.bfloat16, torch.float16) or cpu_has_amx_tiles():
+        return call
+    return replace(call, q=call.q.float(), k=call.k.float(), v=call.v.float())
