@@ -9,12 +9,10 @@ N CAUSAL(0|1) NAME[,NAME...] [REPEATS]`` (``cd scripts; PYTHONPATH=../src``).
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from ab_timing import interleaved, split_names
+from ab_timing import fwd_bwd_timer, interleaved, split_names
 
 import attnzoo
 from attnzoo.backends import blocked
@@ -31,12 +29,7 @@ def main() -> None:
     q, k, v = (torch.randn(1, 8, n, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad = torch.randn(1, 8, n, 64, dtype=torch.bfloat16)
 
-    def timed(fn: Callable[[], torch.Tensor]) -> float:
-        start = time.perf_counter()
-        fn().backward(grad)
-        q.grad = k.grad = v.grad = None
-        return time.perf_counter() - start
-
+    timed = fwd_bwd_timer(q, k, v, grad)
     built = {text: attnzoo.build(name, **config) for text in names for name, config in [parse_mechanism(text)]}
     calls = {name: (lambda attn=attn: attn(q, k, v, causal=causal)) for name, attn in built.items()}
 

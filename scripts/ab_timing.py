@@ -47,6 +47,19 @@ def interleaved(
         print(f"{name:28s} {rule}: {median * 1e3:7.2f} ms  {sdpa / median:5.2f}x SDPA")
 
 
+def fwd_bwd_timer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> Callable:
+    """``timed(fn)`` for ``interleaved``: the seconds of one ``fn()`` and its backward from ``grad``,
+    the gradients of ``q``, ``k``, ``v`` cleared after."""
+
+    def timed(fn: Callable[[], torch.Tensor]) -> float:
+        start = time.perf_counter()
+        fn().backward(grad)
+        q.grad = k.grad = v.grad = None
+        return time.perf_counter() - start
+
+    return timed
+
+
 def fwd_bwd_ab(
     n: int,
     causal: bool,
@@ -66,12 +79,7 @@ def fwd_bwd_ab(
     q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
     grad = torch.randn(1, 8, n, 64)
 
-    def timed(fn: Callable[[], torch.Tensor]) -> float:
-        start = time.perf_counter()
-        fn().backward(grad)
-        q.grad = k.grad = v.grad = None
-        return time.perf_counter() - start
-
+    timed = fwd_bwd_timer(q, k, v, grad)
     mechanisms = {text: attnzoo.build(name, **config) for text in names for name, config in [parse_mechanism(text)]}
     mechanisms.update(built or {})
     calls = {name: (lambda attn=attn: attn(q, k, v, causal=causal)) for name, attn in mechanisms.items()}
@@ -88,12 +96,7 @@ def alibi_ab(n: int, causal: bool, built: dict[str, Any], repeats: int, use: Cal
     grad = torch.randn(1, 8, n, 64)
     alibi = attnzoo.positional.ALiBi(8).score_mod(q, n)
 
-    def timed(fn: Callable[[], torch.Tensor]) -> float:
-        start = time.perf_counter()
-        fn().backward(grad)
-        q.grad = k.grad = v.grad = None
-        return time.perf_counter() - start
-
+    timed = fwd_bwd_timer(q, k, v, grad)
     calls = {f"{name}+alibi": (lambda a=a: a(q, k, v, causal=causal, score_mod=alibi)) for name, a in built.items()}
     dense = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     interleaved(calls, use, dense, timed, repeats, f"N={n} causal={causal} fwd+bwd")
