@@ -433,8 +433,9 @@ def in_kernel_dtype(call: Call) -> Call:
     """``call`` with half-precision q, k, v (bfloat16, float16) in float32, where the CPU has no
     AMX tiles (``_compat.cpu_has_amx_tiles``). There torch's CPU flash kernel runs bfloat16 2-6x
     slower than float32: on bfloat16 inputs, fwd+bwd at 1K, ``local`` 25.0 -> 13.0 ms, ``strided``
-    21.9 -> 4.0, on this AVX-512 Xeon (``benchmarks/ab-half-in-float32-cpu.txt``), and float16 not at all
-    (the tile path's explicit scores instead); the backend accumulates in float32 either way
+    21.9 -> 4.0, on this AVX-512 Xeon (``benchmarks/ab-half-in-float32-cpu.txt``), and float16 took
+    the tile path's explicit scores (the structured path takes the kernel's float32, float64 and
+    bfloat16 only: ``plan.FLASH_DTYPES``); the backend accumulates in float32 either way
     (``call.compute_dtype``, float32 for both), and the casts are exact one way and the output's rounding the
     other. With AMX tiles the half-precision kernel is kept: its matrix engine may well make it
     the faster one there (not measured: no such CPU here)."""
