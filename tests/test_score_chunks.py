@@ -231,9 +231,16 @@ def test_keys_named_row_by_row_take_an_additive_bias_on_the_gathered_path(name, 
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_query_groups_take_an_additive_bias_on_the_key_sets_path(causal):
+@pytest.mark.parametrize("slab_bytes", [None, 100_000], ids=["one-slab", "slabs-of-2-rows"])
+def test_query_groups_take_an_additive_bias_on_the_key_sets_path(causal, slab_bytes, monkeypatch):
     # block2d on a 10 x 15 image (groups at the edges, N = 150), batch row 0 padded from 130 on:
-    # the bias joins each group's mask (key_sets._bias_values), forward and gradients.
+    # the bias joins each group's mask (key_sets._bias_values), forward and gradients; in slabs
+    # of 2 (batch, head) rows (49 KB of float64 keys a row) that cut batch rows of 3 heads apart,
+    # each slab's bias and padding at its own rows.
+    from attnzoo.backends import key_sets
+
+    if slab_bytes is not None:
+        monkeypatch.setattr(key_sets, "SLAB_BYTES", slab_bytes)
     q, k, v, mask, mod = _padded_and_biased()
     attn = attnzoo.build("block2d", h=10, w=15, query_block=(4, 4), memory_margin=(2, 2)).double()
     for key_mask in (mask, None):  # one kernel call per batch row with padding, one without

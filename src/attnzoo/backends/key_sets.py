@@ -109,48 +109,61 @@ def not_key_set_reasons(call: Call) -> list[str]:
     return reasons
 
 
-def _bias_values(bias: Bias, plan: KeySetPlan, call: Call, dtype: torch.dtype) -> Tensor:
-    """``bias`` at every group's pairs, ``(B, H, G, S_q, S_k)``: queries end-aligned to the keys
-    (``q_idx = row + N_kv - N_q``, ``spec``'s convention); empty slots read position 0 (masked)."""
+#: The most bytes of gathered keys (``(slab, G, S_k, D)``) one slab of (batch, head) rows holds:
+#: a larger temporary than glibc's largest mmap threshold (32 MiB) is mapped afresh and
+#: page-faulted on every call. ``block2d`` at 4K (64 x 64): 133 ms fwd+bwd with one slab of 34 MB
+#: gathers per tensor, 85 with the threshold raised (``benchmarks/ab-key-set-slabs-cpu.txt``).
+SLAB_BYTES = 8 << 20
+
+
+def _bias_values(bias: Bias, plan: KeySetPlan, call: Call, slab: Tensor, dtype: torch.dtype) -> Tensor:
+    """``bias`` at every group's pairs of the flat (batch, head) rows ``slab``, ``(slab, G, S_q,
+    S_k)``: queries end-aligned to the keys (``q_idx = row + N_kv - N_q``, ``spec``'s
+    convention); empty slots read position 0 (masked)."""
     (groups, rows, keys), device = plan.shape, call.q.device
-    (b, h, n_q), n_kv = call.q.shape[:3], call.k.shape[2]
-    q_idx = (plan.rows.to(device) + (n_kv - n_q)).view(1, 1, groups, rows, 1)
-    kv_idx = plan.keys.to(device).view(1, 1, groups, 1, keys)
-    batch = torch.arange(b, device=device).view(-1, 1, 1, 1, 1)
-    head = torch.arange(h, device=device).view(1, -1, 1, 1, 1)
-    return bias(batch, head, q_idx, kv_idx).to(dtype).expand(b, h, groups, rows, keys)
+    (h, n_q), n_kv = call.q.shape[1:3], call.k.shape[2]
+    q_idx = (plan.rows.to(device) + (n_kv - n_q)).view(1, groups, rows, 1)
+    kv_idx = plan.keys.to(device).view(1, groups, 1, keys)
+    batch, head = (x.view(-1, 1, 1, 1) for x in (torch.div(slab, h, rounding_mode="floor"), slab % h))
+    return bias(batch, head, q_idx, kv_idx).to(dtype).expand(slab.numel(), groups, rows, keys)
 
 
 def key_set_attention(call: Call) -> Tensor:
-    """Exact attention of ``call`` over each group's keys (see the module docstring)."""
+    """Exact attention of ``call`` over each group's keys (see the module docstring), in slabs of
+    (batch, head) rows whose gathered keys stay under ``SLAB_BYTES``."""
     plan = key_set_plan(call)
     assert plan is not None, "not_key_set_reasons(call) says why"
-    (groups, rows, keys), dtype = plan.shape, compute_dtype(call.q)
-    q, k, v = (x.to(dtype) for x in (call.q, call.k, call.v))
-    b, h = q.shape[:2]
+    (groups, rows, keys), dtype, device = plan.shape, compute_dtype(call.q), call.q.device
+    b, h, n_q, d = call.q.shape
+    # [B H, N, e]; split, not sliced: the split's backward is one concatenation
+    q, k, v = (x.to(dtype).flatten(0, 1) for x in (call.q, call.k, call.v))
+    size = max(1, SLAB_BYTES // (groups * keys * max(d, v.shape[-1]) * q.element_size()))
+    where = plan.where.to(device)
+    outs = []
+    for start, parts in zip(range(0, b * h, size), zip(*(x.split(size) for x in (q, k, v)))):
+        slab = torch.arange(start, start + parts[0].shape[0], device=device)
+        out = _slab_attention(call, plan, slab, *parts)  # [slab, G, S_q, D_v]
+        outs.append(rows_at(out.view(1, -1, groups * rows, out.shape[-1]), where)[0])  # each query's slot
+    return torch.cat(outs).view(b, h, n_q, -1).to(call.q.dtype)
 
-    def grouped(x: Tensor, index: Tensor, size: int) -> Tensor:  # [B, H, N, e] -> [B H, G, size, e]
-        return rows_at(x, index).view(b * h, groups, size, x.shape[-1])
 
-    qx, kx, vx = grouped(q, plan.rows.to(q.device), rows), *(grouped(x, plan.keys.to(q.device), keys) for x in (k, v))
-    allowed = None if plan.allowed is None else plan.allowed.to(q.device)[None]  # [1, G, 1 | S_q, S_k]
-    bias = plain_bias(call.score_mod, q.device)
-    biases = None if bias is None else _bias_values(bias, plan, call, dtype)  # [B, H, G, S_q, S_k]
+def _slab_attention(call: Call, plan: KeySetPlan, slab: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """One slab's groups: ``q, k, v`` ``(slab, N, e)`` (the flat (batch, head) rows ``slab``)
+    gathered by group and run in one SDPA call, ``(slab, G, S_q, D_v)``."""
+    (groups, rows, keys), device, dtype = plan.shape, q.device, q.dtype
 
-    def attend(part: slice, allowed: Tensor | None, at: int | slice) -> Tensor:  # batch rows `part` of qx
-        mask = additive_mask(allowed, dtype)
-        if biases is not None:
-            values = biases[at].reshape(-1, *biases.shape[-3:])  # [B H | H, G, S_q, S_k]
-            mask = cut_far(values if mask is None else mask + values, qx[part], kx[part], call.scale)
-        return F.scaled_dot_product_attention(qx[part], kx[part], vx[part], attn_mask=mask, scale=call.scale)
+    def grouped(x: Tensor, index: Tensor, size: int) -> Tensor:  # [slab, N, e] -> [slab, G, size, e]
+        return rows_at(x[None], index)[0].view(x.shape[0], groups, size, x.shape[-1])
 
-    if call.key_mask is None:
-        out = attend(slice(None), allowed, slice(None))
-    else:  # one call per batch row: its real keys in each group, [1, G, 1, S_k], not repeated per head
-        outs = []
-        for i, real in enumerate(call.key_mask):
-            mask = real.index_select(0, plan.keys.to(q.device)).view(1, groups, 1, keys)
-            outs.append(attend(slice(i * h, (i + 1) * h), mask if allowed is None else mask & allowed, i))
-        out = torch.cat(outs)
-    out = rows_at(out.view(b, h, groups * rows, -1), plan.where.to(q.device))  # each query's slot
-    return out.to(call.q.dtype)
+    qx, kx, vx = grouped(q, plan.rows.to(device), rows), *(grouped(x, plan.keys.to(device), keys) for x in (k, v))
+    allowed = None if plan.allowed is None else plan.allowed.to(device)[None]  # [1, G, 1 | S_q, S_k]
+    if call.key_mask is not None:  # each row's batch row: its real keys in each group, [slab, G, 1, S_k]
+        real = call.key_mask[torch.div(slab, call.q.shape[1], rounding_mode="floor")]
+        real = real.index_select(1, plan.keys.to(device)).view(-1, groups, 1, keys)
+        allowed = real if allowed is None else real & allowed
+    mask = additive_mask(allowed, dtype)
+    bias = plain_bias(call.score_mod, device)
+    if bias is not None:
+        values = _bias_values(bias, plan, call, slab, dtype)  # [slab, G, S_q, S_k]
+        mask = cut_far(values if mask is None else mask + values, qx, kx, call.scale)
+    return F.scaled_dot_product_attention(qx, kx, vx, attn_mask=mask, scale=call.scale)
