@@ -7,13 +7,14 @@ its keys are ``qh + 2 mh`` short runs, and 1-D tiles around them are mostly mask
 at its defaults ran at 0.9x dense SDPA at 1K and 4K fwd+bwd, for a bound of 4-5x). Instead each
 group's queries ``(G, S_q)`` and keys ``(G, S_k)`` are gathered as rows (``call.rows_at``) and
 one ``scaled_dot_product_attention`` call runs every group at once, ``(B H, G, S_q, D)`` against
-``(B H, G, S_k, D)``: on the CPU the flash kernel, forward and backward, with an additive mask
+``(B H, G, S_k, D)`` (in slabs of (batch, head) rows under ``SLAB_BYTES`` of gathered keys,
+each one call): on the CPU the flash kernel, forward and backward, with an additive mask
 only where some slot or pair is not allowed (a group at the image's edge, ``causal()``, padded
 keys). The gathers' backward adds the keys' gradients back (``index_add_``). O(N S_k D) time,
 O(N S_k) memory at most (the mask of an intersection, or of a bias); nothing is N x N. A row
 that sees no key comes out 0 (the kernel's answer to a masked row, checked by the tests).
 
-An additive bias (``score_mods.plain_bias``: ALiBi) joins the mask, ``(B H, G, S_q, S_k)``, its
+An additive bias (``score_mods.plain_bias``: ALiBi) joins the mask, ``(slab, G, S_q, S_k)``, its
 far pairs cut (``call.cut_far``); no other ``score_mod``.
 """
 
@@ -111,8 +112,8 @@ def not_key_set_reasons(call: Call) -> list[str]:
 
 #: The most bytes of gathered keys (``(slab, G, S_k, D)``) one slab of (batch, head) rows holds:
 #: a larger temporary than glibc's largest mmap threshold (32 MiB) is mapped afresh and
-#: page-faulted on every call. ``block2d`` at 4K (64 x 64): 133 ms fwd+bwd with one slab of 34 MB
-#: gathers per tensor, 85 with the threshold raised (``benchmarks/ab-key-set-slabs-cpu.txt``).
+#: page-faulted on every call. ``block2d`` at 4K (64 x 64), fwd+bwd: 125 ms in one slab (34 MB of
+#: gathered keys), 89 in slabs of 8 MiB (``benchmarks/ab-key-set-slabs-cpu.txt``).
 SLAB_BYTES = 8 << 20
 
 
