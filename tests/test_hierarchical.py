@@ -50,7 +50,11 @@ def test_graph_matches_dense_rule_and_partitions_the_sequence(n, k, causal):
 
 
 @pytest.mark.parametrize("n,causal,pad", CASES)
-def test_fast_equals_reference_forward_and_gradients(n, causal, pad):
+@pytest.mark.parametrize("slabs", [False, True], ids=["one-slab", "a-slab-per-row"])
+def test_fast_equals_reference_forward_and_gradients(n, causal, pad, slabs, monkeypatch):
+    # With slabs, each (batch, head) row runs alone (_ops.in_slabs), with its batch row's padding.
+    if slabs:
+        monkeypatch.setattr(attnzoo.mechanisms._ops, "SLAB_BYTES", 1)
     attn = attnzoo.build("hierarchical", k=3)
     q, k, v = make_qkv(2, 3, n, n)
     mask = padding_mask(2, n) if pad else None

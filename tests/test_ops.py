@@ -157,3 +157,30 @@ def test_flush_tiny_zeroes_what_a_kept_feature_would_make_denormal_and_keeps_the
     x = torch.tensor([0.0, 1e-40, -1e-30, 0.5 * cut, -0.99 * cut, 1.01 * cut, -2 * cut, 1e-10, -3.0])
     want = torch.where(x.abs() < cut, 0.0, x)
     assert torch.equal(flush_tiny_(x.clone()), want) and (want[5:] != 0).all()
+
+
+@pytest.mark.parametrize("budget", [1, 2 * 40, 3 * 40, 7 * 40, 10**9])
+def test_in_slabs_splits_heads_then_batch_rows_and_equals_one_run(budget, monkeypatch):
+    # B = 3, H = 3, 40 bytes a (batch, head) row: a budget of 1 or 2 rows splits heads (and the
+    # batch row by row), 3 rows takes whole batch rows one at a time, 7 two at a time (the last
+    # alone), and a large one runs once. Each slab sees its own batch rows' mask.
+    from attnzoo.mechanisms import _ops
+
+    monkeypatch.setattr(_ops, "SLAB_BYTES", budget)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 3, 5, 2, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False], [False] * 5])
+    shapes = []
+
+    def run(q, k, v, m):
+        shapes.append(tuple(q.shape[:2]))
+        return q * k.sum(2, keepdim=True) + v * m[:, None, :, None]
+
+    got = _ops.in_slabs(run, q, k, v, mask, 40)
+    want = run(q, k, v, mask)
+    assert torch.equal(got, want)
+    expect = {1: [(1, 1)] * 9, 80: [(1, 2), (1, 1)] * 3, 120: [(1, 3)] * 3, 280: [(2, 3), (1, 3)]}
+    assert shapes[:-1] == expect.get(budget, [(3, 3)])
+    grad = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        assert torch.equal(a, b)

@@ -190,9 +190,13 @@ def test_topk_never_allocates_more_than_one_chunk_of_scores():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_sac_fast_equals_reference_with_a_predictor_that_is_not_the_identity(causal, padded):
+@pytest.mark.parametrize("slabs", [False, True], ids=["one-slab", "a-slab-per-row"])
+def test_sac_fast_equals_reference_with_a_predictor_that_is_not_the_identity(causal, padded, slabs, monkeypatch):
     # The contracts run sac with its initial predictor W = I, where the edge scores are the
-    # attention scores; a perturbed W selects other edges.
+    # attention scores; a perturbed W selects other edges. With slabs, each (batch, head) row
+    # runs alone (_ops.in_slabs), with its batch row's padding; W's gradient sums over them.
+    if slabs:
+        monkeypatch.setattr(attnzoo.mechanisms._ops, "SLAB_BYTES", 1)
     mask = _mask(padded)
     module = _build("sac").double()
     with torch.no_grad():

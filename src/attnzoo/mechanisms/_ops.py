@@ -9,6 +9,7 @@ tests (``tests/test_contracts.py``) to hold.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -340,6 +341,36 @@ def block_union(index: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tenso
         rows, slots = valid[t].nonzero(as_tuple=True)
         member[t, rows, torch.searchsorted(union, index[t, rows, slots])] = True  # each key's column
     return cols, member
+
+
+#: The most bytes a block-union path (``hierarchical``, ``sac``) gathers for one slab of (batch,
+#: head) rows (``in_slabs``): past glibc's largest mmap threshold (32 MiB) a temporary is mapped
+#: afresh and page-faulted on every call (at 4K each gathered K or V held 40-55 MB).
+SLAB_BYTES = 8 << 20
+
+
+def in_slabs(
+    run: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    row_bytes: int,
+) -> Tensor:
+    """``run(q, k, v, key_mask)`` on ``(B, H, N, e)`` inputs, in slabs of heads (and, where one
+    head of every batch row is still too much, of batch rows) whose temporaries, ``row_bytes``
+    per (batch, head) row, stay under ``SLAB_BYTES``; the outputs concatenated. For a ``run``
+    whose rows are independent and whose mask is per batch row. The slabs are ``split``s, whose
+    backward is one concatenation."""
+    (b, h), rows = q.shape[:2], max(1, SLAB_BYTES // max(1, row_bytes))
+    if rows >= b * h:
+        return run(q, k, v, key_mask)
+    heads, batch = min(h, rows), max(1, rows // h)
+    masks = [None] * -(-b // batch) if key_mask is None else key_mask.split(batch)
+    outs = []
+    for mask, *parts in zip(masks, *(x.split(batch) for x in (q, k, v))):
+        outs.append(torch.cat([run(*p, mask) for p in zip(*(x.split(heads, dim=1) for x in parts))], dim=1))
+    return torch.cat(outs)
 
 
 def gated_scan(chunk_sums: Tensor, gates: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:

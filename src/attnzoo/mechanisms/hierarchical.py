@@ -56,7 +56,15 @@ from torch import Tensor
 
 from attnzoo.backends.call import rows_at
 from attnzoo.backends.reference import normalize_scores
-from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, masked_softmax, mean_keys, real_tokens
+from attnzoo.mechanisms._ops import (
+    block_union,
+    compute_dtype,
+    default_scale,
+    in_slabs,
+    masked_softmax,
+    mean_keys,
+    real_tokens,
+)
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.span_tree import SpanTree, left_nodes, level_sums
 from attnzoo.registry import Config, bounded, register
@@ -168,15 +176,25 @@ def block_plan(n: int, k: int, causal: bool) -> BlockPlan:
 def hierarchical_attention(q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalConfig, args: AttendArgs) -> Tensor:
     """The fast path, by query blocks (``block_plan``): each block of ``BLOCK`` tokens attends the
     union of its tokens' span nodes, gathered once per block, under the membership mask; never
-    ``N x N`` (scores are ``(B, H, N, W)``, ``W = O(k log N + BLOCK)``).
+    ``N x N`` (scores are ``(B, H, N, W)``, ``W = O(k log N + BLOCK)``), in slabs of heads whose
+    gathered nodes stay under ``_ops.SLAB_BYTES`` (``in_slabs``).
     ``cfg.k`` and ``cfg.scale``, ``args.causal`` and ``args.key_mask`` are read."""
+    plan = block_plan(q.shape[2], cfg.k, args.causal)
+    row_bytes = plan.cols.numel() * max(q.shape[-1], v.shape[-1]) * torch.finfo(compute_dtype(q)).bits // 8
+    run = lambda q, k, v, mask: _hierarchical_slab(q, k, v, cfg, mask, plan)  # noqa: E731
+    return in_slabs(run, q, k, v, args.key_mask, row_bytes)
+
+
+def _hierarchical_slab(
+    q: Tensor, k: Tensor, v: Tensor, cfg: HierarchicalConfig, key_mask: Tensor | None, plan: BlockPlan
+) -> Tensor:
+    """``hierarchical_attention`` on one slab of heads (and batch rows, ``key_mask`` theirs)."""
     b, h, n, d = q.shape
     dt = compute_dtype(q)
     qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-    real = real_tokens(args.key_mask, b, n, q.device).to(dt)
+    real = real_tokens(key_mask, b, n, q.device).to(dt)
     k_nodes, counts = _pool_tree(kc, real)
     v_nodes, _ = _pool_tree(vc, real)
-    plan = block_plan(n, cfg.k, args.causal)
     cols, member = plan.cols.to(q.device), plan.member.to(q.device)
     blocks, width = cols.shape
 

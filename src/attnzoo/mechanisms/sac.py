@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from attnzoo.backends.call import gather_rows, rows_at
 from attnzoo.backends.reference import normalize_scores, visible_pairs
-from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, masked_softmax, mean_keys
+from attnzoo.mechanisms._ops import block_union, compute_dtype, default_scale, in_slabs, masked_softmax, mean_keys
 from attnzoo.mechanisms.base import AttendArgs, Attention, StateSpec, Weighted, nan_rows_of_non_finite_queries
 from attnzoo.mechanisms.cache import KVCache
 from attnzoo.mechanisms.topk import kept_indices, register_selective, sparse_softmax, topk_keep, topk_mask
@@ -135,7 +135,8 @@ def sac_attention(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, cfg: SACConfi
         args: the checked ``causal`` and ``key_mask``.
 
     Shapes:
-        -> ``(B, H, N, D_v)`` in the dtype of ``q``. Memory O(N W), never N x N.
+        -> ``(B, H, N, D_v)`` in the dtype of ``q``. Memory O(N W), never N x N; in slabs of heads
+        whose gathered keys stay under ``_ops.SLAB_BYTES`` (``in_slabs``).
 
     Notes:
         Each block of ``BLOCK`` nodes gathers the union of its nodes' candidate keys once, ``W``
@@ -144,9 +145,18 @@ def sac_attention(q: Tensor, k: Tensor, v: Tensor, weight: Tensor, cfg: SACConfi
         (``topk_mask``), then softmax over the kept ones with the straight-through term. The
         decode step attends each node's own gathered candidates (``_attend_candidates``).
     """
-    (b, h, n, d), mask = q.shape, args.key_mask
-    cols, member = (x.to(q.device) for x in _candidate_blocks(n, cfg, args.causal, BLOCK))
-    (blocks, width), block = cols.shape, member.shape[1]
+    cols, member = (x.to(q.device) for x in _candidate_blocks(q.shape[2], cfg, args.causal, BLOCK))
+    row_bytes = cols.numel() * max(q.shape[-1], v.shape[-1]) * torch.finfo(compute_dtype(q)).bits // 8
+    run = lambda q, k, v, mask: _sac_slab(q, k, v, weight, cfg, mask, cols, member)  # noqa: E731
+    return in_slabs(run, q, k, v, args.key_mask, row_bytes)
+
+
+def _sac_slab(
+    q: Tensor, k: Tensor, v: Tensor, weight: Tensor, cfg: SACConfig, mask: Tensor | None, cols: Tensor, member: Tensor
+) -> Tensor:
+    """``sac_attention`` on one slab of heads (and batch rows, ``mask`` theirs), with the blocks'
+    candidate unions ``cols`` and ``member`` (``_candidate_blocks``)."""
+    (b, h, n, d), (blocks, width), block = q.shape, cols.shape, member.shape[1]
     visible = member[None] if mask is None else member[None] & mask[:, cols][:, :, None, :]  # (B|1, blocks, block, W)
     scale = default_scale(cfg.scale, d)
     qc, kc, vc = (t.to(compute_dtype(q)) for t in (q, k, v))
