@@ -1,5 +1,5 @@
 """A/B of ``hierarchical`` and ``sac`` in slabs of heads whose gathered keys stay under
-``_ops.SLAB_BYTES`` (8 MiB; ``_ops.in_slabs``, new) against every head at once (old), in one process:
+``_ops.SLAB_BYTES`` (16 MiB; ``_ops.in_slabs``, new) against every head at once (old), in one process:
 a temporary past glibc's largest mmap threshold (32 MiB) is mapped afresh and page-faulted on
 every call. Timed forward+backward interleaved with dense SDPA's (B=1, H=8, D=64, medians).
 Usage: ``python scripts/ab_slabs.py N CAUSAL(0|1) [REPEATS]`` (``cd scripts; PYTHONPATH=../src``).

@@ -345,8 +345,9 @@ def block_union(index: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tenso
 
 #: The most bytes a block-union path (``hierarchical``, ``sac``) gathers for one slab of (batch,
 #: head) rows (``in_slabs``): past glibc's largest mmap threshold (32 MiB) a temporary is mapped
-#: afresh and page-faulted on every call (at 4K each gathered K or V held 40-55 MB).
-SLAB_BYTES = 8 << 20
+#: afresh and page-faulted on every call (at 4K each gathered K or V held 40-55 MB; at 8 MiB the
+#: slabs cost `hierarchical` 18% at 1K, two slabs where one did).
+SLAB_BYTES = 16 << 20
 
 
 def in_slabs(
