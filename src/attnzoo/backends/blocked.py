@@ -402,8 +402,10 @@ class Blocked(Backend):
             return ["a score_mod with tensors that need a gradient (blocked passes gradients to q, k, v only)"]
         return []
 
+    def prepare(self, call: Call) -> Call:
+        return in_kernel_dtype(call)
+
     def path(self, call: Call) -> str:
-        call = in_kernel_dtype(call)
         if structure_for(call) is not None:
             return "structured"
         if not not_key_set_reasons(call):
@@ -412,25 +414,22 @@ class Blocked(Backend):
 
     def grouped_kv(self, call: Call) -> bool:
         """Grouped-query K/V as they are on most structured plans (``grouped.grouped_windows``)."""
-        structure = structure_for(in_kernel_dtype(call))
+        structure = structure_for(call)
         return structure is not None and grouped_windows(structure, call.q.shape[1] // call.k.shape[1])
 
     def run(self, call: Call) -> Tensor:
-        dtype, call = call.q.dtype, in_kernel_dtype(call)
         structure = structure_for(call)
         if structure is not None:
-            out = structured_attention(call, structure)
-        elif not not_key_set_reasons(call):
-            out = key_set_attention(call)
-        elif not not_gathered_reasons(call):
-            out = gathered_attention(call)
-        else:
-            out = blocked_attention(call, plan_for(call))
-        return out.to(dtype)
+            return structured_attention(call, structure)
+        if not not_key_set_reasons(call):
+            return key_set_attention(call)
+        if not not_gathered_reasons(call):
+            return gathered_attention(call)
+        return blocked_attention(call, plan_for(call))
 
 
 def in_kernel_dtype(call: Call) -> Call:
-    """``call`` with half-precision q, k, v (bfloat16, float16) in float32, where the CPU has no
+    """``Blocked.prepare``: ``call`` with half-precision q, k, v (bfloat16, float16) in float32, where the CPU has no
     AMX tiles (``_compat.cpu_has_amx_tiles``). There torch's CPU flash kernel runs bfloat16 2-6x
     slower than float32: on bfloat16 inputs, fwd+bwd at 1K, ``local`` 25.0 -> 13.0 ms, ``strided``
     21.9 -> 4.0, on this AVX-512 Xeon (``benchmarks/ab-half-in-float32-cpu.txt``), and float16 took

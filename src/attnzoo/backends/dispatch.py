@@ -109,10 +109,12 @@ def attend_call(call: Call, backend: str = "auto") -> Tensor:
     ``attend`` does after its checks; a pattern mechanism, whose ``forward`` has checked the
     inputs and whose config the backend and block, calls it directly."""
     chosen, skipped = choose(backend, call)
-    _LAST.choice = Choice(chosen.NAME, skipped, chosen.path(call))
-    ready = call if call.k.shape[1] == call.q.shape[1] or chosen.grouped_kv(call) else repeated_kv(call)
+    prepared = chosen.prepare(call)
+    _LAST.choice = Choice(chosen.NAME, skipped, chosen.path(prepared))
+    same_heads = call.k.shape[1] == call.q.shape[1]
+    ready = prepared if same_heads or chosen.grouped_kv(prepared) else repeated_kv(prepared)
     try:
-        return chosen.run(ready)
+        return chosen.run(ready).to(call.q.dtype)
     except BackendUnavailable:
         if backend != "auto":
             raise
