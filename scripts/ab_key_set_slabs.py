@@ -1,9 +1,9 @@
 """A/B of the key-sets path in slabs of (batch, head) rows whose gathered keys stay under
-``_ops.SLAB_BYTES`` (16 MiB, shared with ``hierarchical``, ``sac``; 8 MiB in the first runs; new) against one slab for every
-row (old), in one process: a temporary past glibc's largest mmap threshold (32 MiB) is mapped
-afresh and page-faulted on every call. ``block2d`` (64 x 64 at 4K) timed forward+backward
-interleaved with dense SDPA's (B=1, H=8, D=64, medians). Usage: ``python scripts/ab_key_set_slabs.py
-N CAUSAL(0|1) NAME[,NAME...] [REPEATS]`` (``cd scripts; PYTHONPATH=../src``).
+``key_sets.SLAB_BYTES`` (8 MiB; new) against one slab for every row (old), in one process: a
+temporary past glibc's largest mmap threshold (32 MiB) is mapped afresh and page-faulted on every
+call. ``block2d`` (64 x 64 at 4K) timed forward+backward interleaved with dense SDPA's (B=1, H=8,
+D=64, medians). Usage: ``python scripts/ab_key_set_slabs.py N CAUSAL(0|1) NAME[,NAME...] [REPEATS]``
+(``cd scripts; PYTHONPATH=../src``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 
 from ab_timing import fwd_bwd_ab, split_names
 
-from attnzoo.mechanisms import _ops
+from attnzoo.backends import key_sets
 
-RULES = {"old": 1 << 62, "new": _ops.SLAB_BYTES}
+RULES = {"old": 1 << 62, "new": key_sets.SLAB_BYTES}
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 5
 
     def use(rule: str) -> None:
-        _ops.SLAB_BYTES = RULES[rule]
+        key_sets.SLAB_BYTES = RULES[rule]
 
     fwd_bwd_ab(n, causal, names, repeats, use)
 

@@ -315,9 +315,9 @@ def test_tiles_of_per_head_patterns_equal_the_reference_forward_and_gradients(ca
 def test_key_sets_path_equals_the_reference_forward_and_gradients(causal, other, padded, slabs, monkeypatch):
     # A 5 x 7 image in 2 x 3 query blocks with a margin of 1: blocks cut at the image's edges on
     # both sides; padded, batch row 1 keeps 5 real keys, so most of its groups see none of them.
-    # With slabs, each (batch, head) row runs alone (_ops.SLAB_BYTES): its batch row's padding.
+    # With slabs, each (batch, head) row runs alone (key_sets.SLAB_BYTES): its batch row's padding.
     if slabs:
-        monkeypatch.setattr(attnzoo.mechanisms._ops, "SLAB_BYTES", 1)
+        monkeypatch.setattr(key_sets, "SLAB_BYTES", 1)
     pattern = P.block2d(5, 7, (2, 3), (1, 1)) if other is None else P.block2d(5, 7, (2, 3), (1, 1)) & other
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 35, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -237,10 +237,10 @@ def test_query_groups_take_an_additive_bias_on_the_key_sets_path(causal, slab_by
     # the bias joins each group's mask (key_sets._bias_values), forward and gradients; in slabs
     # of 2 (batch, head) rows (49 KB of float64 keys a row) that cut batch rows of 3 heads apart,
     # each slab's bias and padding at its own rows.
-    from attnzoo.mechanisms import _ops
+    from attnzoo.backends import key_sets
 
     if slab_bytes is not None:
-        monkeypatch.setattr(_ops, "SLAB_BYTES", slab_bytes)
+        monkeypatch.setattr(key_sets, "SLAB_BYTES", slab_bytes)
     q, k, v, mask, mod = _padded_and_biased()
     attn = attnzoo.build("block2d", h=10, w=15, query_block=(4, 4), memory_margin=(2, 2)).double()
     for key_mask in (mask, None):  # one kernel call per batch row with padding, one without

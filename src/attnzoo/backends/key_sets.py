@@ -7,7 +7,7 @@ its keys are ``qh + 2 mh`` short runs, and 1-D tiles around them are mostly mask
 at its defaults ran at 0.9x dense SDPA at 1K and 4K fwd+bwd, for a bound of 4-5x). Instead each
 group's queries ``(G, S_q)`` and keys ``(G, S_k)`` are gathered as rows (``call.rows_at``) and
 one ``scaled_dot_product_attention`` call runs every group at once, ``(B H, G, S_q, D)`` against
-``(B H, G, S_k, D)`` (in slabs of (batch, head) rows under ``_ops.SLAB_BYTES`` of gathered keys,
+``(B H, G, S_k, D)`` (in slabs of (batch, head) rows under ``SLAB_BYTES`` of gathered keys,
 each one call): on the CPU the flash kernel, forward and backward, with an additive mask
 only where some slot or pair is not allowed (a group at the image's edge, ``causal()``, padded
 keys). The gathers' backward adds the keys' gradients back (``index_add_``). O(N S_k D) time,
@@ -35,7 +35,6 @@ from attnzoo.backends.call import (
     plain_softmax_reasons,
     rows_at,
 )
-from attnzoo.mechanisms import _ops
 from attnzoo.patterns import Pattern
 from attnzoo.patterns.algebra import Intersection
 from attnzoo.patterns.atomic import GroupKeyed, KeySets
@@ -111,6 +110,15 @@ def not_key_set_reasons(call: Call) -> list[str]:
     return reasons
 
 
+#: The most bytes of gathered keys (``(slab, G, S_k, D)``) one slab of (batch, head) rows holds:
+#: a larger temporary than glibc's largest mmap threshold (32 MiB) is mapped afresh and
+#: page-faulted on every call. ``block2d`` at 4K (64 x 64), fwd+bwd: 125 ms in one slab (34 MB of
+#: gathered keys), 89 in slabs of 8 MiB (``benchmarks/ab-key-set-slabs-cpu.txt``). Not
+#: ``_ops.SLAB_BYTES`` (16 MiB, for ``hierarchical`` and ``sac``): at 16 MiB ``block2d`` at 8K
+#: read 9.17x SDPA against 11.80x (each slab's mask and gradients beside its keys).
+SLAB_BYTES = 8 << 20
+
+
 def _bias_values(bias: Bias, plan: KeySetPlan, call: Call, slab: Tensor, dtype: torch.dtype) -> Tensor:
     """``bias`` at every group's pairs of the flat (batch, head) rows ``slab``, ``(slab, G, S_q,
     S_k)``: queries end-aligned to the keys (``q_idx = row + N_kv - N_q``, ``spec``'s
@@ -125,17 +133,14 @@ def _bias_values(bias: Bias, plan: KeySetPlan, call: Call, slab: Tensor, dtype: 
 
 def key_set_attention(call: Call) -> Tensor:
     """Exact attention of ``call`` over each group's keys (see the module docstring), in slabs of
-    (batch, head) rows whose gathered keys stay under ``_ops.SLAB_BYTES``: past glibc's largest mmap
-    threshold (32 MiB) a temporary is mapped afresh and page-faulted on every call. ``block2d`` at
-    4K (64 x 64), fwd+bwd: 125 ms in one slab (34 MB of gathered keys), 89 in slabs of 8 MiB
-    (``benchmarks/ab-key-set-slabs-cpu.txt``)."""
+    (batch, head) rows whose gathered keys stay under ``SLAB_BYTES``."""
     plan = key_set_plan(call)
     assert plan is not None, "not_key_set_reasons(call) says why"
     (groups, rows, keys), dtype, device = plan.shape, compute_dtype(call.q), call.q.device
     b, h, n_q, d = call.q.shape
     # [B H, N, e]; split, not sliced: the split's backward is one concatenation
     q, k, v = (x.to(dtype).flatten(0, 1) for x in (call.q, call.k, call.v))
-    size = max(1, _ops.SLAB_BYTES // (groups * keys * max(d, v.shape[-1]) * q.element_size()))
+    size = max(1, SLAB_BYTES // (groups * keys * max(d, v.shape[-1]) * q.element_size()))
     where = plan.where.to(device)
     outs = []
     for start, parts in zip(range(0, b * h, size), zip(*(x.split(size) for x in (q, k, v)))):

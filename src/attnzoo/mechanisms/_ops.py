@@ -343,10 +343,10 @@ def block_union(index: Tensor, valid: Tensor, block: int) -> tuple[Tensor, Tenso
     return cols, member
 
 
-#: The most bytes a gathering path (``hierarchical``, ``sac``: ``in_slabs``; the blocked backend's
-#: key sets) gathers for one slab of (batch, head) rows: past glibc's largest mmap threshold
-#: (32 MiB) a temporary is mapped afresh and page-faulted on every call (at 4K each gathered K or
-#: V held 34-55 MB; at 8 MiB the slabs cost ``hierarchical`` 18% at 1K, two slabs where one did).
+#: The most bytes a block-union path (``hierarchical``, ``sac``) gathers for one slab of (batch,
+#: head) rows (``in_slabs``): past glibc's largest mmap threshold (32 MiB) a temporary is mapped
+#: afresh and page-faulted on every call (at 4K each gathered K or V held 40-55 MB; at 8 MiB the
+#: slabs cost `hierarchical` 18% at 1K, two slabs where one did).
 SLAB_BYTES = 16 << 20
 
 
