@@ -15,10 +15,3 @@ flash_attention_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attentio
 #: Softmax's backward from its output: ``(grad, output, dim, input_dtype)`` -> the input's
 #: gradient, ``output * (grad - (grad * output).sum(dim))`` in one fused pass (differentiable).
 softmax_backward = torch.ops.aten._softmax_backward_data
-
-
-def cpu_has_amx_tiles() -> bool:
-    """Whether this CPU has AMX tiles (oneDNN's bfloat16 matrix engine; Sapphire Rapids on), by
-    torch's private probe; False where this torch has none."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False

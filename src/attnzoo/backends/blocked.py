@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from attnzoo._compat import cpu_has_amx_tiles, flash_attention_cpu, flash_attention_cpu_backward
+from attnzoo._compat import flash_attention_cpu, flash_attention_cpu_backward
 from attnzoo.backends.call import Backend, Call, additive_mask, compute_dtype
 from attnzoo.backends.gathered import gathered_attention, not_gathered_reasons
 from attnzoo.backends.grouped import grouped_windows
@@ -429,15 +429,15 @@ class Blocked(Backend):
 
 
 def in_kernel_dtype(call: Call) -> Call:
-    """``Blocked.prepare``: ``call`` with half-precision q, k, v (bfloat16, float16) in float32, where the CPU has no
-    AMX tiles (``_compat.cpu_has_amx_tiles``). There torch's CPU flash kernel runs bfloat16 2-6x
-    slower than float32: on bfloat16 inputs, fwd+bwd at 1K, ``local`` 25.0 -> 13.0 ms, ``strided``
-    21.9 -> 4.0, on this AVX-512 Xeon (``benchmarks/ab-half-in-float32-cpu.txt``), and float16 took
-    the tile path's explicit scores (the structured path takes the kernel's float32, float64 and
-    bfloat16 only: ``plan.FLASH_DTYPES``); the backend accumulates in float32 either way
-    (``call.compute_dtype``, float32 for both), and the casts are exact one way and the output's rounding the
-    other. With AMX tiles the half-precision kernel is kept: its matrix engine may well make it
-    the faster one there (not measured: no such CPU here)."""
-    if call.q.dtype not in (torch.bfloat16, torch.float16) or cpu_has_amx_tiles():
+    """``Blocked.prepare``: ``call`` with half-precision q, k, v (bfloat16, float16) in float32. On
+    this backend's short rows torch's CPU flash kernel runs bfloat16 2-6x slower than float32, with
+    AMX tiles or without: on bfloat16 inputs, fwd+bwd at 1K, ``local`` 25.0 -> 13.0 ms and
+    ``strided`` 21.9 -> 4.0 on an AVX-512 Xeon without AMX (``benchmarks/ab-half-in-float32-cpu.txt``),
+    41.6 -> 25.2 and 54.9 -> 9.1 on one with AMX tiles, where dense bfloat16 SDPA is faster than
+    float32 (``benchmarks/ab-half-in-float32-amx-cpu.txt``); float16 took the tile path's explicit
+    scores (the structured path takes the kernel's float32, float64 and bfloat16 only:
+    ``plan.FLASH_DTYPES``). The backend accumulates in float32 either way (``call.compute_dtype``,
+    float32 for both), and the casts are exact one way and the output's rounding the other."""
+    if call.q.dtype not in (torch.bfloat16, torch.float16):
         return call
     return replace(call, q=call.q.float(), k=call.k.float(), v=call.v.float())

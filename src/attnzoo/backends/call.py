@@ -121,7 +121,7 @@ class Backend:
     def prepare(self, call: Call) -> Call:
         """``call`` as this backend computes it (``dispatch`` asks once, before ``path``,
         ``grouped_kv`` and ``run``, and casts the output back to q's dtype): the blocked backend
-        takes half precision in float32 on CPUs without AMX tiles. Default: ``call`` itself."""
+        takes half precision in float32. Default: ``call`` itself."""
         return call
 
     def run(self, call: Call) -> Tensor:
