@@ -430,10 +430,10 @@ class Blocked(Backend):
 
 def in_kernel_dtype(call: Call) -> Call:
     """``Blocked.prepare``: ``call`` with half-precision q, k, v (bfloat16, float16) in float32. On
-    this backend's short rows torch's CPU flash kernel runs bfloat16 2-6x slower than float32, with
+    this backend's short rows torch's CPU flash kernel runs bfloat16 up to 6x slower than float32, with
     AMX tiles or without: on bfloat16 inputs, fwd+bwd at 1K, ``local`` 25.0 -> 13.0 ms and
     ``strided`` 21.9 -> 4.0 on an AVX-512 Xeon without AMX (``benchmarks/ab-half-in-float32-cpu.txt``),
-    41.6 -> 25.2 and 54.9 -> 9.1 on one with AMX tiles, where dense bfloat16 SDPA is faster than
+    41.1 -> 23.3 and 52.6 -> 8.2 on one with AMX tiles, where dense bfloat16 SDPA is faster than
     float32 (``benchmarks/ab-half-in-float32-amx-cpu.txt``); float16 took the tile path's explicit
     scores (the structured path takes the kernel's float32, float64 and bfloat16 only:
     ``plan.FLASH_DTYPES``). The backend accumulates in float32 either way (``call.compute_dtype``,
