@@ -412,7 +412,10 @@ def test_gathered_path_takes_grouped_kv_heads_as_they_are(causal):
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("causal", [True, False], ids=["rows-keep-fewer", "every-slot-kept"])
 def test_sparse_rows_are_the_kept_pairs_their_transpose_and_their_slots(causal):
-    from attnzoo.backends.sparse_rows import csr, slot_weights, sparse_rows_of_many
+    from attnzoo.backends.sparse_rows import csr, csr_index_dtype, slot_weights, sparse_rows_of_many
+
+    # MKL's sparse kernels take int32 indices: int64 ones are converted on every product.
+    assert csr_index_dtype(30, 30, 150) == torch.int32 and csr_index_dtype(30, 2**31, 150) == torch.int64
 
     pattern = P.random(5, seed=4) & P.causal() if causal else P.random(5, seed=4)
     table, valid = gathered._row_table(pattern, 30, 30)
@@ -425,6 +428,7 @@ def test_sparse_rows_are_the_kept_pairs_their_transpose_and_their_slots(causal):
         assert torch.equal(as_rows != 0, dense)  # exactly the kept pairs
         assert torch.equal(csr(r, values[r.perm], transposed=True).to_dense(), as_rows.t())
         assert r.full != causal  # causal: most rows keep fewer than 5
+        assert {x.dtype for x in (r.crow, r.col, r.crow_t, r.col_t)} == {torch.int32}
         slots = slot_weights(r, values)  # each value back in its slot: at its key, zero where unused
         assert torch.equal(slots == 0, ~valid)
         assert torch.equal(as_rows.gather(1, table).masked_fill(~valid, 0), slots)
