@@ -260,3 +260,24 @@ def test_input_scale_multiplies_q_and_k_for_both_sides_and_is_recorded():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"input_scale \(--input-scale\) must be a finite number > 0"):
             speed.Setting(mechanisms=(), input_scale=bad)
+
+
+def test_machines_sharing_a_processor_name_differ_by_their_cpu_flags(monkeypatch):
+    # Two cloud Xeons both read "Intel(R) Xeon(R) Processor"; one has AMX tiles. Their speed files
+    # must not count as one machine's (the suite and the report mix no machines in a ratio).
+    from attnzoo.bench.results import machine_identity
+
+    info = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu sse avx2 avx512f {}\n"
+    monkeypatch.setattr(speed.platform, "processor", lambda: "")
+    rows = []
+    for extra in ("", "amx_tile amx_bf16"):
+        monkeypatch.setattr(speed, "_cpuinfo", lambda extra=extra: info.format(extra))
+        rows.append(speed.machine())
+    assert [r["processor"] for r in rows] == ["Intel(R) Xeon(R) Processor"] * 2
+    assert rows[0]["cpu_flags"] == ["avx2", "avx512f"]
+    assert rows[1]["cpu_flags"] == ["avx2", "avx512f", "amx_tile", "amx_bf16"]
+    identities = {machine_identity(r) for r in rows}
+    identities.add(machine_identity({k: v for k, v in rows[0].items() if k != "cpu_flags"}))  # an older file
+    assert len(identities) == 3
+    monkeypatch.setattr(speed, "_cpuinfo", lambda: "")  # no /proc/cpuinfo (macOS): no flags recorded
+    assert "cpu_flags" not in speed.machine()

@@ -182,8 +182,9 @@ def cmd_bench_speed(console: Console, args: argparse.Namespace) -> None:
 
     def echo(row: dict) -> None:
         if row["kind"] == "meta":
+            flags = " ".join(row.get("cpu_flags", []))
             console.print(
-                f"{row['processor']}, {row['cpus']} cpus, torch {row['torch']}, "
+                f"{row['processor']}{f' [{flags}]' if flags else ''}, {row['cpus']} cpus, torch {row['torch']}, "
                 f"2048^2 matmul {row['matmul_2048_gflops']:.0f} GFLOP/s"
             )
             return

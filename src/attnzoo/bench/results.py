@@ -48,10 +48,13 @@ def committed_state(path: Path) -> str | None:
 
 
 def machine_identity(meta: Row | None) -> str | None:
-    """What a speed figure depends on: processor, CPU count, torch threads (and device)."""
+    """What a speed figure depends on: processor, its kernel-relevant CPU flags (``cpu_flags``,
+    recorded since the two Xeons of ``benchmarks/`` shared a processor name; a file without them
+    is not the same machine as one with), CPU count, torch threads (and device)."""
     if not meta or not any(k in meta for k in ("processor", "cpus")):
         return None
-    text = f"{meta.get('processor', '?')}, {meta.get('cpus', '?')} CPUs, {meta.get('torch_threads', '?')} threads"
+    flags = f" [{' '.join(meta['cpu_flags'])}]" if "cpu_flags" in meta else ""
+    text = f"{meta.get('processor', '?')}{flags}, {meta.get('cpus', '?')} CPUs, {meta.get('torch_threads', '?')} threads"
     return text + (f", {meta['device']}" if meta.get("device") else "")
 
 

@@ -353,7 +353,7 @@ def fidelity_section(fidelity: list[Row]) -> str:
 
 
 def provenance_section(runs: list[Run]) -> str:
-    keys = ("command", "processor", "cpus", "torch_threads", "torch", "date", "git")
+    keys = ("command", "processor", "cpu_flags", "cpus", "torch_threads", "torch", "date", "git")
     parts = []
     for run in runs:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(Counter(r["kind"] for r in run.rows).items()))

@@ -132,6 +132,7 @@ def machine(device: str = "cpu") -> dict[str, Any]:
         **gpu,
         "machine": platform.machine(),
         "processor": platform.processor() or _cpu_model(),
+        **_cpu_flags(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -140,13 +141,36 @@ def machine(device: str = "cpu") -> dict[str, Any]:
     }
 
 
-def _cpu_model() -> str:
+#: The CPU features that change which kernels torch runs (and so the speed figures): two machines
+#: may share a processor name (a cloud VM's "Intel(R) Xeon(R) Processor") and not these.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "sve", "sve2")
+
+
+def _cpuinfo() -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return "unknown"
-    match = re.search(r"model name\s*:\s*(.+)", text)
+        return ""
+
+
+def _cpu_model() -> str:
+    match = re.search(r"model name\s*:\s*(.+)", _cpuinfo())
     return match.group(1).strip() if match else "unknown"
+
+
+def _cpu_flags() -> dict[str, Any]:
+    """``cpu_flags``: which of ``CPU_FLAGS`` the CPU has (from /proc/cpuinfo's flags, or features on
+    ARM), and ``cpu_capability``: the vector ISA torch's CPU kernels were dispatched to; each left
+    out where it cannot be read."""
+    found = {}
+    match = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", _cpuinfo(), re.MULTILINE)
+    if match:
+        have = set(match.group(1).split())
+        found["cpu_flags"] = [flag for flag in CPU_FLAGS if flag in have]
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", None)
+    if capability is not None:
+        found["cpu_capability"] = capability()
+    return found
 
 
 def peak_memory(fn: Callable[[], Any], device: str = "cpu") -> int | None:
