@@ -54,7 +54,8 @@ def machine_identity(meta: Row | None) -> str | None:
     if not meta or not any(k in meta for k in ("processor", "cpus")):
         return None
     flags = f" [{' '.join(meta['cpu_flags'])}]" if "cpu_flags" in meta else ""
-    text = f"{meta.get('processor', '?')}{flags}, {meta.get('cpus', '?')} CPUs, {meta.get('torch_threads', '?')} threads"
+    cpus, threads = meta.get("cpus", "?"), meta.get("torch_threads", "?")
+    text = f"{meta.get('processor', '?')}{flags}, {cpus} CPUs, {threads} threads"
     return text + (f", {meta['device']}" if meta.get("device") else "")
 
 
